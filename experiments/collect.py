@@ -1,0 +1,110 @@
+"""Collect: the run dirs of a launched plan, read into per-run results and per-step curves.
+
+Reads `plan.json` (written at launch) and each run dir; writes nothing. Non-scalar metrics
+(the policy-ratio histogram) are skipped. A run counts as completed only when its summary.json
+says so and its hash matches the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from experiments.plan import RunSpec
+from experiments.rundir import (COMPLETED, iter_metrics, last_attempt, read_json, scalar, state,
+                                summary)
+from experiments.study import Study, StudyError
+
+
+@dataclasses.dataclass
+class RunResult:
+    variant: str
+    seed: int
+    run_dir: str
+    status: str
+    """completed | failed | interrupted | pending | stale."""
+    value: Optional[float]
+    """The decision metric, or None when the run did not complete."""
+    guardrails: Dict[str, Optional[float]]
+    """Each guardrail metric's final-window value."""
+    error: Optional[str] = None
+    steps: Optional[int] = None
+    initial: Optional[dict] = None
+    final: Optional[dict] = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.variant}/seed{self.seed}"
+
+
+def load_plan(study_dir: Path) -> List[RunSpec]:
+    plan = read_json(study_dir / "plan.json")
+    if plan is None:
+        raise StudyError(f"{study_dir}/plan.json not found: run `python -m experiments run` on the study first")
+    fields = {f.name for f in dataclasses.fields(RunSpec)}
+    return [RunSpec(**{k: (tuple(v) if k == "bindings" else v) for k, v in run.items() if k in fields})
+            for run in plan["runs"]]
+
+
+def final_window_value(run_dir: str, metric: str, window: int) -> Optional[float]:
+    """Mean of `metric` over the last `window` steps of metrics.jsonl (when summary.json lacks it)."""
+    values = [v for v in (scalar(r.get(metric)) for r in iter_metrics(run_dir)) if v is not None]
+    return float(np.mean(values[-window:])) if values else None
+
+
+def read_run(spec: RunSpec, study: Study) -> RunResult:
+    st = state(spec)
+    s = summary(spec.run_dir) if st == COMPLETED else None
+    value, guards = None, {}
+    if s is not None:
+        value = scalar((s.get(study.metric_from) or {}).get(study.metric))
+        window = s.get("final_window") or {}
+        for g in study.guardrails:
+            guards[g.metric] = scalar(window.get(g.metric))
+            if guards[g.metric] is None:
+                guards[g.metric] = final_window_value(spec.run_dir, g.metric, 10)
+    elif study.guardrails:
+        guards = {g.metric: None for g in study.guardrails}
+    attempt = last_attempt(spec.run_dir)
+    return RunResult(variant=spec.variant, seed=spec.seed, run_dir=spec.run_dir, status=st, value=value,
+                     guardrails=guards, error=attempt.get("error") if st != COMPLETED else None,
+                     steps=(s or {}).get("steps"), initial=(s or {}).get("initial"), final=(s or {}).get("final"))
+
+
+def collect(specs: Sequence[RunSpec], study: Study) -> List[RunResult]:
+    return [read_run(spec, study) for spec in specs]
+
+
+def curves(run_dir: str, metrics: Sequence[str]) -> Dict[str, tuple]:
+    """{metric: (steps, values)} of the scalar metrics logged by one run."""
+    out: Dict[str, tuple] = {m: ([], []) for m in metrics}
+    for row in iter_metrics(run_dir):
+        for m in metrics:
+            v = scalar(row.get(m))
+            if v is not None:
+                out[m][0].append(int(row["step"]))
+                out[m][1].append(v)
+    return {m: (np.asarray(s), np.asarray(v)) for m, (s, v) in out.items()}
+
+
+def band(per_seed: Sequence[tuple]) -> tuple:
+    """Mean and std over seeds at each step any seed logged: (steps, mean, std), NaN-aware."""
+    steps = sorted({int(s) for st, _ in per_seed for s in st})
+    if not steps:
+        return np.array([]), np.array([]), np.array([])
+    grid = np.full((len(per_seed), len(steps)), math.nan)
+    col = {s: i for i, s in enumerate(steps)}
+    for row, (st, vals) in enumerate(per_seed):
+        for s, v in zip(st, vals):
+            grid[row, col[int(s)]] = v
+    with np.errstate(all="ignore"):
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mean = np.nanmean(grid, axis=0)
+            std = np.nan_to_num(np.nanstd(grid, axis=0, ddof=0))
+    return np.asarray(steps), mean, std

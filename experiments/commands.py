@@ -1,0 +1,130 @@
+"""The subcommands `plan`, `run`, `status` and `report`: each loads the study, then one step.
+
+Every command first loads and plans the study (pure, fast), so a bad binding fails with one
+line before anything starts. Exit codes: 0 success, 1 some runs failed, 2 invalid study or
+binding, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from argparse import ArgumentParser, Namespace
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from experiments.launch import StudyBusy, is_locked, launch
+from experiments.plan import expand, study_dir
+from experiments.rundir import (COMPLETED, FAILED, last_attempt, scalar, state, tail_metrics)
+from experiments.study import load_study
+
+EXIT_OK, EXIT_RUNS_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _planned(args: Namespace):
+    study = load_study(args.study, args.bindings)
+    return study, expand(study, args.results)
+
+
+def cmd_plan(args: Namespace, console: Console) -> int:
+    """Prints the run table (variant, seed, change, hashes, what a `run` would do) without running."""
+    from experiments.launch import decide
+    study, specs = _planned(args)
+    table = Table(title=f"study {study.name}: {len(study.all_variants)} variants x {len(study.seeds)} seeds "
+                        f"= {len(specs)} runs ({study.cpus_per_run} CPU, {study.gpus_per_run:g} GPU each)")
+    for col in ("variant", "seed", "change", "steps", "run hash", "config", "code", "data", "start", "on run"):
+        table.add_column(col, overflow="fold")
+    for s in specs:
+        change = ", ".join(f"{k} = {v!r}" for k, v in s.changes.items()) or "–"
+        table.add_row(s.variant, str(s.seed), change, str(s.total_steps), s.run_hash[:12], s.config_hash[:12],
+                      s.code_version["engine_sha256"][:12], s.data_hash[:12],
+                      (s.init_from_hash or "")[:12] or "–", decide(s, args.rerun_failed))
+    console.print(table)
+    console.print(f"metric: {study.metric_from} {study.metric} ({study.direction} is better); "
+                  f"guardrails: {', '.join(g.describe() for g in study.guardrails) or 'none'}; "
+                  f"results: {study_dir(study, args.results)}", highlight=False)
+    return EXIT_OK
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def cmd_run(args: Namespace, console: Console) -> int:
+    """Runs what the plan needs on Ray, then writes the report."""
+    from experiments.report import write_report
+    study, specs = _planned(args)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    t0 = time.monotonic()
+    try:
+        result = launch(study, specs, Path(args.results), ray_address=args.ray_address, num_cpus=args.num_cpus,
+                        num_gpus=args.num_gpus, cache_dir=args.cache_dir, rerun_failed=args.rerun_failed,
+                        argv=args.argv)
+    except StudyBusy as err:
+        console.print(f"error: {err}", highlight=False)
+        return EXIT_CONFIG
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    console.print(f"{study.name}: {len(result.completed)} completed, {len(result.skipped)} already done, "
+                  f"{len(result.failed)} failed in {time.monotonic() - t0:.0f}s", highlight=False)
+    for key, error in result.failed.items():
+        console.print(f"  failed {key}: {error}", highlight=False, soft_wrap=True)
+    if result.interrupted:
+        console.print("interrupted: run the same command again to resume", highlight=False)
+        return EXIT_INTERRUPTED
+    agg = write_report(study, study_dir(study, args.results), specs)
+    console.print(f"decision: {agg['decision']['chosen']} ({agg['decision']['reason']}); "
+                  f"report: {study_dir(study, args.results) / 'report.md'}", highlight=False, soft_wrap=True)
+    return EXIT_RUNS_FAILED if result.failed else EXIT_OK
+
+
+def cmd_status(args: Namespace, console: Console) -> int:
+    """Each run's state on disk: completed, failed, interrupted, pending or stale (hash changed)."""
+    study, specs = _planned(args)
+    busy = is_locked(study_dir(study, args.results))
+    table = Table(title=f"study {study.name}" + (" (a manager is running it)" if busy else ""))
+    for col in ("run", "state", "step", "reward_mean", "error"):
+        table.add_column(col, overflow="fold")
+    counts = {}
+    for s in specs:
+        st = state(s)
+        attempt = last_attempt(s.run_dir)
+        if busy and attempt.get("start") and attempt.get("end") is None:
+            st = "running"
+        counts[st] = counts.get(st, 0) + 1
+        row = tail_metrics(s.run_dir)
+        reward = scalar(row.get("reward_mean"))
+        step = f"{int(row['step']) + 1}/{s.total_steps}" if "step" in row else f"0/{s.total_steps}"
+        table.add_row(s.key, st, step, f"{reward:.3f}" if reward is not None else "-",
+                      (attempt.get("error") or "") if st == FAILED else "")
+    console.print(table)
+    console.print(", ".join(f"{v} {k}" for k, v in sorted(counts.items())), highlight=False)
+    return EXIT_OK if counts.get(COMPLETED, 0) == len(specs) else EXIT_RUNS_FAILED
+
+
+def cmd_report(args: Namespace, console: Console) -> int:
+    """Rewrites aggregate.json, report.md and plots from the run dirs of the last launch."""
+    from experiments.report import write_report
+    study = load_study(args.study, args.bindings)
+    agg = write_report(study, study_dir(study, args.results))
+    for name, v in agg["variants"].items():
+        s = v["summary"]
+        mean = f"{s['mean']:.4g}" if s["mean"] is not None else "–"
+        console.print(f"  {name}: n={s['n']} mean={mean} -> {v['verdict']}"
+                      f"{' (underpowered)' if v.get('underpowered') else ''}"
+                      f"{'' if v['guardrails_ok'] else ' [guardrail violated]'}", highlight=False)
+    console.print(f"decision: {agg['decision']['chosen']}; report: {study_dir(study, args.results) / 'report.md'}",
+                  highlight=False)
+    return EXIT_OK
+
+
+def add_run_arguments(parser: ArgumentParser) -> None:
+    parser.add_argument("--ray-address", default=None,
+                        help="join this Ray cluster (default: RAY_ADDRESS, else start a local instance)")
+    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray instance (default: all)")
+    parser.add_argument("--num-gpus", type=float, default=None, help="GPUs of a local Ray instance (default: all)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="RLHF_CACHE shared by the runs (default: $RLHF_CACHE, else the repo's .cache/rlhf)")

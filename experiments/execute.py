@@ -1,0 +1,157 @@
+"""One attempt of one run: the engine in its own process, its outcome written to the run dir.
+
+This is the body of a Ray task (see `launch.py`), but it is plain Python: it starts
+`python -m rlhf.train` in a subprocess, so gin and torch state never leak between runs, and
+limits its threads to the CPUs the task holds. The child is tied to this process (it dies with
+it), so a killed study never leaves an orphan writing into a run dir. Outputs: `stdout.log`,
+`stderr.log`, the attempt appended to `run.json`, and the manager's fields merged into the
+engine's `provenance.json`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime as dt
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from experiments.rundir import (DETERMINISTIC_FAILURES, EXIT_CONFIG, EXIT_DIVERGED, RECORD,
+                                read_json, read_record, write_json)
+
+STDERR_TAIL = 2000
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def engine_argv(spec: dict, resume: bool) -> list:
+    argv = [sys.executable, "-m", "rlhf.train", spec["recipe"]]
+    for binding in spec["bindings"]:
+        argv += ["-b", binding]
+    argv += ["--out", spec["run_dir"]]
+    return argv + (["--resume"] if resume else [])
+
+
+def _tail(path: Path, limit: int = STDERR_TAIL) -> str:
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - limit))
+            return f.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def describe_failure(exit_code: Optional[int], stderr_tail: str) -> str:
+    last = stderr_tail.strip().splitlines()[-1] if stderr_tail.strip() else ""
+    if exit_code == EXIT_DIVERGED:
+        return f"diverged (exit 3): {last}"
+    if exit_code == EXIT_CONFIG:
+        return f"configuration error (exit 2): {last}"
+    if exit_code is not None and exit_code < 0:
+        name = signal.Signals(-exit_code).name if -exit_code in signal.Signals._value2member_map_ else -exit_code
+        hint = " (out of memory?)" if exit_code == -signal.SIGKILL else ""
+        return f"killed by {name}{hint}: {last}"
+    if "OutOfMemoryError" in stderr_tail or "out of memory" in stderr_tail.lower():
+        return f"out of memory (exit {exit_code}): {last}"
+    return f"exit {exit_code}: {last}"
+
+
+def _record(spec: dict) -> dict:
+    record = read_record(spec["run_dir"])
+    if record is None or record.get("run_hash") != spec["run_hash"]:
+        record = {"run_hash": spec["run_hash"], "spec": spec, "attempts": []}
+    return record
+
+
+def merge_provenance(run_dir: Path, spec: dict, record: dict, manager: dict) -> None:
+    """Adds a `manager` section to the engine's provenance.json (or starts one if the engine
+    stopped before writing it)."""
+    path = run_dir / "provenance.json"
+    prov = read_json(path) or {}
+    attempts = record["attempts"]
+    prov["manager"] = {
+        **manager,
+        "study": spec["study"], "variant": spec["variant"], "seed": spec["seed"],
+        "run_hash": spec["run_hash"], "config_sha256": spec["config_hash"],
+        "code_version": spec["code_version"], "data_sha256": spec["data_hash"],
+        "init_from": spec["init_from"], "init_from_sha256": spec["init_from_hash"],
+        "changes_from_baseline": spec["changes"],
+        "engine_command": attempts[-1].get("command"),
+        "start_time": attempts[0].get("start"), "end_time": attempts[-1].get("end"),
+        "exit_status": attempts[-1].get("exit_code"), "error": attempts[-1].get("error"),
+        "attempts": attempts,
+    }
+    write_json(path, prov)
+
+
+def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: str) -> dict:
+    """Runs one attempt and returns its outcome: {key, exit_code, error, status, seconds}.
+
+    `manager` holds the study-level provenance (command line, host, results dir). A Ray
+    cancellation arrives as KeyboardInterrupt: the child is stopped, the attempt recorded as
+    interrupted, and the interrupt re-raised.
+    """
+    run_dir = Path(spec["run_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = _record(spec)
+    argv = engine_argv(spec, resume)
+    entry = {"attempt": attempt, "resumed": resume, "command": argv, "start": now(), "end": None,
+             "exit_code": None, "error": None, "host": socket.gethostname(), "pid": os.getpid()}
+    record["attempts"].append(entry)
+    write_json(run_dir / RECORD, record)
+
+    threads = str(spec["cpus"])
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, RLHF_CACHE=cache_dir,
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    banner = f"=== attempt {attempt} {'(resume) ' if resume else ''}{entry['start']} ===\n"
+    start = time.monotonic()
+    interrupted = False
+    with open(run_dir / "stdout.log", "a") as out, open(run_dir / "stderr.log", "a") as err:
+        out.write(banner)
+        err.write(banner)
+        out.flush()
+        err.flush()
+        stderr_start = err.tell()
+        child = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=manager.get("cwd"),
+                                 preexec_fn=_die_with_parent if platform.system() == "Linux" else None)
+        try:
+            exit_code = child.wait()
+        except BaseException:
+            interrupted = True
+            child.terminate()
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            exit_code = None
+    seconds = time.monotonic() - start
+    stderr_tail = _tail(run_dir / "stderr.log")
+    new_stderr = stderr_tail if stderr_start == 0 else stderr_tail.split(banner.strip())[-1].strip()
+    entry.update(end=now(), seconds=round(seconds, 2), exit_code=exit_code,
+                 interrupted=interrupted, stderr_tail=new_stderr[-STDERR_TAIL:] if exit_code else None,
+                 error=None if exit_code in (0, None) else describe_failure(exit_code, new_stderr))
+    write_json(run_dir / RECORD, record)
+    merge_provenance(run_dir, spec, record, manager)
+    if interrupted:
+        raise KeyboardInterrupt(f"{spec['variant']}/seed{spec['seed']} interrupted")
+    return {"key": f"{spec['variant']}/seed{spec['seed']}", "exit_code": exit_code, "error": entry["error"],
+            "status": "completed" if exit_code == 0 else "failed", "seconds": seconds,
+            "retriable": exit_code not in (0, *DETERMINISTIC_FAILURES)}

@@ -1,0 +1,250 @@
+"""Launch: decide what each run needs, then run them as Ray tasks, as many as resources allow.
+
+Each run is one Ray task holding the study's declared CPUs/GPUs; the task runs the engine in a
+subprocess (`execute.py`). The driver holds no resources: it only submits, waits and records.
+On rerun, the run dirs decide: a finished run with the same hash is skipped, an interrupted
+one resumes from its latest checkpoint, a run whose hash changed starts over (the old dir is
+kept under `superseded/`). A failing run is recorded and the others go on; crashes and kills
+are retried up to `study.retries` times, divergences and configuration errors are not.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from experiments.display import StudyDisplay
+from experiments.execute import execute, now
+from experiments.plan import REPO_ROOT, RunSpec, latest_checkpoint
+from experiments.rundir import (COMPLETED, DETERMINISTIC_FAILURES, FAILED, INTERRUPTED, STALE,
+                                clear_engine_outputs, last_attempt, read_record, state, supersede,
+                                write_json, RECORD)
+from experiments.study import Study, StudyError
+
+LOCK = ".lock"
+
+
+class StudyBusy(RuntimeError):
+    """Another manager process is running this study's results dir."""
+
+
+@dataclass
+class LaunchResult:
+    completed: List[str] = field(default_factory=list)
+    skipped: List[str] = field(default_factory=list)
+    failed: Dict[str, str] = field(default_factory=dict)
+    interrupted: bool = False
+
+
+def decide(spec: RunSpec, rerun_failed: bool = False) -> str:
+    """'skip', 'resume' or 'start' for one run, from what its run dir holds."""
+    st = state(spec)
+    if st == COMPLETED:
+        return "skip"
+    if st == FAILED:
+        exit_code = last_attempt(spec.run_dir).get("exit_code")
+        if exit_code in DETERMINISTIC_FAILURES and not rerun_failed:
+            return "skip"
+    if st in (INTERRUPTED, FAILED) and latest_checkpoint(spec.run_dir) is not None:
+        return "resume"
+    return "start"
+
+
+def prepare(spec: RunSpec, action: str) -> None:
+    """Makes the run dir ready for `action`: stale runs moved aside, partial outputs cleared."""
+    if action != "start":
+        return
+    if state(spec) == STALE:
+        supersede(spec.run_dir)
+    clear_engine_outputs(spec.run_dir)
+
+
+class StudyLock:
+    """An exclusive lock on RESULTS/<study>/: two managers never write the same run dirs."""
+
+    def __init__(self, study_dir: Path):
+        study_dir.mkdir(parents=True, exist_ok=True)
+        self.path = study_dir / LOCK
+        self.fd: Optional[int] = None
+
+    def __enter__(self) -> "StudyLock":
+        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise StudyBusy(f"{self.path.parent} is in use by another `experiments run` "
+                            f"(lock {self.path}); wait for it or stop it first") from None
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, f"{os.getpid()}\n".encode())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def is_locked(study_dir: Path) -> bool:
+    path = study_dir / LOCK
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _init_ray(address: Optional[str], num_cpus: Optional[int], num_gpus: Optional[float]) -> bool:
+    """Joins `address` (or RAY_ADDRESS) or starts a local instance; True if we started one."""
+    import ray
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+    return True
+
+
+def _check_resources(study: Study) -> None:
+    import ray
+    total = ray.cluster_resources()
+    cpus, gpus = total.get("CPU", 0), total.get("GPU", 0)
+    if study.cpus_per_run > cpus:
+        raise StudyError(f"study.cpus_per_run = {study.cpus_per_run} exceeds the cluster's {cpus:g} CPUs")
+    if study.gpus_per_run > gpus:
+        raise StudyError(f"study.gpus_per_run = {study.gpus_per_run:g} exceeds the cluster's {gpus:g} GPUs")
+
+
+def manager_fields(results_dir: Path, argv: Optional[List[str]]) -> dict:
+    return {"manager_command": [sys.executable, "-m", "experiments", *(argv or sys.argv[1:])],
+            "manager_host": os.uname().nodename, "cwd": str(REPO_ROOT), "results_dir": str(results_dir),
+            "launched_at": now()}
+
+
+def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address: Optional[str] = None,
+           num_cpus: Optional[int] = None, num_gpus: Optional[float] = None, cache_dir: Optional[str] = None,
+           rerun_failed: bool = False, argv: Optional[List[str]] = None,
+           display: Optional[StudyDisplay] = None) -> LaunchResult:
+    """Runs every run the plan needs; returns which completed, were skipped or failed.
+
+    Ctrl-C (or SIGTERM turned into KeyboardInterrupt by the CLI) cancels the Ray tasks, whose
+    children are stopped and recorded as interrupted; the next `run` resumes them.
+    """
+    import ray
+
+    study_path = Path(results_dir).resolve() / study.name
+    cache_dir = cache_dir or os.environ.get("RLHF_CACHE") or str(REPO_ROOT / ".cache" / "rlhf")
+    result = LaunchResult()
+    display = display or StudyDisplay(study.name, specs)
+    with StudyLock(study_path):
+        write_json(study_path / "plan.json", {"study": study.name, "study_file": study.path,
+                                               "runs": [s.to_json() for s in specs]})
+        actions = {s.key: decide(s, rerun_failed) for s in specs}
+        todo = [s for s in specs if actions[s.key] != "skip"]
+        for s in specs:
+            if actions[s.key] == "skip":
+                st = state(s)
+                display.set(s.key, "skipped" if st == COMPLETED else "failed",
+                            "" if st == COMPLETED else f"not rerun: {last_attempt(s.run_dir).get('error')}")
+                if st == COMPLETED:
+                    result.skipped.append(s.key)
+                else:
+                    result.failed[s.key] = last_attempt(s.run_dir).get("error") or "failed"
+        if not todo:
+            return result
+        started_ray = _init_ray(ray_address, num_cpus, num_gpus)
+        try:
+            _check_resources(study)
+            manager = manager_fields(study_path.parent, argv)
+            task = ray.remote(execute)
+            attempts = {s.key: 0 for s in todo}
+            refs: Dict[object, RunSpec] = {}
+
+            def submit(spec: RunSpec, resume: bool) -> None:
+                attempts[spec.key] += 1
+                options = dict(num_cpus=spec.cpus, num_gpus=spec.gpus, max_retries=0,
+                               name=f"{study.name}:{spec.key}")
+                ref = task.options(**options).remote(spec.to_json(), resume, attempts[spec.key],
+                                                     manager, cache_dir)
+                refs[ref] = spec
+
+            for s in todo:
+                prepare(s, actions[s.key])
+                submit(s, actions[s.key] == "resume")
+                display.set(s.key, "queued", "resume" if actions[s.key] == "resume" else "")
+            with display:
+                try:
+                    while refs:
+                        ready, _ = ray.wait(list(refs), num_returns=1, timeout=1.0)
+                        _mark_running(refs, attempts, display)
+                        for ref in ready:
+                            spec = refs.pop(ref)
+                            outcome = _outcome(ref, spec)
+                            if outcome["status"] == "completed":
+                                result.completed.append(spec.key)
+                                display.set(spec.key, "done")
+                            elif outcome["retriable"] and attempts[spec.key] <= study.retries:
+                                display.set(spec.key, "retrying", outcome["error"] or "")
+                                submit(spec, latest_checkpoint(spec.run_dir) is not None)
+                            else:
+                                result.failed[spec.key] = outcome["error"] or "failed"
+                                display.set(spec.key, "failed", outcome["error"] or "")
+                        display.refresh()
+                except KeyboardInterrupt:
+                    result.interrupted = True
+                    _cancel(refs, display)
+        finally:
+            if started_ray:
+                ray.shutdown()
+    return result
+
+
+def _mark_running(refs: Dict, attempts: Dict[str, int], display: StudyDisplay) -> None:
+    for spec in refs.values():
+        if display.status.get(spec.key) in ("queued", "retrying"):
+            entry = last_attempt(spec.run_dir)
+            if entry.get("attempt") == attempts[spec.key] and entry.get("end") is None:
+                display.set(spec.key, "running")
+
+
+def _outcome(ref, spec: RunSpec) -> dict:
+    """The task's outcome; a task that died (worker crash, Ray's memory monitor) is recorded here."""
+    import ray
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        error = f"{type(err).__name__}: {message}"
+        record = read_record(spec.run_dir)
+        if record and record.get("attempts") and record["attempts"][-1].get("end") is None:
+            record["attempts"][-1].update(end=now(), exit_code=-1, error=error)
+            write_json(Path(spec.run_dir) / RECORD, record)
+        return {"key": spec.key, "exit_code": -1, "error": error, "status": "failed", "retriable": True}
+
+
+def _cancel(refs: Dict, display: StudyDisplay, grace_s: float = 20.0) -> None:
+    """Cancels the remaining tasks and waits for running ones to stop their engine and record it."""
+    import ray
+    for ref in refs:
+        ray.cancel(ref, force=False)
+    deadline = time.monotonic() + grace_s
+    pending = list(refs)
+    while pending and time.monotonic() < deadline:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+    for ref in pending:
+        ray.cancel(ref, force=True)
+    for spec in refs.values():
+        display.set(spec.key, "interrupted")

@@ -1,0 +1,237 @@
+"""Plan: a study expanded into run specs, each content-hashed, before anything runs.
+
+A run's hash covers what decides its result: the operative config (gin's resolved text, which
+includes the seed and the starting checkpoint path), the starting checkpoint's content, the
+engine's code and the task data. A rerun skips a run whose hash matches a finished run dir and
+reruns only what changed. The code version hashes the engine's files (`rlhf/`), committed or
+not, so a commit that touches only docs or the manager does not invalidate finished runs; the
+git SHA and dirty flag are recorded for provenance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import subprocess
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from rlhf.config import ConfigError, flat_dict
+from rlhf.configurable import resolve
+from rlhf.data import dataset_hash, load_task
+
+from experiments.study import BASELINE, Study, StudyError, split_binding
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ENGINE_PATHS = ("rlhf",)
+LARGE_FILE = 256 << 20  # files above this are fingerprinted by size, head and tail
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One (variant, seed) run: what to execute and the hash that identifies its result."""
+
+    study: str
+    variant: str
+    seed: int
+    recipe: str
+    bindings: tuple
+    """Engine `-b` bindings in order: baseline, variant, then the managed ones."""
+    changes: dict
+    """{binding name: value} where this run's config differs from the baseline's."""
+    run_dir: str
+    run_hash: str
+    config_hash: str
+    code_version: dict
+    data_hash: str
+    init_from: str
+    init_from_hash: Optional[str]
+    cpus: int
+    gpus: float
+    total_steps: int
+    operative_config: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.variant}/seed{self.seed}"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _git(*args: str) -> Optional[str]:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                              check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _engine_files() -> List[Path]:
+    listed = _git("ls-files", "-co", "--exclude-standard", "--", *ENGINE_PATHS)
+    if listed is not None:
+        return sorted(REPO_ROOT / p for p in listed.split("\n") if p and (REPO_ROOT / p).is_file())
+    return sorted(p for d in ENGINE_PATHS for p in (REPO_ROOT / d).rglob("*.py"))
+
+
+def code_version() -> dict:
+    """Git SHA, dirty flag, diff hash, and `engine_sha256`: the content of the engine's files."""
+    h = hashlib.sha256()
+    for p in _engine_files():
+        h.update(str(p.relative_to(REPO_ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
+    sha = _git("rev-parse", "HEAD")
+    diff = _git("diff", "HEAD", "--", *ENGINE_PATHS) if sha else None
+    return {"git_sha": sha.strip() if sha else None,
+            "dirty": bool(diff and diff.strip()) if sha else None,
+            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,
+            "engine_sha256": h.hexdigest()}
+
+
+def _file_digest(path: Path, h) -> None:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size <= LARGE_FILE:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        else:
+            h.update(str(size).encode() + f.read(1 << 20))
+            f.seek(-(1 << 20), 2)
+            h.update(f.read())
+
+
+def checkpoint_hash(path: str | Path) -> Optional[str]:
+    """sha256 over a checkpoint dir's files (relative path + content)."""
+    root = Path(path)
+    if not root.is_dir():
+        return None
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(root)).encode() + b"\0")
+            _file_digest(p, h)
+    return h.hexdigest()
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
+    """`run_dir/checkpoints/step_N` with the highest N, or None."""
+    found = []
+    for p in (Path(run_dir) / "checkpoints").glob("step_*"):
+        suffix = p.name[len("step_"):]
+        if p.is_dir() and suffix.isdigit():
+            found.append((int(suffix), p))
+    return max(found)[1] if found else None
+
+
+def resume_checkpoints(study: Study) -> Dict[int, str]:
+    """{seed: checkpoint dir} that starts each run, from `study.resume_from`; {} when unset.
+
+    `resume_from` is a checkpoint dir (every seed starts from it) or a previous study's results
+    dir: the variant it chose (or `study.resume_variant`) gives each seed the latest checkpoint
+    of the same seed, or of its first seed when the previous study lacked that seed.
+    """
+    if not study.resume_from:
+        return {}
+    root = Path(study.resume_from)
+    if (root / "model.safetensors").exists() or root.name.startswith("step_"):
+        return {s: str(root) for s in study.seeds}
+    aggregate = root / "aggregate.json"
+    if not aggregate.is_file():
+        raise StudyError(f"study.resume_from = {study.resume_from!r}: no aggregate.json there; run "
+                         f"`python -m experiments report` on that study first, or give a checkpoint dir")
+    previous = json.loads(aggregate.read_text())
+    variant = study.resume_variant or previous.get("decision", {}).get("chosen")
+    runs = previous.get("variants", {}).get(variant, {}).get("runs")
+    if not runs:
+        raise StudyError(f"study.resume_variant = {variant!r} is not a variant of {study.resume_from}; "
+                         f"allowed: {', '.join(previous.get('variants', {}))}")
+    by_seed = {}
+    for run in runs:
+        ckpt = latest_checkpoint(root / run["run_dir"]) if run.get("status") == "completed" else None
+        if ckpt is not None:
+            by_seed[run["seed"]] = str(ckpt)
+    if not by_seed:
+        raise StudyError(f"study.resume_from: variant {variant!r} of {study.resume_from} has no completed "
+                         f"run with a checkpoint")
+    first = by_seed[min(by_seed)]
+    return {s: by_seed.get(s, first) for s in study.seeds}
+
+
+def _resolve(recipe: str, bindings: Sequence[str], where: str):
+    """The engine's resolve(), quietly: gin logs every include search miss at ERROR level."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.CRITICAL)
+    try:
+        return resolve(recipe, list(bindings))
+    except ConfigError as err:
+        raise StudyError(f"{where}: {err}") from None
+    finally:
+        root.setLevel(level)
+
+
+def _changes(base: dict, other: dict) -> dict:
+    return {k: other[k] for k in sorted(other) if other[k] != base.get(k)}
+
+
+def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
+    """Every (variant, seed) run of the study, baseline first, in seed order within a variant.
+
+    Pure apart from reading the engine's files and data to hash them; runs nothing. Raises
+    StudyError when a binding is invalid or a single-binding variant changes no parameter.
+    """
+    study_dir = Path(results_dir).resolve() / study.name
+    code = code_version()
+    starts = resume_checkpoints(study)
+    start_hashes = {p: checkpoint_hash(p) for p in set(starts.values())}
+    base_cfg, _ = _resolve(study.baseline_recipe, study.baseline_bindings, "study.baseline_bindings")
+    base_flat = flat_dict(base_cfg)
+    train, held_out = load_task(base_cfg.task)
+    data_hashes = {json.dumps(dataclasses.asdict(base_cfg.task), sort_keys=True):
+                   _sha(dataset_hash(train) + dataset_hash(held_out))}
+    specs = []
+    for variant in study.all_variants:
+        where = f"study.variants[{variant.name!r}]"
+        var_cfg, _ = _resolve(study.baseline_recipe, [*study.baseline_bindings, *variant.bindings], where)
+        changes = _changes(base_flat, flat_dict(var_cfg))
+        if variant.name != BASELINE:
+            if not changes:
+                raise StudyError(f"{where} = {list(variant.bindings)}: changes nothing from the baseline")
+            if not variant.coupled:
+                key, _ = split_binding(variant.bindings[0], where)
+                if set(changes) != {key}:
+                    raise StudyError(f"{where} changes {sorted(changes)}; a single-binding variant must "
+                                     f"change only {key}")
+        task_key = json.dumps(dataclasses.asdict(var_cfg.task), sort_keys=True)
+        if task_key not in data_hashes:
+            tr, ho = load_task(var_cfg.task)
+            data_hashes[task_key] = _sha(dataset_hash(tr) + dataset_hash(ho))
+        for seed in study.seeds:
+            init_from = starts.get(seed, "")
+            managed = [f"ppo.seed = {seed}", f"ppo.torch_threads = {study.cpus_per_run}"]
+            if init_from:
+                managed.append(f"ppo.init_from = {init_from!r}")
+            bindings = (*study.baseline_bindings, *variant.bindings, *managed)
+            cfg, operative = _resolve(study.baseline_recipe, bindings, where)
+            config_hash = _sha(operative)
+            init_hash = start_hashes.get(init_from) if init_from else None
+            run_hash = _sha(json.dumps({"config": config_hash, "code": code["engine_sha256"],
+                                        "data": data_hashes[task_key], "init_from": init_hash},
+                                       sort_keys=True))
+            specs.append(RunSpec(
+                study=study.name, variant=variant.name, seed=seed, recipe=study.baseline_recipe,
+                bindings=bindings, changes=changes, run_dir=str(study_dir / "runs" / variant.name / f"seed{seed}"),
+                run_hash=run_hash, config_hash=config_hash, code_version=code,
+                data_hash=data_hashes[task_key], init_from=init_from, init_from_hash=init_hash,
+                cpus=study.cpus_per_run, gpus=study.gpus_per_run, total_steps=cfg.ppo.total_steps,
+                operative_config=operative))
+    return specs
+
+
+def study_dir(study: Study, results_dir: str | Path) -> Path:
+    return Path(results_dir).resolve() / study.name

@@ -1,0 +1,62 @@
+"""Plots: mean +- std bands over seeds, one line per variant, per metric the guide reads.
+
+matplotlib with the Agg backend (no display needed). One PNG per figure under
+RESULTS/<study>/plots/; the report embeds them by relative path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from experiments.collect import RunResult, band, curves  # noqa: E402
+
+FIGURES = {
+    "reward_mean": ["reward_mean"],
+    "kl_divergence": ["kl_divergence"],
+    "clip_fractions": ["clip_fraction", "clip_fraction_lower", "clip_fraction_upper"],
+    "response_length_mean": ["response_length_mean"],
+    "eval_accuracy": ["eval/accuracy"],
+}
+"""{file stem: metrics drawn side by side in that figure}."""
+
+
+def plot_study(study_name: str, results: Sequence[RunResult], out_dir: Path) -> Dict[str, str]:
+    """Writes the figures; returns {file stem: path relative to the study dir} of those drawn."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metrics = sorted({m for ms in FIGURES.values() for m in ms})
+    variants: Dict[str, List[dict]] = {}
+    for r in results:
+        if r.status in ("completed", "failed", "interrupted"):
+            variants.setdefault(r.variant, []).append(curves(r.run_dir, metrics))
+    written = {}
+    for stem, names in FIGURES.items():
+        fig, axes = plt.subplots(1, len(names), figsize=(5.2 * len(names), 3.6), squeeze=False)
+        drawn = False
+        for ax, metric in zip(axes[0], names):
+            for i, (variant, per_run) in enumerate(variants.items()):
+                steps, mean, std = band([c[metric] for c in per_run if len(c[metric][0])])
+                if not len(steps):
+                    continue
+                drawn = True
+                color = f"C{i % 10}"
+                marker = "o" if len(steps) <= 12 else None
+                ax.plot(steps, mean, color=color, marker=marker, label=f"{variant} (n={len(per_run)})")
+                ax.fill_between(steps, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
+            ax.set_title(metric)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        if drawn:
+            axes[0][0].legend(fontsize="small")
+            fig.suptitle(f"{study_name}: mean ± std over seeds", fontsize="medium")
+            fig.tight_layout()
+            path = out_dir / f"{stem}.png"
+            fig.savefig(path, dpi=110)
+            written[stem] = f"{out_dir.name}/{path.name}"
+        plt.close(fig)
+    return written
