@@ -64,9 +64,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     args.rerun_failed = getattr(args, "rerun_failed", False)
-    console = Console(soft_wrap=True)
+    console = Console(soft_wrap=True, markup=False, highlight=False)
     if not console.is_terminal:
-        console = Console(soft_wrap=True, width=200)
+        console = Console(soft_wrap=True, markup=False, highlight=False, width=200)
     try:
         return SUBCOMMANDS[args.command].handler(args, console)
     except StudyError as err:

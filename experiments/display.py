@@ -69,7 +69,7 @@ class StudyDisplay:
             reward = scalar(row.get("reward_mean"))
             extra = f" reward_mean={reward:.3f}" if reward is not None else ""
             self.console.print(f"[{self.study_name}] {key}: {status}{extra}{(' - ' + note) if note else ''} "
-                               f"({self.counts_line()})", highlight=False, soft_wrap=True)
+                               f"({self.counts_line()})", highlight=False, markup=False, soft_wrap=True)
 
     def refresh(self) -> None:
         if self.live is not None:

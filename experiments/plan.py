@@ -83,8 +83,9 @@ def code_version() -> dict:
         h.update(str(p.relative_to(REPO_ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
     sha = _git("rev-parse", "HEAD")
     diff = _git("diff", "HEAD", "--", *ENGINE_PATHS) if sha else None
+    untracked = _git("ls-files", "--others", "--exclude-standard", "--", *ENGINE_PATHS) if sha else None
     return {"git_sha": sha.strip() if sha else None,
-            "dirty": bool(diff and diff.strip()) if sha else None,
+            "dirty": bool((diff and diff.strip()) or (untracked and untracked.strip())) if sha else None,
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,
             "engine_sha256": h.hexdigest()}
 
@@ -170,7 +171,8 @@ def _resolve(recipe: str, bindings: Sequence[str], where: str):
     try:
         return resolve(recipe, list(bindings))
     except ConfigError as err:
-        raise StudyError(f"{where}: {err}") from None
+        first = str(err).strip().splitlines()[0]  # gin appends "In call to configurable ..." lines
+        raise StudyError(f"{where}: {first}") from None
     finally:
         root.setLevel(level)
 

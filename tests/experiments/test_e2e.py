@@ -1,0 +1,198 @@
+"""End to end on the tiny default: the real engine, a real local Ray with 2 CPUs, the CLI.
+
+Slow (minutes): each study runs real PPO runs. The SFT warm start is shared through the
+repo's cache, so only the first run of a fresh checkout pays for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def run_cli(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "experiments", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def attempts(run_dir: Path) -> list:
+    return json.loads((run_dir / "run.json").read_text())["attempts"]
+
+
+def steps_logged(run_dir: Path) -> list:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_smoke_study_end_to_end_then_skip_then_only_new_runs(tmp_path):
+    results = tmp_path / "results"
+    out = run_cli("run", "recipes/studies/smoke.gin", "--results", str(results), "--num-cpus", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    study = results / "smoke"
+    agg = json.loads((study / "aggregate.json").read_text())
+    assert set(agg["variants"]) == {"baseline", "kl_coef_x2"}
+    for name, v in agg["variants"].items():
+        assert v["summary"]["n"] == 2 and [r["seed"] for r in v["runs"]] == [0, 1]
+        assert all(0.0 <= r["value"] <= 1.0 for r in v["runs"])
+    variant = agg["variants"]["kl_coef_x2"]
+    assert variant["verdict"] in ("better", "worse", "no detectable difference")
+    assert variant["comparison"]["p_value"] is None or 0 <= variant["comparison"]["p_value"] <= 1
+    assert agg["decision"]["chosen"] in agg["variants"]
+    report = (study / "report.md").read_text()
+    assert "## Decision table" in report and "kl_coef_x2" in report and "## Provenance" in report
+    for stem in ("reward_mean", "kl_divergence", "clip_fractions", "response_length_mean", "eval_accuracy"):
+        assert (study / "plots" / f"{stem}.png").stat().st_size > 1000
+    run_dir = study / "runs" / "kl_coef_x2" / "seed1"
+    prov = json.loads((run_dir / "provenance.json").read_text())
+    assert prov["manager"]["exit_status"] == 0 and prov["manager"]["variant"] == "kl_coef_x2"
+    assert prov["manager"]["changes_from_baseline"] == {"ppo.kl_coef": 0.1}
+    assert prov["manager"]["start_time"] and prov["manager"]["end_time"] and prov["manager"]["run_hash"]
+    assert "run" in prov["manager"]["manager_command"]
+    assert "versions" in prov and "git" in prov  # the engine's own fields are kept
+    assert "ppo.kl_coef = 0.1" in (run_dir / "config.gin").read_text()
+
+    # Rerun: every run is finished with the same hash, so nothing runs (and Ray is not started).
+    t0 = time.monotonic()
+    again = run_cli("run", "recipes/studies/smoke.gin", "--results", str(results), "--num-cpus", "2")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "0 completed, 4 already done" in again.stdout
+    assert time.monotonic() - t0 < 60
+    assert all(len(attempts(d)) == 1 for d in (study / "runs").glob("*/seed*"))
+
+    # A third seed: only its two runs execute.
+    more = run_cli("run", "recipes/studies/smoke.gin", "--results", str(results), "--num-cpus", "2",
+                   "-b", "study.seeds = [0, 1, 2]")
+    assert more.returncode == 0, more.stdout + more.stderr
+    assert "2 completed, 4 already done" in more.stdout
+    assert json.loads((study / "aggregate.json").read_text())["variants"]["baseline"]["summary"]["n"] == 3
+    status = run_cli("status", "recipes/studies/smoke.gin", "--results", str(results), "-b", "study.seeds = [0, 1, 2]")
+    assert status.returncode == 0 and status.stdout.count("completed") >= 6
+
+
+DIVERGING = """
+study.name = 'diverge'
+study.baseline_recipe = 'tiny.gin'
+study.baseline_bindings = ['ppo.total_steps = 4', 'ppo.eval_every = 4', 'ppo.save_every = 2', 'ppo.final_window = 2']
+# A vanishing Adam epsilon divides by ~0: the losses become NaN within a few steps.
+study.variants = {'tiny_adam_eps': 'ppo.adam_eps = 1e-300'}
+study.seeds = 1
+study.retries = 2
+"""
+
+
+def test_diverging_variant_is_recorded_and_does_not_stop_the_baseline(tmp_path):
+    path = tmp_path / "diverge.gin"
+    path.write_text(textwrap.dedent(DIVERGING))
+    results = tmp_path / "results"
+    out = run_cli("run", str(path), "--results", str(results), "--num-cpus", "2")
+    assert out.returncode == 1, out.stdout + out.stderr  # some runs failed
+    study = results / "diverge"
+    bad = study / "runs" / "tiny_adam_eps" / "seed0"
+    tries = attempts(bad)
+    assert len(tries) == 1, "a divergence is deterministic: never retried"
+    assert tries[0]["exit_code"] == 3 and "diverged" in tries[0]["error"]
+    assert json.loads((bad / "provenance.json").read_text())["manager"]["exit_status"] == 3
+    assert attempts(study / "runs" / "baseline" / "seed0")[-1]["exit_code"] == 0
+    agg = json.loads((study / "aggregate.json").read_text())
+    assert agg["variants"]["tiny_adam_eps"]["verdict"] == "failed"
+    assert agg["variants"]["baseline"]["summary"]["n"] == 1
+    assert agg["decision"]["chosen"] == "baseline"
+    assert "diverged" in (study / "report.md").read_text()
+    # Rerun: the same hash would diverge again, so it is reported, not rerun.
+    again = run_cli("run", str(path), "--results", str(results), "--num-cpus", "2")
+    assert again.returncode == 1 and len(attempts(bad)) == 1
+
+
+def _completed(study: Path) -> list:
+    out = []
+    for d in sorted((study / "runs").glob("*/seed*")):
+        s = d / "summary.json"
+        if s.exists() and json.loads(s.read_text()).get("status") == "completed":
+            out.append(d)
+    return out
+
+
+def _checkpointed(study: Path) -> list:
+    return [d for d in (study / "runs").glob("*/seed*") if list((d / "checkpoints").glob("step_*"))]
+
+
+def _start(results: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "experiments", "run", "recipes/studies/smoke.gin", "--results",
+                             str(results), "--num-cpus", "2", "-b", "ppo.total_steps = 16"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"study ended early: {proc.stdout.read()}"
+        assert time.monotonic() < deadline, "timed out waiting for progress"
+        time.sleep(0.5)
+
+
+def _engines_writing_to(study: Path) -> list:
+    """Engine processes still running with --out inside this study (there must be none)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"rlhf.train" in cmd and any(str(study).encode() in part for part in cmd):
+            found.append(proc.name)
+    return found
+
+
+def test_interrupt_and_kill_then_rerun_loses_nothing_and_repeats_nothing(tmp_path):
+    results = tmp_path / "results"
+    study = results / "smoke"
+
+    # 1. Ctrl-C once a run has finished and another has a checkpoint: a clean stop.
+    proc = _start(results)
+    _wait_for(lambda: len(_completed(study)) >= 1 and len(_checkpointed(study)) >= 2, proc)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=90) == 130, proc.stdout.read()
+    finished_first = {d.name + d.parent.name for d in _completed(study)}
+    assert not _engines_writing_to(study)
+
+    # 2. Rerun, then SIGKILL the manager once another run finished: an abrupt stop.
+    proc = _start(results)
+    _wait_for(lambda: len(_completed(study)) > len(finished_first) and
+              len(_checkpointed(study)) > len(_completed(study)), proc)
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while _engines_writing_to(study) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not _engines_writing_to(study), "an engine outlived its killed manager"
+
+    # 3. Rerun to the end.
+    out = run_cli("run", "recipes/studies/smoke.gin", "--results", str(results), "--num-cpus", "2",
+                  "-b", "ppo.total_steps = 16")
+    assert out.returncode == 0, out.stdout + out.stderr
+    runs = sorted((study / "runs").glob("*/seed*"))
+    assert len(runs) == 4 and len(_completed(study)) == 4
+    resumed = 0
+    for d in runs:
+        tries = attempts(d)
+        completed_attempts = [t for t in tries if t["exit_code"] == 0]
+        assert len(completed_attempts) == 1, f"{d} finished {len(completed_attempts)} times"
+        assert tries[-1]["exit_code"] == 0
+        resumed += any(t["resumed"] for t in tries)
+        assert steps_logged(d) == sorted(set(steps_logged(d))), f"{d}: a step was logged twice"
+        assert steps_logged(d)[-1] == 16
+        if d.name + d.parent.name in finished_first:
+            assert len(tries) == 1, f"{d} finished before the interrupt but ran again"
+    assert resumed >= 1, "an interrupted run with a checkpoint should resume, not start over"
+    agg = json.loads((study / "aggregate.json").read_text())
+    assert all(v["summary"]["n"] == 2 for v in agg["variants"].values())

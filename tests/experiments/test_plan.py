@@ -1,0 +1,114 @@
+"""Plan expansion: counts, unique hashes, the same seeds in every variant, what changes a hash."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments.plan import checkpoint_hash, expand
+from experiments.study import BASELINE, StudyError, load_study
+
+REPO = Path(__file__).resolve().parents[2]
+
+STUDY = """
+study.name = 'p'
+study.baseline_recipe = 'tiny.gin'
+study.baseline_bindings = ['ppo.total_steps = 4']
+study.variants = {'kl': 'ppo.kl_coef = 0.1', 'clip': 'ppo.clip_range = 0.1'}
+study.seeds = 3
+"""
+
+
+def test_expansion_counts_hashes_and_seeds(write_study, tmp_path):
+    specs = expand(load_study(write_study(STUDY)), tmp_path / "results")
+    assert len(specs) == 3 * 3
+    assert len({s.run_hash for s in specs}) == 9
+    assert len({s.run_dir for s in specs}) == 9
+    seeds = {}
+    for s in specs:
+        seeds.setdefault(s.variant, []).append(s.seed)
+    assert seeds == {BASELINE: [0, 1, 2], "kl": [0, 1, 2], "clip": [0, 1, 2]}
+    assert {s.code_version["engine_sha256"] for s in specs} == {specs[0].code_version["engine_sha256"]}
+    assert len({s.data_hash for s in specs}) == 1
+    kl = [s for s in specs if s.variant == "kl"][0]
+    assert kl.changes == {"ppo.kl_coef": 0.1}
+    assert "ppo.seed = 0" in kl.bindings and "ppo.kl_coef = 0.1" in kl.bindings
+    assert kl.total_steps == 4
+    assert Path(kl.run_dir) == (tmp_path / "results" / "p" / "runs" / "kl" / "seed0").resolve()
+
+
+def test_hash_is_stable_and_tracks_the_config(write_study, tmp_path):
+    path = write_study(STUDY)
+    first = {s.key: s.run_hash for s in expand(load_study(path), tmp_path)}
+    assert first == {s.key: s.run_hash for s in expand(load_study(path), tmp_path)}
+    changed = {s.key: s.run_hash for s in expand(load_study(path, ["ppo.total_steps = 5"]), tmp_path)}
+    assert not set(first.values()) & set(changed.values())
+    # Another variant added: the existing runs keep their hashes, so only the new one would run.
+    more = expand(load_study(path, ["study.variants = {'kl': 'ppo.kl_coef = 0.1', 'lr': "
+                                    "'ppo.actor_learning_rate = 1e-5'}"]), tmp_path)
+    assert {s.key: s.run_hash for s in more if s.variant in (BASELINE, "kl")} == \
+        {k: v for k, v in first.items() if not k.startswith("clip")}
+
+
+def test_data_change_changes_the_data_hash(write_study, tmp_path):
+    specs = expand(load_study(write_study(STUDY), ["task.max_operand = 9"]), tmp_path)
+    base = expand(load_study(write_study(STUDY)), tmp_path)
+    assert specs[0].data_hash != base[0].data_hash
+
+
+@pytest.mark.parametrize("variant, match", [
+    ("'ppo.kl_coef = -1'", r"study.variants\['v'\].*ppo.kl_coef"),
+    ("'ppo.kl_coeff = 0.1'", "did you mean ppo.kl_coef"),
+    ("'ppo.kl_coef = 0.05'", "changes nothing"),
+])
+def test_bad_variants_fail_before_running(write_study, tmp_path, variant, match):
+    text = STUDY.replace("study.variants = {'kl': 'ppo.kl_coef = 0.1', 'clip': 'ppo.clip_range = 0.1'}",
+                         f"study.variants = {{'v': {variant}}}")
+    with pytest.raises(StudyError, match=match):
+        expand(load_study(write_study(text)), tmp_path)
+
+
+def _fake_previous_study(root: Path) -> Path:
+    prev = root / "prev"
+    runs = []
+    for seed in (0, 1):
+        ckpt = prev / "runs" / "kl" / f"seed{seed}" / "checkpoints" / "step_4"
+        ckpt.mkdir(parents=True)
+        (ckpt / "model.safetensors").write_bytes(b"weights %d" % seed)
+        (prev / "runs" / "kl" / f"seed{seed}" / "checkpoints" / "step_2").mkdir()
+        runs.append({"seed": seed, "status": "completed", "run_dir": f"runs/kl/seed{seed}"})
+    (prev / "aggregate.json").write_text(json.dumps(
+        {"decision": {"chosen": "kl"}, "variants": {"kl": {"runs": runs}, BASELINE: {"runs": []}}}))
+    return prev
+
+
+def test_resume_from_previous_study_uses_chosen_variant_per_seed(write_study, tmp_path):
+    prev = _fake_previous_study(tmp_path)
+    specs = expand(load_study(write_study(STUDY + f"study.resume_from = '{prev}'\nstudy.seeds = [0, 1, 5]\n")),
+                   tmp_path / "r")
+    by_seed = {s.seed: s for s in specs if s.variant == BASELINE}
+    assert by_seed[0].init_from.endswith("runs/kl/seed0/checkpoints/step_4")
+    assert by_seed[1].init_from.endswith("runs/kl/seed1/checkpoints/step_4")
+    assert by_seed[5].init_from == by_seed[0].init_from  # a seed the previous study lacked
+    assert f"ppo.init_from = {by_seed[0].init_from!r}" in by_seed[0].bindings
+    assert by_seed[0].init_from_hash == checkpoint_hash(by_seed[0].init_from)
+    plain = {s.key: s.run_hash for s in expand(load_study(write_study(STUDY)), tmp_path / "r")}
+    assert plain["baseline/seed0"] != by_seed[0].run_hash
+    with pytest.raises(StudyError, match="resume_variant"):
+        expand(load_study(write_study(STUDY + f"study.resume_from = '{prev}'\nstudy.resume_variant = 'x'\n")),
+               tmp_path / "r")
+
+
+def test_plan_cli_prints_the_table_without_running(write_study, tmp_path):
+    path = write_study(STUDY)
+    out = subprocess.run([sys.executable, "-m", "experiments", "plan", str(path), "--results", str(tmp_path / "r"),
+                          "-b", "study.seeds = 2"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "3 variants x 2 seeds = 6 runs" in out.stdout
+    assert "ppo.kl_coef = 0.1" in out.stdout
+    assert not (tmp_path / "r").exists()
+    bad = subprocess.run([sys.executable, "-m", "experiments", "plan", str(path), "-b", "ppo.kl_coef = -1"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert bad.returncode == 2 and "ppo.kl_coef" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

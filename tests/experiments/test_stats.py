@@ -1,0 +1,95 @@
+"""Statistics against scipy and textbook values on known data."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from experiments import stats
+
+A = [0.61, 0.58, 0.66, 0.63, 0.60]
+B = [0.52, 0.55, 0.50, 0.57, 0.49]
+
+
+def test_summary_matches_numpy_and_scipy():
+    s = stats.summarize(A)
+    x = np.array(A)
+    assert s["n"] == 5
+    assert s["mean"] == pytest.approx(x.mean())
+    assert s["std"] == pytest.approx(x.std(ddof=1))
+    assert s["se"] == pytest.approx(sps.sem(x))
+    assert s["median"] == pytest.approx(np.median(x))
+    assert s["iqm"] == pytest.approx(sps.trim_mean(x, 0.25))
+    lo, hi = s["ci95"]
+    assert lo < x.mean() < hi and min(A) <= lo and hi <= max(A)
+
+
+def test_welch_matches_scipy_and_hand_formula():
+    p = stats.welch_p(A, B)
+    assert p == pytest.approx(sps.ttest_ind(A, B, equal_var=False).pvalue)
+    x, y = np.array(A), np.array(B)
+    vx, vy = x.var(ddof=1) / len(x), y.var(ddof=1) / len(y)
+    t = (x.mean() - y.mean()) / math.sqrt(vx + vy)
+    df = (vx + vy) ** 2 / (vx ** 2 / (len(x) - 1) + vy ** 2 / (len(y) - 1))
+    assert p == pytest.approx(2 * sps.t.sf(abs(t), df))
+
+
+def test_holm_step_down():
+    # Textbook example: p = (0.01, 0.04, 0.03, 0.005), m = 4.
+    adjusted = stats.holm([0.01, 0.04, 0.03, 0.005])
+    assert adjusted == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert stats.holm([0.5]) == [0.5]
+    assert stats.holm([0.9, 0.8]) == [1.0, 1.0]  # 2 x 0.8 capped at 1, then monotone
+    out = stats.holm([0.02, float("nan")])
+    assert out[0] == pytest.approx(0.02) and math.isnan(out[1])
+
+
+def test_hedges_g():
+    x, y = np.array(A), np.array(B)
+    sp = math.sqrt(((len(x) - 1) * x.var(ddof=1) + (len(y) - 1) * y.var(ddof=1)) / (len(x) + len(y) - 2))
+    d = (x.mean() - y.mean()) / sp
+    assert stats.hedges_g(A, B) == pytest.approx(d * (1 - 3 / (4 * 8 - 1)))
+    assert stats.hedges_g(B, A) == pytest.approx(-stats.hedges_g(A, B))
+
+
+def test_probability_of_improvement():
+    assert stats.prob_improvement(A, B) == 1.0
+    assert stats.prob_improvement(B, A) == 0.0
+    assert stats.prob_improvement([1, 2], [2, 3]) == pytest.approx((0 + 0 + 0.5 + 0) / 4)
+    assert stats.prob_improvement([1, 2], [2, 3], higher_is_better=False) == pytest.approx(3.5 / 4)
+
+
+def test_bootstrap_ci_of_difference_contains_observed_difference():
+    lo, hi = stats.difference_ci(A, B)
+    diff = np.mean(A) - np.mean(B)
+    assert lo < diff < hi
+    assert stats.difference_ci([1, 1], [0, 0]) == (1.0, 1.0)
+
+
+def test_power_against_known_value():
+    # Two groups of 20, d = 0.8, alpha 0.05: power ~ 0.69 (Cohen's tables / G*Power).
+    assert stats.power(0.8, 1.0, 20, 20) == pytest.approx(0.69, abs=0.01)
+    # And at the critical boundary the power is ~ alpha-ish tails + 0.5.
+    crit = sps.t.ppf(0.975, 38) * math.sqrt(2 / 20)
+    assert stats.power(crit, 1.0, 20, 20) == pytest.approx(0.5, abs=0.01)
+
+
+def test_mde_and_seeds_needed_are_consistent():
+    sd = 0.05
+    mde = stats.min_detectable_effect(sd, 3, 3)
+    assert stats.power(mde, sd, 3, 3) == pytest.approx(0.8, abs=1e-6)
+    # d = 0.8 needs 26 per group at 80% power (Cohen's tables).
+    assert stats.seeds_needed(0.8, 1.0) == 26
+    n = stats.seeds_needed(0.02, sd)
+    assert stats.power(0.02, sd, n, n) >= 0.8 > stats.power(0.02, sd, n - 1, n - 1)
+    assert stats.seeds_needed(0.0, sd) is None
+
+
+def test_compare_bundle_and_degenerate_inputs():
+    c = stats.compare(A, B)
+    assert c["difference"] == pytest.approx(np.mean(A) - np.mean(B))
+    assert c["p_value"] == pytest.approx(sps.ttest_ind(A, B, equal_var=False).pvalue)
+    one = stats.compare([0.5], [0.4, 0.45])
+    assert one["p_value"] is None and one["difference_ci95"] == [None, None]
+    assert stats.summarize([])["mean"] is None
