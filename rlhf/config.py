@@ -1,0 +1,322 @@
+"""Typed, frozen configuration for the PPO engine.
+
+Engine code takes these dataclasses; gin binds them at the edge (`rlhf/configurable.py`)
+under the names `ppo`, `model`, `task`, `sft` and `tiny_model`. Every default is written
+once, here, next to its meaning. Every value is validated in `__post_init__`, so a bad
+binding fails before any compute with one line naming the binding and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the binding and what is allowed."""
+
+
+def _check(ok: bool, binding: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{binding} = {value!r} is invalid: {allowed}")
+
+
+def _positive_int(scope: str, name: str, value: Any, minimum: int = 1) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    _check(ok, f"{scope}.{name}", value, f"must be an integer >= {minimum}")
+
+
+def _number(scope: str, name: str, value: Any, lo: float, hi: float,
+            lo_open: bool = False, hi_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+    left = "(" if lo_open else "["
+    right = ")" if hi_open else "]"
+    _check(ok, f"{scope}.{name}", value, f"must be a number in {left}{lo}, {hi}{right}")
+
+
+def _choice(scope: str, name: str, value: Any, choices: tuple) -> None:
+    _check(value in choices, f"{scope}.{name}", value, f"must be one of {', '.join(map(repr, choices))}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+    """The PPO algorithm, its rollouts and its schedule (gin name: `ppo`)."""
+
+    # --- run length and bookkeeping ---
+    seed: int = 0
+    """Controls initialisation of new heads, data order and sampling."""
+    total_steps: int = 60
+    """PPO iterations (rollout + update) to run."""
+    eval_every: int = 20
+    """Evaluate on the held-out split every N steps (and always at step 0 and at the end)."""
+    save_every: int = 20
+    """Write a checkpoint every N steps (and always at the end)."""
+    keep_checkpoints: int = 2
+    """How many of the latest checkpoints to keep on disk (0 keeps all)."""
+    final_window: int = 10
+    """Steps averaged into summary.json's `final_window` metrics."""
+
+    # --- rollout: the guide's parameters ---
+    rollout_micro_batch_size: int = 16
+    """Prompts per generation call."""
+    num_rollout_batches: int = 4
+    """Generation calls per PPO iteration; their union is the rollout buffer."""
+    samples_per_prompt: int = 1
+    """Responses sampled per prompt (GRPO needs >= 2)."""
+    max_prompt_length: int = 32
+    """Prompt tokens kept (longer prompts are cut from the left)."""
+    max_response_length: int = 8
+    """Generated tokens at most; a response that reaches it without EOS is truncated."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k filtering."""
+    rollout_backend: str = "hf"
+    """'hf' (transformers generate) or 'vllm' (GPU)."""
+
+    # --- optimisation ---
+    actor_learning_rate: float = 2e-6
+    critic_learning_rate: float = 1e-5
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup."""
+    lr_schedule: str = "constant"
+    """'constant', 'linear' or 'cosine' decay after warmup (over the whole run)."""
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    """Gradient norm clipping (0 disables)."""
+    ppo_epochs: int = 1
+    """Passes over the rollout buffer per iteration."""
+    mini_batch_size: int = 32
+    """Sequences per optimizer step; must divide the rollout buffer."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward; gradients accumulate over mini_batch_size / micro_batch_size."""
+
+    # --- losses ---
+    clip_range: float = 0.2
+    """PPO ratio clip half-width: ratios are clipped to [1 - c, 1 + c]."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 bounding the loss for negative advantages (0 disables)."""
+    value_clip_range: float = 0.2
+    """Value predictions are clipped to old_value +- this (0 disables)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus in the actor loss."""
+    loss_aggregation: str = "token_mean"
+    """'token_mean' (mean over all response tokens) or 'seq_mean' (mean of per-sequence means)."""
+
+    # --- KL to the reference policy ---
+    kl_coef: float = 0.05
+    """Weight of KL(actor || reference); the initial value when adaptive."""
+    kl_estimator: str = "k1"
+    """Per-token estimator: 'k1' (log-ratio), 'k2' (squared half), 'k3' (Schulman's unbiased)."""
+    kl_mode: str = "reward"
+    """'reward': subtract kl_coef * KL from per-token rewards; 'loss': add it to the actor loss."""
+    adaptive_kl: bool = False
+    """Adapt kl_coef toward kl_target (Ziegler et al. controller)."""
+    kl_target: float = 0.05
+    kl_horizon: int = 1000
+    """Samples over which the adaptive controller moves kl_coef."""
+
+    # --- advantages ---
+    adv_estimator: str = "gae"
+    """'gae' (critic + GAE) or 'grpo' (critic-free, group-relative baseline)."""
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    grpo_normalize_std: bool = True
+    """GRPO: divide by the group's standard deviation."""
+
+    # --- evaluation ---
+    eval_temperature: float = 1.0
+    """Sampling temperature of eval/accuracy (pass@1 at this temperature); greedy is logged too."""
+    eval_samples_per_prompt: int = 1
+
+    # --- where and how ---
+    device: str = "auto"
+    """'auto' (cuda if available), 'cpu' or 'cuda'."""
+    dtype: str = "float32"
+    """Parameter dtype for training: 'float32' or 'bfloat16' (autocast on GPU)."""
+    init_from: str = ""
+    """A checkpoint dir (`.../checkpoints/step_N`) whose actor and critic weights start this run."""
+    torch_threads: int = 0
+    """CPU threads for torch (0 leaves torch's default)."""
+
+    def __post_init__(self) -> None:
+        s = "ppo"
+        _check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
+               "ppo.seed", self.seed, "must be a non-negative integer")
+        for name in ("total_steps", "eval_every", "save_every", "final_window",
+                     "rollout_micro_batch_size", "num_rollout_batches", "samples_per_prompt",
+                     "max_prompt_length", "max_response_length", "ppo_epochs", "mini_batch_size",
+                     "micro_batch_size", "kl_horizon", "eval_samples_per_prompt"):
+            _positive_int(s, name, getattr(self, name))
+        for name in ("keep_checkpoints", "top_k", "lr_warmup_steps", "torch_threads"):
+            _positive_int(s, name, getattr(self, name), minimum=0)
+        _number(s, "temperature", self.temperature, 0.0, 100.0, lo_open=True)
+        _number(s, "eval_temperature", self.eval_temperature, 0.0, 100.0)
+        _number(s, "top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _number(s, "actor_learning_rate", self.actor_learning_rate, 0.0, 1.0)
+        _number(s, "critic_learning_rate", self.critic_learning_rate, 0.0, 1.0)
+        _number(s, "weight_decay", self.weight_decay, 0.0, 1.0)
+        _number(s, "adam_beta1", self.adam_beta1, 0.0, 1.0, hi_open=True)
+        _number(s, "adam_beta2", self.adam_beta2, 0.0, 1.0, hi_open=True)
+        _number(s, "adam_eps", self.adam_eps, 0.0, 1.0, lo_open=True)
+        _number(s, "max_grad_norm", self.max_grad_norm, 0.0, 1e6)
+        _number(s, "clip_range", self.clip_range, 0.0, 1.0, lo_open=True, hi_open=True)
+        _check(self.dual_clip == 0 or (isinstance(self.dual_clip, (int, float)) and self.dual_clip > 1),
+               "ppo.dual_clip", self.dual_clip, "must be 0 (off) or a number > 1")
+        _number(s, "value_clip_range", self.value_clip_range, 0.0, 1e6)
+        _number(s, "entropy_coef", self.entropy_coef, 0.0, 10.0)
+        _number(s, "kl_coef", self.kl_coef, 0.0, 100.0)
+        _number(s, "kl_target", self.kl_target, 0.0, 100.0, lo_open=True)
+        _number(s, "gamma", self.gamma, 0.0, 1.0)
+        _number(s, "lam", self.lam, 0.0, 1.0)
+        _choice(s, "rollout_backend", self.rollout_backend, ("hf", "vllm"))
+        _choice(s, "lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
+        _choice(s, "loss_aggregation", self.loss_aggregation, ("token_mean", "seq_mean"))
+        _choice(s, "kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
+        _choice(s, "kl_mode", self.kl_mode, ("reward", "loss"))
+        _choice(s, "adv_estimator", self.adv_estimator, ("gae", "grpo"))
+        _choice(s, "device", self.device, ("auto", "cpu", "cuda"))
+        _choice(s, "dtype", self.dtype, ("float32", "bfloat16"))
+        for name in ("adaptive_kl", "whiten_advantages", "grpo_normalize_std"):
+            _check(isinstance(getattr(self, name), bool), f"ppo.{name}", getattr(self, name),
+                   "must be True or False")
+        _check(isinstance(self.init_from, str), "ppo.init_from", self.init_from, "must be a path string")
+        # Cross-field rules.
+        if self.adv_estimator == "grpo":
+            _check(self.samples_per_prompt >= 2, "ppo.samples_per_prompt", self.samples_per_prompt,
+                   "must be >= 2 when ppo.adv_estimator = 'grpo' (the group baseline needs a group)")
+        buffer = self.rollout_batch_size
+        _check(buffer % self.mini_batch_size == 0, "ppo.mini_batch_size", self.mini_batch_size,
+               f"must divide the rollout buffer (rollout_micro_batch_size x num_rollout_batches x "
+               f"samples_per_prompt = {buffer})")
+        _check(self.mini_batch_size % self.micro_batch_size == 0, "ppo.micro_batch_size",
+               self.micro_batch_size, f"must divide ppo.mini_batch_size = {self.mini_batch_size}")
+
+    @property
+    def rollout_batch_size(self) -> int:
+        """Sequences in one iteration's rollout buffer."""
+        return self.rollout_micro_batch_size * self.num_rollout_batches * self.samples_per_prompt
+
+    @property
+    def grad_accumulation_steps(self) -> int:
+        return self.mini_batch_size // self.micro_batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Which policy to tune (gin name: `model`)."""
+
+    name_or_path: str = "tiny"
+    """'tiny' (the embedded default: built locally, SFT warm start) or a local checkpoint dir."""
+    tokenizer_path: str = ""
+    """Tokenizer dir; empty means the model's own dir."""
+    critic_init: str = "policy"
+    """'policy': the critic's backbone starts from the policy's weights; 'random': fresh head and backbone."""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.name_or_path, str) and bool(self.name_or_path), "model.name_or_path",
+               self.name_or_path, "must be 'tiny' or a local model directory")
+        _choice("model", "critic_init", self.critic_init, ("policy", "random"))
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModelConfig:
+    """Shape of the embedded default model (gin name: `tiny_model`); a Llama architecture."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            _positive_int("tiny_model", name, getattr(self, name))
+        _check(self.hidden_size % self.num_heads == 0, "tiny_model.num_heads", self.num_heads,
+               f"must divide tiny_model.hidden_size = {self.hidden_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """Prompts and reward (gin name: `task`)."""
+
+    name: str = "arithmetic"
+    """'arithmetic' (the embedded synthetic task) or 'file' (prompts from train_path / eval_path)."""
+    train_path: str = ""
+    """JSONL or parquet of prompts (task.name = 'file')."""
+    eval_path: str = ""
+    """Held-out JSONL or parquet (task.name = 'file'); empty holds out eval_fraction of train_path."""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    reward_fn: str = "arithmetic"
+    """A name in the reward registry (rlhf/rewards.py): 'arithmetic', 'gsm8k', 'exact_match'."""
+    eval_size: int = 128
+    """Held-out prompts evaluated (the first N of the held-out split)."""
+    eval_fraction: float = 0.2
+    """Fraction of prompts held out when no eval_path is given (a deterministic hash split)."""
+    max_operand: int = 20
+    """Arithmetic task: operands are drawn from [0, max_operand]."""
+    missing_eos_penalty: float = 0.5
+    """Subtracted from the reward of a response cut at max_response_length without EOS."""
+    format_reward: float = 0.1
+    """Added for a well-formed answer (a number followed by EOS), right or wrong."""
+
+    def __post_init__(self) -> None:
+        _choice("task", "name", self.name, ("arithmetic", "file"))
+        _positive_int("task", "eval_size", self.eval_size)
+        _number("task", "eval_fraction", self.eval_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
+        _positive_int("task", "max_operand", self.max_operand)
+        _number("task", "missing_eos_penalty", self.missing_eos_penalty, 0.0, 100.0)
+        _number("task", "format_reward", self.format_reward, 0.0, 100.0)
+        if self.name == "file":
+            _check(bool(self.train_path), "task.train_path", self.train_path,
+                   "must name a JSONL or parquet file when task.name = 'file'")
+        from rlhf.rewards import REWARD_FUNCTIONS  # local import: rewards imports nothing from here
+        _choice("task", "reward_fn", self.reward_fn, tuple(sorted(REWARD_FUNCTIONS)))
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Supervised warm start of the embedded default (gin name: `sft`)."""
+
+    steps: int = 500
+    batch_size: int = 64
+    learning_rate: float = 3e-3
+    seed: int = 1234
+    """Fixed apart from ppo.seed, so every PPO seed starts from the same SFT policy."""
+
+    def __post_init__(self) -> None:
+        _positive_int("sft", "steps", self.steps)
+        _positive_int("sft", "batch_size", self.batch_size)
+        _number("sft", "learning_rate", self.learning_rate, 0.0, 1.0, lo_open=True)
+        _positive_int("sft", "seed", self.seed, minimum=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything one run depends on."""
+
+    ppo: PPOConfig
+    model: ModelConfig
+    task: TaskConfig
+    sft: SFTConfig
+    tiny_model: TinyModelConfig
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def flat_dict(cfg: RunConfig) -> dict:
+    """`{'ppo.kl_coef': 0.05, ...}`: the operative config as flat binding names."""
+    out = {}
+    for scope, values in cfg.to_dict().items():
+        for k, v in values.items():
+            out[f"{scope}.{k}"] = v
+    return out
+

@@ -1,0 +1,118 @@
+"""Gin at the edge: the one module that registers the engine's config dataclasses with gin.
+
+`resolve(recipe, bindings)` parses a recipe plus `-b` bindings and returns a validated
+`RunConfig` and gin's operative config text. Every failure becomes a `ConfigError` whose
+message is one line naming the binding and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import gin
+
+from rlhf.config import (ConfigError, ModelConfig, PPOConfig, RunConfig, SFTConfig, TaskConfig,
+                         TinyModelConfig)
+
+SCOPES = {
+    "ppo": PPOConfig,
+    "model": ModelConfig,
+    "task": TaskConfig,
+    "sft": SFTConfig,
+    "tiny_model": TinyModelConfig,
+}
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def _register() -> None:
+    for name, cls in SCOPES.items():
+        try:
+            gin.external_configurable(cls, name)
+        except ValueError:  # already registered in this process
+            pass
+
+
+_register()
+
+
+def _known_params(scope: str) -> list[str]:
+    import dataclasses
+    return [f.name for f in dataclasses.fields(SCOPES[scope])]
+
+
+def _explain_gin_error(err: Exception) -> str:
+    """Turns gin's multi-line errors into one line that says what is allowed."""
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else type(err).__name__
+    where = ""
+    m = re.search(r"In (?:file \"?([^\"\n]+)\"?, line (\d+)|bindings string line (\d+))", text)
+    if m:
+        where = f" ({m.group(1)}:{m.group(2)})" if m.group(1) else " (-b binding)"
+    m = re.match(r"Configurable '(\w+)' doesn't have a parameter named '(\w+)'", first)
+    if m:
+        scope, param = m.groups()
+        known = _known_params(scope) if scope in SCOPES else []
+        close = difflib.get_close_matches(param, known, n=1)
+        hint = f"; did you mean {scope}.{close[0]}?" if close else ""
+        return f"{scope}.{param} is not a known binding{where}{hint} Allowed: {scope}.{{{', '.join(known)}}}"
+    m = re.match(r"No configurable matching '([\w.]+)'", first)
+    if m:
+        close = difflib.get_close_matches(m.group(1), list(SCOPES), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        return (f"'{m.group(1)}' is not a known configurable{where}{hint} "
+                f"Allowed scopes: {', '.join(SCOPES)}")
+    if isinstance(err, SyntaxError):
+        line = getattr(getattr(err, "args", [None, None])[1] if len(err.args) > 1 else None,
+                       "line_content", "")
+        return f"cannot parse binding{where}: {first} {line!r}".strip()
+    return f"{first}{where}"
+
+
+def _search_paths(recipe: str | os.PathLike | None) -> list[str]:
+    paths = []
+    if recipe:
+        paths.append(str(Path(recipe).resolve().parent))
+    paths += [str(Path.cwd()), str(RECIPES_DIR), str(RECIPES_DIR.parent)]
+    return paths
+
+
+def parse(recipe: str | os.PathLike | None, bindings: Iterable[str] = ()) -> None:
+    """Clears gin and parses `recipe` then `bindings` (later wins). Raises ConfigError."""
+    gin.clear_config()
+    for p in _search_paths(recipe):
+        gin.add_config_file_search_path(p)
+    if recipe is not None and not Path(recipe).is_file():
+        raise ConfigError(f"recipe {str(recipe)!r} does not exist")
+    try:
+        gin.parse_config_files_and_bindings([str(recipe)] if recipe else [], list(bindings),
+                                            finalize_config=False)
+    except (ValueError, SyntaxError, IOError, KeyError, TypeError) as err:
+        raise ConfigError(_explain_gin_error(err)) from None
+
+
+def build() -> RunConfig:
+    """Calls every configurable with the parsed bindings; validation runs here."""
+    try:
+        parts = {name: gin.get_configurable(name)() for name in SCOPES}
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise ConfigError(_explain_gin_error(err)) from None
+    return RunConfig(**parts)
+
+
+def resolve(recipe: str | os.PathLike | None, bindings: Sequence[str] = ()) -> tuple[RunConfig, str]:
+    """Returns the validated RunConfig and gin's operative config text for `recipe` + `bindings`."""
+    parse(recipe, bindings)
+    cfg = build()
+    return cfg, gin.operative_config_str()
+
+
+def binding_line(name: str, value) -> str:
+    """A gin binding line for a python value: binding_line('ppo.kl_coef', 0.1) -> 'ppo.kl_coef = 0.1'."""
+    return f"{name} = {value!r}"

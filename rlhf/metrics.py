@@ -1,0 +1,114 @@
+"""Metric records and their sinks. The trainer emits one record (a flat dict with `step`) per
+step; sinks write it somewhere: a JSONL file, a live console line. Other sinks (W&B) plug in
+from outside the engine through the same two-method interface."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Protocol
+
+
+class MetricSink(Protocol):
+    def write(self, record: Dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else (1e308 if value > 0 else -1e308)
+    return value
+
+
+class JsonlSink:
+    """Appends one JSON object per step. On resume, records after the checkpoint are dropped so
+    the file equals an uninterrupted run's."""
+
+    def __init__(self, path: str | Path, truncate_after_step: int | None = None):
+        self.path = Path(path)
+        if truncate_after_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= truncate_after_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        elif truncate_after_step is None:
+            self.path.write_text("")
+        self.file = open(self.path, "a")
+
+    def write(self, record: Dict) -> None:
+        self.file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class ConsoleProgress:
+    """A live line (step, reward, KL, accuracy, ETA): redrawn in place on a terminal, printed
+    every `every` steps when the output is a file or pipe."""
+
+    def __init__(self, total_steps: int, start_step: int = 0, stream=None):
+        self.total = total_steps
+        self.start_step = start_step
+        self.start_time = time.time()
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.every = max(1, total_steps // 20)
+        self.last_acc = None
+
+    def write(self, record: Dict) -> None:
+        step = record["step"]
+        if "eval/accuracy" in record:
+            self.last_acc = record["eval/accuracy"]
+        done = step - self.start_step
+        elapsed = time.time() - self.start_time
+        eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
+        acc = f" | eval acc {self.last_acc:.3f}" if self.last_acc is not None else ""
+        line = (f"step {step}/{self.total} | reward {record.get('reward_mean', float('nan')):.3f} | "
+                f"KL {record.get('kl_divergence', float('nan')):.4f}{acc} | ETA {eta:5.0f}s")
+        if self.tty:
+            self.stream.write("\r" + line.ljust(100))
+            self.stream.flush()
+        elif step % self.every == 0 or step == self.total or "eval/accuracy" in record:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+class MetricLogger:
+    def __init__(self, sinks: List[MetricSink]):
+        self.sinks = sinks
+        self.history: List[Dict] = []
+
+    def log(self, record: Dict) -> None:
+        self.history.append(record)
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def read_metrics(path: str | Path) -> List[Dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def window_means(records: List[Dict], window: int) -> Dict[str, float]:
+    """Means of every scalar metric over the last `window` records that have it."""
+    out: Dict[str, float] = {}
+    keys = {k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"}
+    for key in sorted(keys):
+        values = [r[key] for r in records if isinstance(r.get(key), (int, float))][-window:]
+        if values:
+            out[key] = float(sum(values) / len(values))
+    return out

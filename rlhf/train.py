@@ -1,0 +1,88 @@
+"""One PPO run from a gin recipe.
+
+    python -m rlhf.train RECIPE.gin [-b 'BINDING']... --out DIR [--resume]
+
+Exit codes: 0 done, 2 bad configuration (one line, before any compute), 3 training diverged,
+1 any other error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_DIVERGED = 0, 1, 2, 3
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m rlhf.train", description=__doc__.split("\n")[1])
+    p.add_argument("recipe", help="a gin recipe, e.g. recipes/tiny.gin")
+    p.add_argument("-b", "--binding", action="append", default=[], help="a gin binding, e.g. 'ppo.kl_coef = 0.05'")
+    p.add_argument("--out", required=True, help="the run directory")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--quiet", action="store_true", help="no live progress line")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    # Heavy imports after argument parsing so `--help` is instant.
+    from rlhf import checkpoint, configurable, provenance
+    from rlhf.config import ConfigError
+    from rlhf.metrics import ConsoleProgress, JsonlSink, MetricLogger
+
+    out = Path(args.out)
+    try:
+        cfg, operative = configurable.resolve(args.recipe, args.binding)
+        resume_from = None
+        if args.resume:
+            resume_from = checkpoint.latest_checkpoint(out / "checkpoints")
+            if resume_from is None:
+                print(f"--resume: no checkpoint under {out / 'checkpoints'}; starting from scratch", file=sys.stderr)
+            else:
+                saved = (out / "config.gin").read_text() if (out / "config.gin").exists() else None
+                if saved is not None and saved != operative:
+                    raise ConfigError(f"--resume: the configuration differs from the one {out} was started with "
+                                      f"(see {out / 'config.gin'}); resume with the same recipe and bindings")
+        from rlhf.trainer import PPOTrainer, TrainingDiverged
+        out.mkdir(parents=True, exist_ok=True)
+        trainer = PPOTrainer(cfg, out, log=lambda m: print(m, file=sys.stderr))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+
+    (out / "config.gin").write_text(operative)
+    prov = provenance.collect(argv, cfg.ppo.seed, trainer.data_hash, trainer.start_checkpoint, operative)
+    prov_path = out / "provenance.json"
+    if prov_path.exists():  # keep fields others (the experiment manager) added
+        prov = {**json.loads(prov_path.read_text()), **prov}
+    prov_path.write_text(json.dumps(prov, indent=1))
+
+    sinks = [JsonlSink(out / "metrics.jsonl", truncate_after_step=trainer_step_of(resume_from))]
+    if not args.quiet:
+        sinks.append(ConsoleProgress(cfg.ppo.total_steps, start_step=trainer_step_of(resume_from) or 0))
+    logger = MetricLogger(sinks)
+    try:
+        summary = trainer.run(logger, resume_from=resume_from)
+    except TrainingDiverged as err:
+        print(f"error: {err}", file=sys.stderr)
+        (out / "summary.json").write_text(json.dumps({"status": "diverged", "error": str(err)}, indent=1))
+        return EXIT_DIVERGED
+    finally:
+        logger.close()
+    print(json.dumps({"initial": summary["initial"], "final": summary["final"]}), file=sys.stderr)
+    return EXIT_OK
+
+
+def trainer_step_of(ckpt) -> int | None:
+    if ckpt is None:
+        return None
+    from rlhf.checkpoint import load_state
+    return load_state(ckpt)["step"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""The PPO loop: one iteration is a sequence of named, timed phases.
+
+    generate -> reward -> reference logprobs -> old logprobs -> values -> advantages
+             -> update critic -> update actor -> sync weights -> log (-> evaluate, save)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import resource
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+from rlhf import algos, checkpoint
+from rlhf.batch import Batch
+from rlhf.config import RunConfig
+from rlhf.data import Example, PromptSampler, dataset_hash, load_task
+from rlhf.metrics import MetricLogger, read_metrics, window_means
+from rlhf.models import ValueModel, load_policy, load_tokenizer
+from rlhf.rollout import SamplingParams, build_rollout, decode_responses, derive_seed
+from rlhf.tiny import prepare_tiny
+from rlhf.workers.actor import ActorWorker
+from rlhf.workers.critic import CriticWorker
+from rlhf.workers.reference import ReferenceWorker
+from rlhf.workers.reward import RewardWorker
+
+EVAL_SEED_SALT = 7_919
+
+
+class TrainingDiverged(RuntimeError):
+    """A loss or metric became NaN or infinite."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        from rlhf.config import ConfigError
+        raise ConfigError("ppo.device = 'cuda' is invalid: no CUDA device is visible; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def resolve_model_paths(cfg: RunConfig, log=print) -> tuple[Path, Path]:
+    """(policy dir, tokenizer dir): the tiny default is built (once, cached) on demand."""
+    if cfg.model.name_or_path == "tiny":
+        return prepare_tiny(cfg.tiny_model, cfg.sft, cfg.task, log=log)
+    model_dir = Path(cfg.model.name_or_path)
+    return model_dir, Path(cfg.model.tokenizer_path or model_dir)
+
+
+class PhaseTimer:
+    def __init__(self):
+        self.times: Dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+
+class PPOTrainer:
+    def __init__(self, cfg: RunConfig, out_dir: str | Path, log=print):
+        self.cfg = cfg
+        self.ppo = cfg.ppo
+        self.out = Path(out_dir)
+        self.log = log
+        self.device = resolve_device(self.ppo.device)
+        if self.ppo.torch_threads:
+            torch.set_num_threads(self.ppo.torch_threads)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        self.autocast_dtype = torch.bfloat16 if (self.ppo.dtype == "bfloat16" and self.device.type == "cuda") else None
+
+        self.model_dir, self.tokenizer_dir = resolve_model_paths(cfg, log)
+        self.tokenizer = load_tokenizer(self.tokenizer_dir)
+        self.train_examples, held = load_task(cfg.task)
+        self.eval_examples: List[Example] = held[:cfg.task.eval_size]
+        if not self.eval_examples:
+            from rlhf.config import ConfigError
+            raise ConfigError("the task's held-out split is empty: set task.eval_path or task.eval_fraction")
+        self.data_hash = dataset_hash(self.train_examples + held)
+        self.sampler = PromptSampler(self.train_examples, seed=self.ppo.seed)
+
+        torch.manual_seed(self.ppo.seed)
+        start_dir = Path(self.ppo.init_from) / "actor" if self.ppo.init_from else self.model_dir
+        self.start_checkpoint = str(start_dir)
+        actor_model = load_policy(start_dir).to(self.device)
+        ref_model = load_policy(self.model_dir).to(self.device)
+        updates_per_step = self.ppo.ppo_epochs * (self.ppo.rollout_batch_size // self.ppo.mini_batch_size)
+        total_updates = self.ppo.total_steps * updates_per_step
+        self.actor = ActorWorker(actor_model, self.ppo, self.device, total_updates, self.autocast_dtype)
+        self.reference = ReferenceWorker(ref_model, self.device, self.ppo.temperature, self.ppo.micro_batch_size,
+                                         self.autocast_dtype)
+        self.critic = None
+        if self.ppo.adv_estimator == "gae":
+            critic_model = ValueModel.from_policy_checkpoint(
+                self.model_dir, seed=derive_seed(self.ppo.seed, 1), random_init=cfg.model.critic_init == "random")
+            if self.ppo.init_from and (Path(self.ppo.init_from) / "critic.safetensors").is_file():
+                checkpoint.load_weights(critic_model, Path(self.ppo.init_from) / "critic.safetensors")
+            self.critic = CriticWorker(critic_model.to(self.device), self.ppo, self.device, total_updates,
+                                       self.autocast_dtype)
+        self.reward = RewardWorker(cfg.task)
+        self.rollout = build_rollout(self.ppo.rollout_backend, actor_model, self.tokenizer, self.device,
+                                     model_dir=str(start_dir), seed=self.ppo.seed,
+                                     max_model_len=self.ppo.max_prompt_length + self.ppo.max_response_length)
+        self.kl_ctl = (algos.AdaptiveKLController(self.ppo.kl_coef, self.ppo.kl_target, self.ppo.kl_horizon)
+                       if self.ppo.adaptive_kl else algos.FixedKLController(self.ppo.kl_coef))
+        self.sampling = SamplingParams(max_new_tokens=self.ppo.max_response_length, temperature=self.ppo.temperature,
+                                       top_p=self.ppo.top_p, top_k=self.ppo.top_k,
+                                       max_prompt_length=self.ppo.max_prompt_length)
+        self.step = 0
+
+    # ----------------------------------------------------------------- phases
+    def generate(self, examples: List[Example], sampling: SamplingParams, seed_parts: tuple,
+                 samples_per_prompt: int, calls: int) -> Batch:
+        """Samples `samples_per_prompt` responses per prompt in `calls` generation calls."""
+        parts = []
+        per_call = math.ceil(len(examples) / calls)
+        for call in range(calls):
+            chunk = examples[call * per_call:(call + 1) * per_call]
+            if not chunk:
+                continue
+            repeated = [ex for ex in chunk for _ in range(samples_per_prompt)]
+            out = self.rollout.generate([ex.prompt for ex in repeated], sampling, derive_seed(*seed_parts, call))
+            out["prompts"] = [ex.prompt for ex in repeated]
+            out["answers"] = [ex.answer for ex in repeated]
+            parts.append(out)
+        batch = Batch.concat(parts, pad_values={"prompt_ids": self.tokenizer.pad_token_id,
+                                                "response_ids": self.tokenizer.pad_token_id},
+                             left_pad=("prompt_ids", "prompt_mask"))
+        batch["responses"] = decode_responses(self.tokenizer, batch)
+        n = self.ppo.samples_per_prompt if samples_per_prompt > 1 else 1
+        batch["group_ids"] = torch.arange(len(batch)) // n
+        return batch
+
+    def compute_advantages(self, batch: Batch) -> Dict[str, float]:
+        mask = batch["response_mask"].float()
+        kl = algos.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], self.ppo.kl_estimator) * mask
+        in_reward = self.ppo.kl_mode == "reward"
+        rewards = algos.token_rewards(batch["scores"], kl if in_reward else torch.zeros_like(kl), mask,
+                                      self.kl_ctl.value)
+        if self.ppo.adv_estimator == "gae":
+            adv, returns = algos.gae_advantages(rewards, batch["values"], mask, self.ppo.gamma, self.ppo.lam)
+            batch["returns"] = returns
+        else:
+            adv = algos.grpo_advantages(batch["scores"] - (self.kl_ctl.value * kl.sum(-1) if in_reward else 0),
+                                        batch["group_ids"], mask, self.ppo.grpo_normalize_std)
+        if self.ppo.whiten_advantages:
+            adv = algos.masked_whiten(adv, mask)
+        batch["advantages"] = adv
+        out = {"kl_divergence": float(algos.masked_mean(kl, mask)),
+               "kl_coef": float(self.kl_ctl.value),
+               "actor/kl_seq_sum": float(kl.sum(-1).mean()),
+               "critic/token_reward_mean": float(algos.masked_mean(rewards, mask))}
+        if self.critic is not None:
+            out["critic/values_mean"] = float(algos.masked_mean(batch["values"], mask))
+            out["critic/returns_mean"] = float(algos.masked_mean(batch["returns"], mask))
+            out["critic/explained_variance"] = float(algos.explained_variance(batch["values"], batch["returns"], mask))
+        return out
+
+    # ----------------------------------------------------------------- loop
+    def train_step(self) -> Dict:
+        """One PPO iteration."""
+        ppo, step = self.ppo, self.step
+        timer = PhaseTimer()
+        start = time.perf_counter()
+        with timer("generate"):
+            prompts = self.sampler.next(ppo.rollout_micro_batch_size * ppo.num_rollout_batches)
+            batch = self.generate(prompts, self.sampling, (ppo.seed, step), ppo.samples_per_prompt,
+                                  ppo.num_rollout_batches)
+        with timer("reward"):
+            for key, value in self.reward.score(batch).items():
+                batch[key] = value
+        with timer("reference"):
+            batch["ref_logprobs"] = self.reference.compute_logprobs(batch)
+        with timer("old_logprobs"):
+            batch["old_logprobs"], entropy = self.actor.compute_logprobs(batch)
+        if self.critic is not None:
+            with timer("values"):
+                batch["values"] = self.critic.compute_values(batch)
+        with timer("advantages"):
+            record = self.compute_advantages(batch)
+        if self.critic is not None:
+            with timer("update_critic"):
+                record.update(self.critic.update(batch, shuffle_seed=derive_seed(ppo.seed, step, 2)))
+        with timer("update_actor"):
+            record.update(self.actor.update(batch, shuffle_seed=derive_seed(ppo.seed, step, 3),
+                                            kl_coef=self.kl_ctl.value))
+        with timer("sync_weights"):
+            self.rollout.sync_weights(None)
+        self.kl_ctl.update(record["kl_divergence"], len(batch))
+
+        mask = batch["response_mask"].float()
+        lengths = mask.sum(-1)
+        finished = batch["finished"]
+        record.update({
+            "reward_mean": float(batch["scores"].mean()),
+            "reward_std": float(batch["scores"].std()) if len(batch) > 1 else 0.0,
+            "accuracy": float(batch["correct"].float().mean()),
+            "clip_fraction": record.get("actor/clip_fraction"),
+            "clip_fraction_lower": record.get("actor/clip_fraction_lower"),
+            "clip_fraction_upper": record.get("actor/clip_fraction_upper"),
+            "response_length_mean": float(lengths.mean()),
+            "response_clip_ratio": float((~finished).float().mean()),
+            "rollout_success_rate": float((finished & batch["well_formed"]).float().mean()),
+            "actor/entropy_old": float(algos.masked_mean(entropy, mask)),
+        })
+        step_time = time.perf_counter() - start
+        tokens = int(batch["prompt_mask"].sum() + mask.sum())
+        record.update({f"timing_s/{k}": v for k, v in timer.times.items()})
+        record["timing_s/step"] = step_time
+        record["perf/tokens_per_s"] = tokens / step_time
+        record["perf/generated_tokens_per_s"] = float(mask.sum()) / max(timer.times["generate"], 1e-9)
+        record["perf/max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        if self.device.type == "cuda":
+            record["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        self._check_finite(record)
+        return record
+
+    @staticmethod
+    def _check_finite(record: Dict) -> None:
+        bad = [k for k in ("actor/pg_loss", "critic/value_loss", "kl_divergence", "actor/grad_norm",
+                           "critic/grad_norm", "reward_mean")
+               if k in record and not math.isfinite(record[k])]
+        if bad:
+            raise TrainingDiverged(f"training diverged: non-finite {', '.join(bad)} "
+                                   f"({', '.join(f'{k}={record[k]}' for k in bad)})")
+
+    @torch.no_grad()
+    def evaluate(self) -> Dict[str, float]:
+        """Held-out accuracy: pass@1 sampled at ppo.eval_temperature (and greedy)."""
+        ppo = self.ppo
+        out = {}
+        modes = [("", ppo.eval_temperature, ppo.eval_samples_per_prompt)]
+        if ppo.eval_temperature > 0:
+            modes.append(("greedy_", 0.0, 1))
+        for prefix, temperature, n in modes:
+            sampling = SamplingParams(max_new_tokens=ppo.max_response_length, temperature=temperature,
+                                      top_p=ppo.top_p if temperature > 0 else 1.0, top_k=ppo.top_k,
+                                      max_prompt_length=ppo.max_prompt_length)
+            calls = math.ceil(len(self.eval_examples) * n / 64)
+            batch = self.generate(self.eval_examples, sampling, (ppo.seed, EVAL_SEED_SALT, self.step), n, calls)
+            scored = self.reward.score(batch)
+            out[f"eval/{prefix}accuracy"] = float(scored["correct"].float().mean())
+            out[f"eval/{prefix}reward_mean"] = float(scored["scores"].mean())
+            if not prefix:
+                out["eval/response_length_mean"] = float(batch["response_mask"].float().sum(-1).mean())
+                out["eval/rollout_success_rate"] = float((batch["finished"] & scored["well_formed"]).float().mean())
+        return out
+
+    # ----------------------------------------------------------------- checkpoints
+    def save(self) -> Path:
+        critic = self.critic
+        return checkpoint.save_checkpoint(
+            self.out / "checkpoints", self.step, actor_model=self.actor.model, tokenizer=self.tokenizer,
+            critic_model=critic.model if critic else None, actor_opt=self.actor.optimizer,
+            critic_opt=critic.optimizer if critic else None, actor_sched=self.actor.scheduler,
+            critic_sched=critic.scheduler if critic else None,
+            trainer_state={"sampler": self.sampler.state_dict(), "kl_controller": self.kl_ctl.state_dict()},
+            keep=self.ppo.keep_checkpoints)
+
+    def restore(self, ckpt: Path) -> None:
+        critic = self.critic
+        state = checkpoint.restore_training(
+            ckpt, actor_model=self.actor.model, critic_model=critic.model if critic else None,
+            actor_opt=self.actor.optimizer, critic_opt=critic.optimizer if critic else None,
+            actor_sched=self.actor.scheduler, critic_sched=critic.scheduler if critic else None)
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.step = checkpoint.load_state(ckpt)["step"]
+        self.rollout.sync_weights(None)
+
+    # ----------------------------------------------------------------- run
+    def run(self, logger: MetricLogger, resume_from: Path | None = None) -> Dict:
+        ppo = self.ppo
+        started = time.time()
+        if resume_from is not None:
+            self.restore(resume_from)
+            self.log(f"resumed from {resume_from} at step {self.step}")
+            initial = {k: v for k, v in read_metrics(self.out / "metrics.jsonl")[0].items() if k.startswith("eval/")}
+        else:
+            initial = self.evaluate()
+            logger.log({"step": 0, **initial})
+        final = None
+        while self.step < ppo.total_steps:
+            self.step += 1
+            record = {"step": self.step, **self.train_step()}
+            if self.step % ppo.eval_every == 0 or self.step == ppo.total_steps:
+                t = time.perf_counter()
+                final = self.evaluate()
+                record.update(final)
+                record["timing_s/eval"] = time.perf_counter() - t
+            logger.log(record)
+            if self.step % ppo.save_every == 0 or self.step == ppo.total_steps:
+                self.save()
+        history = [r for r in read_metrics(self.out / "metrics.jsonl") if r["step"] > 0]
+        if final is None:  # resumed after the last step had been written
+            final = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
+        summary = {
+            "status": "completed", "steps": self.step, "seed": ppo.seed,
+            "initial": initial, "final": final,
+            "final_window": window_means(history, ppo.final_window),
+            "final_window_steps": ppo.final_window,
+            "wall_time_s": time.time() - started,
+        }
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary

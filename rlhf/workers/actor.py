@@ -1,0 +1,87 @@
+"""The actor: the policy being trained. Recomputes old log-probs and runs the clipped PPO update
+over `ppo_epochs` x mini-batches, each mini-batch accumulated over micro-batches."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from rlhf import algos
+from rlhf.batch import Batch
+from rlhf.config import PPOConfig
+from rlhf.workers.common import (StatAccumulator, build_optimizer, build_scheduler, clip_grad,
+                                 minibatch_indices, response_logits)
+
+RATIO_BIN_EDGES = [round(0.05 * i, 2) for i in range(41)]  # 0.0 .. 2.0; ratios above 2 land in the last bin
+
+
+class ActorWorker:
+    def __init__(self, model: torch.nn.Module, cfg: PPOConfig, device: torch.device, total_optimizer_steps: int,
+                 autocast_dtype=None):
+        self.model = model
+        self.cfg = cfg
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.optimizer = build_optimizer(model.parameters(), cfg.actor_learning_rate, cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg, total_optimizer_steps)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the sampled response tokens and per-token entropy, [B, R] each."""
+        self.model.eval()
+        logps, ents = [], []
+        for micro in batch.split(self.cfg.micro_batch_size):
+            logits = response_logits(self.model, micro, self.device, self.cfg.temperature, self.autocast_dtype)
+            logps.append(algos.logprobs_from_logits(logits, micro["response_ids"].to(self.device)).cpu())
+            ents.append(algos.entropy_from_logits(logits).cpu())
+        return torch.cat(logps), torch.cat(ents)
+
+    def update(self, batch: Batch, shuffle_seed: int, kl_coef: float) -> Dict[str, object]:
+        """PPO update on the rollout buffer. `batch` carries old_logprobs, advantages, response_mask
+        and, when the KL is a loss term, ref_logprobs."""
+        cfg = self.cfg
+        self.model.train()
+        stats = StatAccumulator()
+        ratio_counts = torch.zeros(len(RATIO_BIN_EDGES) - 1, dtype=torch.long)
+        grad_norms = []
+        for epoch in range(cfg.ppo_epochs):
+            for mb_index in minibatch_indices(len(batch), cfg.mini_batch_size, shuffle_seed + epoch):
+                mini = batch.select(mb_index)
+                mask_all = mini["response_mask"].float()
+                normalizer = (mask_all.sum().clamp(min=1) if cfg.loss_aggregation == "token_mean"
+                              else (mask_all.sum(-1) > 0).sum().clamp(min=1)).item()
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in mini.split(cfg.micro_batch_size):
+                    mask = micro["response_mask"].to(self.device).float()
+                    logits = response_logits(self.model, micro, self.device, cfg.temperature, self.autocast_dtype)
+                    logprobs = algos.logprobs_from_logits(logits, micro["response_ids"].to(self.device))
+                    entropy = algos.entropy_from_logits(logits)
+                    pg_loss, pg_stats = algos.policy_loss(
+                        logprobs, micro["old_logprobs"].to(self.device), micro["advantages"].to(self.device), mask,
+                        cfg.clip_range, cfg.dual_clip, cfg.loss_aggregation, normalizer)
+                    entropy_term = algos.aggregate(entropy, mask, cfg.loss_aggregation, normalizer)
+                    loss = pg_loss - cfg.entropy_coef * entropy_term
+                    if cfg.kl_mode == "loss":
+                        kl = algos.kl_penalty(logprobs, micro["ref_logprobs"].to(self.device), cfg.kl_estimator)
+                        kl_term = algos.aggregate(kl, mask, cfg.loss_aggregation, normalizer)
+                        loss = loss + kl_coef * kl_term
+                        pg_stats["kl_loss"] = algos.masked_mean(kl.detach(), mask)
+                    loss.backward()
+                    weight = float(mask.sum())
+                    pg_stats["entropy"] = algos.masked_mean(entropy.detach(), mask)
+                    pg_stats["pg_loss"] = algos.masked_mean(
+                        -micro["advantages"].to(self.device) * torch.exp(logprobs - micro["old_logprobs"].to(self.device)), mask).detach()
+                    stats.add({k: float(v) for k, v in pg_stats.items()}, weight)
+                    with torch.no_grad():
+                        ratio = torch.exp(logprobs.detach() - micro["old_logprobs"].to(self.device))[mask.bool()]
+                        ratio_counts += torch.histc(ratio.clamp(0, 2).cpu().float(), bins=len(RATIO_BIN_EDGES) - 1,
+                                                    min=0, max=2).long()
+                grad_norms.append(clip_grad(self.model.parameters(), cfg.max_grad_norm))
+                self.optimizer.step()
+                self.scheduler.step()
+        out = {f"actor/{k}": v for k, v in stats.means().items()}
+        out["actor/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        out["actor/lr"] = self.scheduler.get_last_lr()[0]
+        out["policy_ratio_hist"] = {"bin_edges": RATIO_BIN_EDGES, "counts": ratio_counts.tolist()}
+        return out

@@ -1,0 +1,68 @@
+"""The critic: a value model trained on GAE returns with a clipped value loss."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from rlhf import algos
+from rlhf.batch import Batch
+from rlhf.config import PPOConfig
+from rlhf.workers.common import (StatAccumulator, build_optimizer, build_scheduler, clip_grad,
+                                 minibatch_indices, sequence_inputs)
+
+
+class CriticWorker:
+    def __init__(self, model: torch.nn.Module, cfg: PPOConfig, device: torch.device, total_optimizer_steps: int,
+                 autocast_dtype=None):
+        self.model = model
+        self.cfg = cfg
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.optimizer = build_optimizer(model.parameters(), cfg.critic_learning_rate, cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg, total_optimizer_steps)
+
+    def _values(self, micro: Batch) -> torch.Tensor:
+        ids, mask, P = sequence_inputs(micro, self.device)
+        R = micro["response_ids"].shape[1]
+        with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype,
+                            enabled=self.autocast_dtype is not None):
+            values = self.model(ids, mask)
+        return values[:, P - 1:P - 1 + R].float()
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """V(prompt + response[:t]) for every response position t, [B, R]."""
+        self.model.eval()
+        return torch.cat([self._values(m).cpu() for m in batch.split(self.cfg.micro_batch_size)])
+
+    def update(self, batch: Batch, shuffle_seed: int) -> Dict[str, float]:
+        cfg = self.cfg
+        self.model.train()
+        stats = StatAccumulator()
+        grad_norms = []
+        for epoch in range(cfg.ppo_epochs):
+            for mb_index in minibatch_indices(len(batch), cfg.mini_batch_size, shuffle_seed + epoch):
+                mini = batch.select(mb_index)
+                mask_all = mini["response_mask"].float()
+                normalizer = (mask_all.sum().clamp(min=1) if cfg.loss_aggregation == "token_mean"
+                              else (mask_all.sum(-1) > 0).sum().clamp(min=1)).item()
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in mini.split(cfg.micro_batch_size):
+                    mask = micro["response_mask"].to(self.device).float()
+                    values = self._values(micro)
+                    loss, vstats = algos.value_loss(values, micro["values"].to(self.device),
+                                                    micro["returns"].to(self.device), mask, cfg.value_clip_range,
+                                                    cfg.loss_aggregation, normalizer)
+                    loss.backward()
+                    vstats["value_loss"] = algos.masked_mean(
+                        0.5 * (values.detach() - micro["returns"].to(self.device)).square(), mask)
+                    stats.add({k: float(v) for k, v in vstats.items()}, float(mask.sum()))
+                grad_norms.append(clip_grad(self.model.parameters(), cfg.max_grad_norm))
+                self.optimizer.step()
+                self.scheduler.step()
+        out = {f"critic/{k}": v for k, v in stats.means().items()}
+        out["critic/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        out["critic/lr"] = self.scheduler.get_last_lr()[0]
+        return out
