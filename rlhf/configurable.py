@@ -8,6 +8,7 @@ message is one line naming the binding and what is allowed.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import re
 from pathlib import Path
@@ -38,6 +39,17 @@ def _register() -> None:
 
 
 _register()
+
+
+class _QuietIncludeProbe(logging.Filter):
+    """gin probes an include as a Python package path before its search paths and logs an error
+    when that probe misses; the include then resolves normally, so the message is only noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Path not found")
+
+
+logging.getLogger().addFilter(_QuietIncludeProbe())
 
 
 def _known_params(scope: str) -> list[str]:
@@ -99,8 +111,8 @@ def build() -> RunConfig:
     """Calls every configurable with the parsed bindings; validation runs here."""
     try:
         parts = {name: gin.get_configurable(name)() for name in SCOPES}
-    except ConfigError:
-        raise
+    except ConfigError as err:  # gin appends "In call to configurable ..." lines: keep the first
+        raise ConfigError(str(err).strip().splitlines()[0]) from None
     except (TypeError, ValueError) as err:
         raise ConfigError(_explain_gin_error(err)) from None
     return RunConfig(**parts)

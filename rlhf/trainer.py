@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import torch
+import transformers
 
 from rlhf import algos, checkpoint
 from rlhf.batch import Batch
@@ -49,7 +50,11 @@ def resolve_model_paths(cfg: RunConfig, log=print) -> tuple[Path, Path]:
     """(policy dir, tokenizer dir): the tiny default is built (once, cached) on demand."""
     if cfg.model.name_or_path == "tiny":
         return prepare_tiny(cfg.tiny_model, cfg.sft, cfg.task, log=log)
+    from rlhf.config import ConfigError
     model_dir = Path(cfg.model.name_or_path)
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"model.name_or_path = {str(model_dir)!r} is invalid: not a local model directory "
+                          f"(no config.json); use 'tiny' or a saved AutoModelForCausalLM checkpoint")
     return model_dir, Path(cfg.model.tokenizer_path or model_dir)
 
 
@@ -72,6 +77,7 @@ class PPOTrainer:
         self.ppo = cfg.ppo
         self.out = Path(out_dir)
         self.log = log
+        transformers.utils.logging.disable_progress_bar()
         self.device = resolve_device(self.ppo.device)
         if self.ppo.torch_threads:
             torch.set_num_threads(self.ppo.torch_threads)
