@@ -1,0 +1,89 @@
+"""Benchmark: time per phase and tokens/s of PPO iterations (not a test).
+
+    python bench/ppo_step.py [--recipe recipes/tiny.gin] [-b BINDING]... [--steps 5] [--json PATH]
+
+Builds the trainer from a recipe, runs one warm-up iteration, then `--steps` timed iterations,
+and reports the median of each phase. Figures go to stdout and to a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--recipe", default=str(REPO / "recipes" / "tiny.gin"))
+    p.add_argument("-b", "--binding", action="append", default=[])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--json", default=str(REPO / "bench" / "results" / "ppo_step_cpu.json"))
+    args = p.parse_args(argv)
+
+    import torch
+
+    from rlhf import configurable
+    from rlhf.trainer import PPOTrainer
+
+    cfg, _ = configurable.resolve(args.recipe, args.binding + [f"ppo.total_steps = {args.steps + 1}"])
+    with tempfile.TemporaryDirectory() as out:
+        t0 = time.perf_counter()
+        trainer = PPOTrainer(cfg, out, log=lambda m: print(m, file=sys.stderr))
+        setup_s = time.perf_counter() - t0
+        records = []
+        for i in range(args.steps + 1):
+            trainer.step += 1
+            record = trainer.train_step()
+            if i > 0:  # the first iteration is a warm-up
+                records.append(record)
+        t0 = time.perf_counter()
+        trainer.evaluate()
+        eval_s = time.perf_counter() - t0
+
+    phases = sorted({k for r in records for k in r if k.startswith("timing_s/")})
+    result = {
+        "recipe": str(Path(args.recipe).relative_to(REPO)) if Path(args.recipe).resolve().is_relative_to(REPO) else args.recipe,
+        "bindings": args.binding,
+        "command": "python bench/ppo_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "timed_steps": args.steps,
+        "rollout_batch_size": cfg.ppo.rollout_batch_size,
+        "max_response_length": cfg.ppo.max_response_length,
+        "device": str(trainer.device),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "setup_s": setup_s,
+        "eval_s": eval_s,
+        "median_s": {k.split("/", 1)[1]: statistics.median(r[k] for r in records if k in r) for k in phases},
+        "tokens_per_s": statistics.median(r["perf/tokens_per_s"] for r in records),
+        "generated_tokens_per_s": statistics.median(r["perf/generated_tokens_per_s"] for r in records),
+        "response_length_mean": statistics.mean(r["response_length_mean"] for r in records),
+    }
+    for key in ("perf/max_memory_allocated_gb", "perf/max_rss_gb"):
+        if key in records[-1]:
+            result[key.split("/", 1)[1]] = records[-1][key]
+    step = result["median_s"]["step"]
+    print(f"PPO iteration on {result['device']} ({cfg.ppo.rollout_batch_size} sequences, "
+          f"<= {cfg.ppo.max_response_length} new tokens): {step * 1000:.1f} ms median over {args.steps} steps")
+    for name, seconds in sorted(result["median_s"].items(), key=lambda kv: -kv[1]):
+        if name != "step":
+            print(f"  {name:<14} {seconds * 1000:8.1f} ms  {100 * seconds / step:5.1f}%")
+    print(f"  tokens/s (prompt + response, whole iteration): {result['tokens_per_s']:.0f}")
+    print(f"  generated tokens/s (generate phase):           {result['generated_tokens_per_s']:.0f}")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
