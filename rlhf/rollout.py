@@ -3,8 +3,8 @@
 `RolloutBackend.generate(prompts, sampling, seed)` returns a `Batch` with left-padded
 `prompt_ids`/`prompt_mask` [B, P], right-padded `response_ids`/`response_mask` [B, R]
 (R = max_new_tokens; the mask covers tokens up to and including EOS) and `finished` [B]
-(False when the response hit R without EOS). `sync_weights(state_dict)` loads the trainer's new
-weights; the HF backend shares the actor's module, so it has nothing to copy.
+(False when the response hit R without EOS). `sync_weights(model)` loads the trainer's new
+weights (an HF-named module); the HF backend shares the actor's module, so it has nothing to copy.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int):
 class RolloutBackend(Protocol):
     def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> Batch: ...
 
-    def sync_weights(self, named_tensors) -> None: ...
+    def sync_weights(self, model: torch.nn.Module) -> None: ...
 
 
 class HFRollout:
@@ -73,7 +73,7 @@ class HFRollout:
         self.tokenizer = tokenizer
         self.device = device
 
-    def sync_weights(self, named_tensors) -> None:  # shares the trainer's module
+    def sync_weights(self, model: torch.nn.Module) -> None:  # shares the trainer's module
         return None
 
     @torch.no_grad()

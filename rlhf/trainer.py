@@ -200,7 +200,7 @@ class PPOTrainer:
             record.update(self.actor.update(batch, shuffle_seed=derive_seed(ppo.seed, step, 3),
                                             kl_coef=self.kl_ctl.value))
         with timer("sync_weights"):
-            self.rollout.sync_weights(None)
+            self.rollout.sync_weights(self.actor.model)
         self.kl_ctl.update(record["kl_divergence"], len(batch))
 
         mask = batch["response_mask"].float()
@@ -281,7 +281,7 @@ class PPOTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.step = checkpoint.load_state(ckpt)["step"]
-        self.rollout.sync_weights(None)
+        self.rollout.sync_weights(self.actor.model)
 
     # ----------------------------------------------------------------- run
     def run(self, logger: MetricLogger, resume_from: Path | None = None) -> Dict:
