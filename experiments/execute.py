@@ -77,6 +77,9 @@ def _record(spec: dict) -> dict:
     record = read_record(spec["run_dir"])
     if record is None or record.get("run_hash") != spec["run_hash"]:
         record = {"run_hash": spec["run_hash"], "spec": spec, "attempts": []}
+    for attempt in record["attempts"]:
+        if attempt.get("end") is None:  # its process was killed before it could say so
+            attempt.update(interrupted=True, error="stopped without a record (manager or node killed)")
     return record
 
 
@@ -129,7 +132,11 @@ def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: st
         out.flush()
         err.flush()
         stderr_start = err.tell()
-        child = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=manager.get("cwd"),
+        # Own session: a terminal's Ctrl-C reaches the manager, which stops runs in order,
+        # rather than every engine at once. Started in the run dir, so whatever the engine
+        # writes relative to its working directory lands with the run.
+        child = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=run_dir,
+                                 start_new_session=True,
                                  preexec_fn=_die_with_parent if platform.system() == "Linux" else None)
         try:
             exit_code = child.wait()

@@ -48,8 +48,8 @@ def decide(spec: RunSpec, rerun_failed: bool = False) -> str:
         return "skip"
     if st == FAILED:
         exit_code = last_attempt(spec.run_dir).get("exit_code")
-        if exit_code in DETERMINISTIC_FAILURES and not rerun_failed:
-            return "skip"
+        if exit_code in DETERMINISTIC_FAILURES:  # resuming would repeat it: skip, or start over
+            return "start" if rerun_failed else "skip"
     if st in (INTERRUPTED, FAILED) and latest_checkpoint(spec.run_dir) is not None:
         return "resume"
     return "start"

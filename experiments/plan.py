@@ -14,7 +14,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -139,6 +141,9 @@ def resume_checkpoints(study: Study) -> Dict[int, str]:
     if not study.resume_from:
         return {}
     root = Path(study.resume_from)
+    if not root.is_dir():
+        raise StudyError(f"study.resume_from = {study.resume_from!r} does not exist: run the previous study "
+                         f"first, or give a checkpoint dir")
     if (root / "model.safetensors").exists() or root.name.startswith("step_"):
         return {s: str(root) for s in study.seeds}
     aggregate = root / "aggregate.json"
@@ -164,16 +169,25 @@ def resume_checkpoints(study: Study) -> Dict[int, str]:
 
 
 def _resolve(recipe: str, bindings: Sequence[str], where: str):
-    """The engine's resolve(), quietly: gin logs every include search miss at ERROR level."""
+    """The engine's resolve(), quietly: gin logs every include search miss at ERROR level.
+
+    gin first probes an include such as 'models/tiny.gin' as a Python package; a plain folder
+    of that name in the current directory (a namespace package) makes the probe crash instead
+    of miss. The current directory is taken off sys.path for the call (the engine's runs start
+    in their run dir, where no such folder exists).
+    """
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.CRITICAL)
+    saved_path = list(sys.path)
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]
     try:
         return resolve(recipe, list(bindings))
     except ConfigError as err:
         first = str(err).strip().splitlines()[0]  # gin appends "In call to configurable ..." lines
         raise StudyError(f"{where}: {first}") from None
     finally:
+        sys.path[:] = saved_path
         root.setLevel(level)
 
 

@@ -105,7 +105,7 @@ def study(name: str = gin.REQUIRED, description: str = "", baseline_recipe: str 
     baseline_recipe: an engine recipe, found next to the study file, under recipes/, or from cwd.
     baseline_bindings: engine bindings applied on top of the recipe for every run.
     variants: {name: 'scope.param = value'} (one binding), or a list of bindings for a variant
-        named in `coupled`.
+        named in `coupled`; {} runs the baseline alone (a first round).
     seeds: a count N (seeds 0..N-1) or a list of seeds; the same for every variant.
     metric, metric_from, direction: the decision metric, read from summary.json's `final`
         (held-out evaluation at the end) or `final_window` (mean over the last steps).
@@ -161,8 +161,9 @@ def _seeds(value) -> Tuple[int, ...]:
 
 
 def _variants(value, coupled: Sequence[str]) -> Tuple[Variant, ...]:
-    if not isinstance(value, Mapping) or not value:
-        raise _bad("study.variants", value, "must be a non-empty dict {name: 'scope.param = value'}")
+    if not isinstance(value, Mapping):
+        raise _bad("study.variants", value, "must be a dict {name: 'scope.param = value'} ({} runs the "
+                                            "baseline alone)")
     unknown = set(coupled) - set(value)
     if unknown:
         raise _bad("study.coupled", list(coupled), f"names {sorted(unknown)} that are not variants")
@@ -243,14 +244,8 @@ def _validate(args: dict, path: Path) -> Study:
         if not isinstance(args[key], str):
             raise _bad(f"study.{key}", args[key], "must be a string")
     resume_from = args["resume_from"]
-    if resume_from:
-        resolved = Path(resume_from).expanduser()
-        if not resolved.is_absolute():
-            resolved = (Path.cwd() / resolved).resolve()
-        if not resolved.is_dir():
-            raise _bad("study.resume_from", resume_from,
-                       "must be a previous study's results dir or a checkpoint dir that exists")
-        resume_from = str(resolved)
+    if resume_from:  # may not exist yet (a previous round still to run): planning checks it
+        resume_from = str((Path.cwd() / Path(resume_from).expanduser()).resolve())
     return Study(
         name=name, path=str(path), description=args["description"],
         baseline_recipe=str(find_recipe(args["baseline_recipe"], path)),

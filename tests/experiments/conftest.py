@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -18,3 +20,12 @@ def write_study(tmp_path):
         path.write_text(textwrap.dedent(text))
         return path
     return write
+
+
+@pytest.fixture
+def workdir():
+    """A private temporary directory for slow tests: pytest's numbered tmp dirs are pruned by any
+    other pytest session on the machine, which could delete a study's results mid-test."""
+    path = Path(tempfile.mkdtemp(prefix="experiments-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -112,3 +112,26 @@ def test_plan_cli_prints_the_table_without_running(write_study, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "experiments", "plan", str(path), "-b", "ppo.kl_coef = -1"],
                          capture_output=True, text=True, cwd=REPO, timeout=120)
     assert bad.returncode == 2 and "ppo.kl_coef" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "recipes" / "studies").glob("*.gin")), ids=lambda p: p.name)
+def test_every_shipped_study_parses_and_plans(recipe, tmp_path):
+    study = load_study(recipe)
+    if study.resume_from:  # planning needs the previous round's results
+        return
+    specs = expand(study, tmp_path)
+    assert len(specs) == len(study.all_variants) * len(study.seeds)
+    assert len({s.run_hash for s in specs}) == len(specs)
+
+
+def test_resume_from_must_exist_when_planning(write_study, tmp_path):
+    study = load_study(write_study(STUDY + "study.resume_from = 'results/not_yet'\n"))
+    with pytest.raises(StudyError, match="does not exist: run the previous study first"):
+        expand(study, tmp_path)
+
+
+def test_baseline_only_study(write_study, tmp_path):
+    text = STUDY.replace("study.variants = {'kl': 'ppo.kl_coef = 0.1', 'clip': 'ppo.clip_range = 0.1'}",
+                         "study.variants = {}")
+    specs = expand(load_study(write_study(text)), tmp_path)
+    assert [s.key for s in specs] == ["baseline/seed0", "baseline/seed1", "baseline/seed2"]

@@ -59,9 +59,9 @@ def test_coupled_variant_must_be_declared(write_study):
     ("study.variants = {'baseline': 'ppo.kl_coef = 0.1'}", "variant name"),
     ("study.variants = {'s': 'ppo.seed = 3'}", "ppo.seed is set by the manager"),
     ("study.variants = {'x': 'kl_coef: 0.1'}", "not a binding"),
+    ("study.variants = ['ppo.kl_coef = 0.1']", "study.variants"),
     ("study.variants = {'x': 'foo.bar = 1'}", "allowed scopes"),
     ("study.baseline_recipe = 'nope.gin'", "study.baseline_recipe"),
-    ("study.resume_from = '/does/not/exist'", "study.resume_from"),
     ("study.nope = 1", "nope"),
     ("ppo.kl_coef = 0.2", "binds only study"),
 ])

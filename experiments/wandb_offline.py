@@ -1,0 +1,85 @@
+"""Reads W&B offline run files (`run-<id>.wandb`) back into Python: run fields, config, history
+rows and summary. wandb ships no reader for them; the format is a 7-byte header, then LevelDB
+log records (32 KiB blocks, 7-byte record headers: crc32c, length, type full/first/middle/last),
+each payload a `wandb_internal_pb2.Record` protobuf."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Dict, Iterator, List
+
+BLOCK = 32 * 1024
+HEADER = 7
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def _payloads(data: bytes) -> Iterator[bytes]:
+    pos, pending = HEADER, b""
+    while pos + HEADER <= len(data):
+        left_in_block = BLOCK - (pos % BLOCK)
+        if left_in_block < HEADER:  # block trailer padding
+            pos += left_in_block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
+        pos += HEADER
+        chunk = data[pos:pos + length]
+        pos += length
+        if kind == FULL:
+            yield chunk
+        elif kind == FIRST:
+            pending = chunk
+        elif kind == MIDDLE:
+            pending += chunk
+        elif kind == LAST:
+            yield pending + chunk
+            pending = b""
+        elif kind == 0 and length == 0:  # zero padding at the end of a block
+            pos += BLOCK - (pos % BLOCK) if pos % BLOCK else 0
+
+
+def _value(item) -> object:
+    text = item.value_json
+    try:
+        return json.loads(text)
+    except (ValueError, TypeError):
+        return text
+
+
+def _key(item) -> str:
+    return item.key if item.key else "/".join(item.nested_key)
+
+
+def read_run(path: str | Path) -> Dict:
+    """{'id', 'project', 'group', 'job_type', 'name', 'config': {}, 'history': [rows], 'summary': {}}."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    out: Dict = {"config": {}, "history": [], "summary": {}, "path": str(path)}
+    for payload in _payloads(Path(path).read_bytes()):
+        rec = pb.Record()
+        try:
+            rec.ParseFromString(payload)
+        except Exception:  # a torn final record of a killed writer
+            continue
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            run = rec.run
+            out.update(id=run.run_id, project=run.project, group=run.run_group, job_type=run.job_type,
+                       name=run.display_name)
+            for item in run.config.update:
+                out["config"][_key(item)] = _value(item)
+        elif kind == "config":
+            for item in rec.config.update:
+                out["config"][_key(item)] = _value(item)
+        elif kind == "history":
+            out["history"].append({_key(item): _value(item) for item in rec.history.item})
+        elif kind == "summary":
+            for item in rec.summary.update:
+                out["summary"][_key(item)] = _value(item)
+    return out
+
+
+def find_runs(wandb_dir: str | Path) -> List[Path]:
+    """Every offline run file under a W&B directory."""
+    return sorted(Path(wandb_dir).rglob("run-*.wandb"))

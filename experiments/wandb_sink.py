@@ -1,0 +1,226 @@
+"""W&B as a sink of the experiment manager (the engine never imports wandb).
+
+One W&B run per (variant, seed): project from the study, group `study/variant`, job_type the
+parameter change, config the flat operative config plus seed and provenance, history the
+per-step metrics streamed from the run's `metrics.jsonl`, summary the final metrics. The W&B run
+id comes from the run's content hash, and the last step sent is kept in the run dir
+(`wandb.json`), so a resumed run continues the same W&B run without repeating steps.
+
+Mode: `WANDB_MODE` wins (`offline`, `online`, `disabled`); otherwise online when an API key is
+configured, else offline. `WANDB_DIR` is honoured; without it, files go under the study's
+results directory. Any W&B failure is reported once and then ignored: it never kills a run.
+"""
+
+from __future__ import annotations
+
+import json
+import netrc
+import os
+import sys
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+STATE_FILE = "wandb.json"
+
+
+def wandb_mode() -> str:
+    mode = os.environ.get("WANDB_MODE", "").strip().lower()
+    if mode in ("offline", "online", "disabled", "dryrun", "run"):
+        return {"dryrun": "offline", "run": "online"}.get(mode, mode)
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        hosts = netrc.netrc().hosts
+        if any("wandb" in host for host in hosts):
+            return "online"
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+def _warn(message: str) -> None:
+    print(f"warning: W&B: {message} (continuing without it)", file=sys.stderr)
+
+
+def _flat(prefix: str, value, out: Dict) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flat(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = value
+
+
+def to_wandb_record(record: Dict) -> Dict:
+    """A metrics.jsonl record as W&B values: the ratio histogram becomes a wandb.Histogram."""
+    import wandb
+
+    out = {}
+    for key, value in record.items():
+        if key == "step":
+            continue
+        if isinstance(value, dict) and {"bin_edges", "counts"} <= set(value):
+            out[key] = wandb.Histogram(np_histogram=(value["counts"], value["bin_edges"]))
+        elif isinstance(value, (int, float)) or value is None:
+            out[key] = value
+    return out
+
+
+class WandbRun:
+    """One W&B run fed from a run directory's files."""
+
+    def __init__(self, *, project: str, group: str, job_type: str, name: str, run_id: str, config: Dict,
+                 directory: Optional[str], tags: Iterable[str] = ()):
+        self.run = None
+        self.mode = wandb_mode()
+        if self.mode == "disabled":
+            return
+        try:
+            import wandb
+
+            if directory:
+                Path(directory).mkdir(parents=True, exist_ok=True)
+            self.run = wandb.init(project=project, group=group, job_type=job_type, name=name, id=run_id,
+                                  config=config, dir=os.environ.get("WANDB_DIR") or directory, mode=self.mode,
+                                  resume="allow", tags=list(tags), reinit="create_new",
+                                  settings=wandb.Settings(silent=True, console="off"))
+        except Exception as err:  # noqa: BLE001 - W&B must never take a run down
+            _warn(f"init failed: {err}")
+            self.run = None
+
+    @property
+    def active(self) -> bool:
+        return self.run is not None
+
+    def log(self, payload: Dict, step: Optional[int] = None) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.log(payload, step=step)
+        except Exception as err:  # noqa: BLE001
+            _warn(f"log failed: {err}")
+            self.run = None
+
+    def set_summary(self, values: Dict) -> None:
+        if self.run is None:
+            return
+        try:
+            for k, v in values.items():
+                self.run.summary[k] = v
+        except Exception as err:  # noqa: BLE001
+            _warn(f"summary failed: {err}")
+
+    def finish(self, exit_code: int = 0) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.finish(exit_code=exit_code)
+        except Exception as err:  # noqa: BLE001
+            _warn(f"finish failed: {err}")
+        self.run = None
+
+
+class RunDirStreamer:
+    """Tails a run dir's metrics.jsonl into a WandbRun, remembering the last step sent."""
+
+    def __init__(self, run_dir: str | Path, wandb_run: WandbRun):
+        self.run_dir = Path(run_dir)
+        self.wandb_run = wandb_run
+        state = self._read_state()
+        self.last_step = state.get("last_step", -1) if state.get("run_id") == self._run_id() else -1
+
+    def _run_id(self) -> Optional[str]:
+        run = self.wandb_run.run
+        return getattr(run, "id", None)
+
+    def _read_state(self) -> Dict:
+        try:
+            return json.loads((self.run_dir / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def poll(self) -> int:
+        """Sends records newer than the last step sent; returns how many were sent."""
+        if not self.wandb_run.active:
+            return 0
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return 0
+        sent = 0
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line being written
+                break
+            if record.get("step", -1) <= self.last_step:
+                continue
+            self.wandb_run.log(to_wandb_record(record), step=int(record["step"]))
+            self.last_step = int(record["step"])
+            sent += 1
+        if sent:
+            (self.run_dir / STATE_FILE).write_text(json.dumps({"run_id": self._run_id(), "last_step": self.last_step}))
+        return sent
+
+    def close(self, exit_code: int) -> None:
+        self.poll()
+        summary_path = self.run_dir / "summary.json"
+        if summary_path.exists():
+            try:
+                summary = json.loads(summary_path.read_text())
+            except ValueError:
+                summary = {}
+            flat: Dict = {}
+            for part in ("final", "final_window"):
+                _flat(part, summary.get(part, {}), flat)
+            flat["status"] = summary.get("status")
+            self.wandb_run.set_summary(flat)
+        self.wandb_run.finish(exit_code=exit_code)
+
+
+def provenance_config(run_dir: str | Path) -> Dict:
+    """The provenance fields worth filtering on in W&B (no diffs)."""
+    try:
+        prov = json.loads((Path(run_dir) / "provenance.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    git = prov.get("git", {})
+    return {"git_sha": git.get("sha"), "git_dirty": git.get("dirty"), "data_sha256": prov.get("data_sha256"),
+            "start_checkpoint_sha256": prov.get("start_checkpoint_sha256"),
+            **{f"version.{k}": v for k, v in prov.get("versions", {}).items()},
+            "hostname": prov.get("hardware", {}).get("hostname")}
+
+
+def job_type_for(changes: Dict) -> str:
+    """The parameter change as W&B's job_type: 'baseline' or 'ppo.kl_coef=0.1[,+...]'."""
+    if not changes:
+        return "baseline"
+    text = ",".join(f"{k}={v}" for k, v in sorted(changes.items()))
+    return text[:64]
+
+
+def run_for_spec(spec: Dict, flat_config: Dict, directory: Optional[str], project: str) -> WandbRun:
+    config = {**flat_config, "seed": spec["seed"], "variant": spec["variant"], "study": spec["study"],
+              "run_hash": spec["run_hash"], **{f"provenance.{k}": v for k, v in provenance_config(spec["run_dir"]).items()}}
+    return WandbRun(project=project, group=f"{spec['study']}/{spec['variant']}", job_type=job_type_for(spec["changes"]),
+                    name=f"{spec['variant']}-seed{spec['seed']}", run_id=f"{spec['study']}-{spec['run_hash'][:12]}",
+                    config=config, directory=directory, tags=[spec["study"], spec["variant"]])
+
+
+def log_study_aggregate(*, project: str, study: str, study_hash: str, columns: List[str], rows: List[List],
+                        summary: Dict, images: Iterable[Path], directory: Optional[str]) -> None:
+    """One aggregate run per study: the per-variant statistics table, verdicts and plots."""
+    run = WandbRun(project=project, group=study, job_type="aggregate", name=f"{study}-aggregate",
+                   run_id=f"{study}-aggregate-{study_hash[:12]}", config={"study": study}, directory=directory,
+                   tags=[study, "aggregate"])
+    if not run.active:
+        return
+    try:
+        import wandb
+
+        payload = {"variants": wandb.Table(columns=columns, data=rows)}
+        for image in images:
+            payload[f"plots/{Path(image).stem}"] = wandb.Image(str(image))
+        run.log(payload)
+        run.set_summary(summary)
+    except Exception as err:  # noqa: BLE001
+        _warn(f"aggregate failed: {err}")
+    run.finish()

@@ -1,0 +1,116 @@
+"""Aggregate, verdicts, guardrails and the report on synthetic run dirs (no engine needed)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments.collect import band
+from experiments.plan import expand
+from experiments.report import write_report
+from experiments.rundir import write_json
+from experiments.study import load_study
+
+STUDY = """
+study.name = 'synthetic'
+study.baseline_recipe = 'tiny.gin'
+study.baseline_bindings = ['ppo.total_steps = 5']
+study.variants = {'good': 'ppo.kl_coef = 0.1', 'same': 'ppo.clip_range = 0.1', 'hot': 'ppo.actor_learning_rate = 0.01',
+                  'broken': 'ppo.adam_eps = 1e-300'}
+study.seeds = 4
+study.guardrails = {'kl_divergence': {'max': 0.5}, 'rollout_success_rate': {'min': 0.95}}
+"""
+
+ACCURACY = {  # final eval/accuracy per seed
+    "baseline": [0.50, 0.52, 0.49, 0.51],
+    "good": [0.70, 0.72, 0.69, 0.71],
+    "same": [0.51, 0.49, 0.53, 0.50],
+    "hot": [0.80, 0.82, 0.79, 0.81],
+}
+
+
+def fake_run(spec, accuracy, kl=0.05, success=1.0, diverged=False):
+    """A run dir as the engine and the manager would leave it."""
+    d = Path(spec.run_dir)
+    d.mkdir(parents=True)
+    rows = [{"step": s, "reward_mean": 0.1 * s + accuracy, "kl_divergence": kl, "clip_fraction": 0.1,
+             "clip_fraction_lower": 0.05, "clip_fraction_upper": 0.05, "response_length_mean": 3.0,
+             "rollout_success_rate": success, "policy_ratio_hist": {"bin_edges": [0, 1], "counts": [3]},
+             **({"eval/accuracy": accuracy} if s in (0, 5) else {})} for s in range(6)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "rew')
+    attempt = {"attempt": 1, "exit_code": 3 if diverged else 0, "start": "t0", "end": "t1",
+               "error": "diverged (exit 3): training diverged: non-finite actor/pg_loss" if diverged else None}
+    write_json(d / "run.json", {"run_hash": spec.run_hash, "attempts": [attempt]})
+    if not diverged:
+        write_json(d / "summary.json", {"status": "completed", "steps": 5, "initial": {"eval/accuracy": 0.3},
+                                        "final": {"eval/accuracy": accuracy},
+                                        "final_window": {"kl_divergence": kl, "rollout_success_rate": success}})
+    write_json(d / "provenance.json", {"versions": {"torch": "x"}, "hardware": {"hostname": "h"}})
+
+
+@pytest.fixture
+def study_dir(write_study, tmp_path):
+    study = load_study(write_study(STUDY))
+    specs = expand(study, tmp_path / "results")
+    for spec in specs:
+        if spec.variant == "broken":
+            fake_run(spec, 0.0, diverged=True)
+        else:
+            acc = ACCURACY[spec.variant][spec.seed]
+            fake_run(spec, acc, kl=0.9 if spec.variant == "hot" and spec.seed == 2 else 0.05)
+    return study, specs, tmp_path / "results" / "synthetic"
+
+
+def test_verdicts_guardrails_and_decision(study_dir):
+    study, specs, out = study_dir
+    agg = write_report(study, out, specs)
+    v = agg["variants"]
+    assert v["good"]["verdict"] == "better"
+    assert v["hot"]["verdict"] == "better" and not v["hot"]["guardrails_ok"]
+    assert v["hot"]["guardrails"]["kl_divergence"]["violated_seeds"] == [2]
+    assert v["same"]["verdict"] == "no detectable difference"
+    assert v["broken"]["verdict"] == "failed" and v["broken"]["summary"]["n"] == 0
+    assert agg["decision"]["chosen"] == "good"  # 'hot' is better but breaks a guardrail
+    assert agg["decision"]["guardrail_violations"] == ["hot"]
+    base = np.array(ACCURACY["baseline"])
+    assert v["baseline"]["summary"]["mean"] == pytest.approx(base.mean())
+    assert v["good"]["comparison"]["difference"] == pytest.approx(np.mean(ACCURACY["good"]) - base.mean())
+    # Holm over the 3 testable variants: the smallest raw p is multiplied by 3.
+    raw = {n: v[n]["comparison"]["p_value"] for n in ("good", "same", "hot")}
+    smallest = min(raw, key=raw.get)
+    assert v[smallest]["comparison"]["p_value_holm"] == pytest.approx(min(1, 3 * raw[smallest]))
+
+
+def test_report_files(study_dir):
+    study, specs, out = study_dir
+    write_report(study, out, specs)
+    report = (out / "report.md").read_text()
+    for text in ("Decision table", "Per-seed values", "Guardrails", "Provenance", "`good`", "diverged",
+                 "plots/reward_mean.png"):
+        assert text in report
+    saved = json.loads((out / "aggregate.json").read_text())
+    assert saved["decision"]["chosen"] == "good"
+    assert {p.name for p in (out / "plots").glob("*.png")} == {
+        "reward_mean.png", "kl_divergence.png", "clip_fractions.png", "response_length_mean.png",
+        "eval_accuracy.png"}
+
+
+def test_underpowered_when_few_seeds(write_study, tmp_path):
+    study = load_study(write_study(STUDY), ["study.seeds = 2"])
+    specs = expand(study, tmp_path / "r")
+    for spec in specs:
+        acc = {"baseline": [0.50, 0.56], "good": [0.53, 0.59]}.get(spec.variant, [0.5, 0.5])[spec.seed]
+        fake_run(spec, acc, diverged=spec.variant == "broken")
+    agg = write_report(study, tmp_path / "r" / "synthetic", specs)
+    good = agg["variants"]["good"]
+    assert good["verdict"] == "no detectable difference" and good["underpowered"]
+    assert good["comparison"]["seeds_needed"] > 2
+    assert "underpowered" in (tmp_path / "r" / "synthetic" / "report.md").read_text()
+
+
+def test_band_aligns_steps_across_seeds():
+    steps, mean, std = band([(np.array([0, 5]), np.array([1.0, 3.0])), (np.array([0, 2, 5]), np.array([3.0, 7.0, 5.0]))])
+    assert steps.tolist() == [0, 2, 5]
+    assert mean.tolist() == [2.0, 7.0, 4.0]
+    assert std.tolist() == [1.0, 0.0, 1.0]
