@@ -76,6 +76,19 @@ class PPOConfig:
     """0 disables top-k filtering."""
     rollout_backend: str = "hf"
     """'hf' (transformers generate) or 'vllm' (GPU)."""
+    rollout_logprobs: bool = False
+    """vLLM only: also return the sampling log-probs and log their mean gap to the trainer's
+    recomputed old log-probs as `rollout/logprob_gap` (the ratio still uses the trainer's).
+    Costs 40-60% of vLLM's generation throughput."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Fraction of the GPU's memory the vLLM engine may take (weights, activations, KV cache);
+    the trainer's models and optimizer states share the rest."""
+    vllm_sleep: bool = True
+    """vLLM: offload the engine's weights and free its KV cache between rollouts (sleep mode),
+    so the update phases get that memory; it wakes before the next weight sync."""
+    vllm_per_request_seeds: bool = True
+    """vLLM: one seed per request (derived from seed, step, call, index), so a response never
+    depends on batching; False seeds the engine once per call, which samples faster."""
 
     # --- optimisation ---
     actor_learning_rate: float = 2e-6
@@ -95,7 +108,8 @@ class PPOConfig:
     mini_batch_size: int = 32
     """Sequences per optimizer step; must divide the rollout buffer."""
     micro_batch_size: int = 16
-    """Sequences per forward/backward; gradients accumulate over mini_batch_size / micro_batch_size."""
+    """Sequences per forward/backward (on each rank, capped at its share mini_batch_size / world_size);
+    gradients accumulate over the rest of the mini-batch."""
 
     # --- losses ---
     clip_range: float = 0.2
@@ -143,8 +157,23 @@ class PPOConfig:
     """Parameter dtype for training: 'float32' or 'bfloat16' (autocast on GPU)."""
     init_from: str = ""
     """A checkpoint dir (`.../checkpoints/step_N`) whose actor and critic weights start this run."""
+    torch_compile: bool = False
+    """GPU: compile the models' training and scoring forwards and the log-prob/entropy math with
+    torch.compile (fuses the many small kernels of narrow models; the first steps compile)."""
     torch_threads: int = 0
-    """CPU threads for torch (0 leaves torch's default)."""
+    """CPU threads for torch (0 leaves torch's default); on Ray, the threads of each rank."""
+
+    # --- scale-out on Ray (bindings that say where a run executes, not what it computes) ---
+    world_size: int = 1
+    """Ranks per model role (actor, critic, reference): one Ray actor per rank, the model sharded
+    over them with FSDP2. The global batch sizes above do not change with it, so results do not."""
+    placement: str = "auto"
+    """'local' (every role in this process: the single-process engine), 'colocated' (rank i of every
+    role shares placement-group bundle i and its device; on GPU, models not in use are offloaded
+    to CPU between phases), 'split' (each role's ranks on bundles of their own), or 'auto'
+    ('local' at world_size 1, 'colocated' above)."""
+    cpus_per_rank: float = 1.0
+    """Logical Ray CPUs in each placement-group bundle (one bundle per rank; on GPU it also holds one GPU)."""
 
     def __post_init__(self) -> None:
         s = "ppo"
@@ -184,11 +213,20 @@ class PPOConfig:
         _choice(s, "adv_estimator", self.adv_estimator, ("gae", "grpo"))
         _choice(s, "device", self.device, ("auto", "cpu", "cuda"))
         _choice(s, "dtype", self.dtype, ("float32", "bfloat16"))
-        for name in ("adaptive_kl", "whiten_advantages", "grpo_normalize_std"):
+        _positive_int(s, "world_size", self.world_size)
+        _choice(s, "placement", self.placement, ("auto", "local", "colocated", "split"))
+        _number(s, "cpus_per_rank", self.cpus_per_rank, 0.0, 1024.0, lo_open=True)
+        _number(s, "vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, 0.0, 1.0,
+                lo_open=True, hi_open=True)
+        for name in ("adaptive_kl", "whiten_advantages", "grpo_normalize_std", "rollout_logprobs",
+                     "vllm_sleep", "vllm_per_request_seeds", "torch_compile"):
             _check(isinstance(getattr(self, name), bool), f"ppo.{name}", getattr(self, name),
                    "must be True or False")
         _check(isinstance(self.init_from, str), "ppo.init_from", self.init_from, "must be a path string")
         # Cross-field rules.
+        if self.rollout_logprobs:
+            _check(self.rollout_backend == "vllm", "ppo.rollout_logprobs", self.rollout_logprobs,
+                   "needs ppo.rollout_backend = 'vllm' (the HF backend returns no sampling log-probs)")
         if self.adv_estimator == "grpo":
             _check(self.samples_per_prompt >= 2, "ppo.samples_per_prompt", self.samples_per_prompt,
                    "must be >= 2 when ppo.adv_estimator = 'grpo' (the group baseline needs a group)")
@@ -198,6 +236,13 @@ class PPOConfig:
                f"samples_per_prompt = {buffer})")
         _check(self.mini_batch_size % self.micro_batch_size == 0, "ppo.micro_batch_size",
                self.micro_batch_size, f"must divide ppo.mini_batch_size = {self.mini_batch_size}")
+        _check(self.world_size == 1 or self.placement != "local", "ppo.placement", self.placement,
+               f"must be 'colocated', 'split' or 'auto' when ppo.world_size = {self.world_size} "
+               f"('local' runs every role in one process)")
+        # Every rank takes an equal share of each mini-batch: sharded models need every rank to run
+        # the same number of forward passes, or their all-gathers wait on each other forever.
+        _check(self.mini_batch_size % self.world_size == 0, "ppo.mini_batch_size", self.mini_batch_size,
+               f"must be a multiple of ppo.world_size = {self.world_size} (each rank takes an equal share)")
 
     @property
     def rollout_batch_size(self) -> int:
@@ -207,6 +252,17 @@ class PPOConfig:
     @property
     def grad_accumulation_steps(self) -> int:
         return self.mini_batch_size // self.micro_batch_size
+
+    @property
+    def resolved_placement(self) -> str:
+        """'local', 'colocated' or 'split' ('auto' resolved by world size)."""
+        if self.placement == "auto":
+            return "local" if self.world_size == 1 else "colocated"
+        return self.placement
+
+
+# Bindings that say where a run executes, not what it computes: a run may resume under other values.
+PLACEMENT_BINDINGS = ("ppo.world_size", "ppo.placement", "ppo.cpus_per_rank")
 
 
 @dataclasses.dataclass(frozen=True)

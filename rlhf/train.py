@@ -1,6 +1,6 @@
 """One PPO run from a gin recipe.
 
-    python -m rlhf.train RECIPE.gin [-b 'BINDING']... --out DIR [--resume]
+    python -m rlhf.train RECIPE.gin [-b 'BINDING']... --out DIR [--resume] [--ray-address ADDR]
 
 Exit codes: 0 done, 2 bad configuration (one line, before any compute), 3 training diverged,
 1 any other error.
@@ -23,6 +23,9 @@ def parse_args(argv):
     p.add_argument("--out", required=True, help="the run directory")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
+    p.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (default: RAY_ADDRESS, else a local instance) when "
+                        "ppo.world_size > 1 or ppo.placement is 'colocated' or 'split'")
     return p.parse_args(argv)
 
 
@@ -44,18 +47,19 @@ def main(argv=None) -> int:
                 print(f"--resume: no checkpoint under {out / 'checkpoints'}; starting from scratch", file=sys.stderr)
             else:
                 saved = (out / "config.gin").read_text() if (out / "config.gin").exists() else None
-                if saved is not None and saved != operative:
+                if saved is not None and without_placement(saved) != without_placement(operative):
                     raise ConfigError(f"--resume: the configuration differs from the one {out} was started with "
                                       f"(see {out / 'config.gin'}); resume with the same recipe and bindings")
         from rlhf.trainer import PPOTrainer, TrainingDiverged
         out.mkdir(parents=True, exist_ok=True)
-        trainer = PPOTrainer(cfg, out, log=lambda m: print(m, file=sys.stderr))
+        trainer = PPOTrainer(cfg, out, log=lambda m: print(m, file=sys.stderr), ray_address=args.ray_address)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
 
     (out / "config.gin").write_text(operative)
     prov = provenance.collect(argv, cfg.ppo.seed, trainer.data_hash, trainer.start_checkpoint, operative)
+    prov["placement"] = trainer.placement
     prov_path = out / "provenance.json"
     if prov_path.exists():  # keep fields others (the experiment manager) added
         prov = {**json.loads(prov_path.read_text()), **prov}
@@ -73,8 +77,17 @@ def main(argv=None) -> int:
         return EXIT_DIVERGED
     finally:
         logger.close()
+        trainer.close()
     print(json.dumps({"initial": summary["initial"], "final": summary["final"]}), file=sys.stderr)
     return EXIT_OK
+
+
+def without_placement(config_text: str) -> str:
+    """The operative config without the bindings that say where a run executes: a checkpoint
+    resumes at any world size and placement."""
+    from rlhf.config import PLACEMENT_BINDINGS
+    return "\n".join(line for line in config_text.splitlines()
+                     if not line.strip().startswith(PLACEMENT_BINDINGS))
 
 
 def trainer_step_of(ckpt) -> int | None:

@@ -22,13 +22,10 @@ from rlhf.batch import Batch
 from rlhf.config import RunConfig
 from rlhf.data import Example, PromptSampler, dataset_hash, load_task
 from rlhf.metrics import MetricLogger, read_metrics, window_means
-from rlhf.models import ValueModel, load_policy, load_tokenizer
-from rlhf.rollout import SamplingParams, build_rollout, decode_responses, derive_seed
+from rlhf.models import load_tokenizer
+from rlhf.roles import build_roles, generate_calls
+from rlhf.rollout import SamplingParams, decode_responses, derive_seed
 from rlhf.tiny import prepare_tiny
-from rlhf.workers.actor import ActorWorker
-from rlhf.workers.critic import CriticWorker
-from rlhf.workers.reference import ReferenceWorker
-from rlhf.workers.reward import RewardWorker
 
 EVAL_SEED_SALT = 7_919
 
@@ -72,13 +69,15 @@ class PhaseTimer:
 
 
 class PPOTrainer:
-    def __init__(self, cfg: RunConfig, out_dir: str | Path, log=print):
+    def __init__(self, cfg: RunConfig, out_dir: str | Path, log=print, ray_address: str | None = None):
         self.cfg = cfg
         self.ppo = cfg.ppo
         self.out = Path(out_dir)
         self.log = log
         transformers.utils.logging.disable_progress_bar()
-        self.device = resolve_device(self.ppo.device)
+        # On Ray the ranks hold the devices; this process only steers them (and computes advantages).
+        local = self.ppo.resolved_placement == "local"
+        self.device = resolve_device(self.ppo.device) if local else torch.device("cpu")
         if self.ppo.torch_threads:
             torch.set_num_threads(self.ppo.torch_threads)
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -94,28 +93,14 @@ class PPOTrainer:
         self.data_hash = dataset_hash(self.train_examples + held)
         self.sampler = PromptSampler(self.train_examples, seed=self.ppo.seed)
 
-        torch.manual_seed(self.ppo.seed)
         start_dir = Path(self.ppo.init_from) / "actor" if self.ppo.init_from else self.model_dir
         self.start_checkpoint = str(start_dir)
-        actor_model = load_policy(start_dir).to(self.device)
-        ref_model = load_policy(self.model_dir).to(self.device)
-        updates_per_step = self.ppo.ppo_epochs * (self.ppo.rollout_batch_size // self.ppo.mini_batch_size)
-        total_updates = self.ppo.total_steps * updates_per_step
-        self.actor = ActorWorker(actor_model, self.ppo, self.device, total_updates, self.autocast_dtype)
-        self.reference = ReferenceWorker(ref_model, self.device, self.ppo.temperature, self.ppo.micro_batch_size,
-                                         self.autocast_dtype)
-        self.critic = None
-        if self.ppo.adv_estimator == "gae":
-            critic_model = ValueModel.from_policy_checkpoint(
-                self.model_dir, seed=derive_seed(self.ppo.seed, 1), random_init=cfg.model.critic_init == "random")
-            if self.ppo.init_from and (Path(self.ppo.init_from) / "critic.safetensors").is_file():
-                checkpoint.load_weights(critic_model, Path(self.ppo.init_from) / "critic.safetensors")
-            self.critic = CriticWorker(critic_model.to(self.device), self.ppo, self.device, total_updates,
-                                       self.autocast_dtype)
-        self.reward = RewardWorker(cfg.task)
-        self.rollout = build_rollout(self.ppo.rollout_backend, actor_model, self.tokenizer, self.device,
-                                     model_dir=str(start_dir), seed=self.ppo.seed,
-                                     max_model_len=self.ppo.max_prompt_length + self.ppo.max_response_length)
+        roles = build_roles(cfg, model_dir=self.model_dir, tokenizer_dir=self.tokenizer_dir, tokenizer=self.tokenizer,
+                            start_dir=start_dir, device=self.device, autocast_dtype=self.autocast_dtype,
+                            ray_address=ray_address, log=log)
+        self.actor, self.critic, self.reference = roles.actor, roles.critic, roles.reference
+        self.reward, self.rollout = roles.reward, roles.rollout
+        self.placement, self.close = roles.placement, roles.close
         self.kl_ctl = (algos.AdaptiveKLController(self.ppo.kl_coef, self.ppo.kl_target, self.ppo.kl_horizon)
                        if self.ppo.adaptive_kl else algos.FixedKLController(self.ppo.kl_coef))
         self.sampling = SamplingParams(max_new_tokens=self.ppo.max_response_length, temperature=self.ppo.temperature,
@@ -127,17 +112,17 @@ class PPOTrainer:
     def generate(self, examples: List[Example], sampling: SamplingParams, seed_parts: tuple,
                  samples_per_prompt: int, calls: int) -> Batch:
         """Samples `samples_per_prompt` responses per prompt in `calls` generation calls."""
-        parts = []
         per_call = math.ceil(len(examples) / calls)
+        calls_made, requests = [], []
         for call in range(calls):
-            chunk = examples[call * per_call:(call + 1) * per_call]
-            if not chunk:
-                continue
-            repeated = [ex for ex in chunk for _ in range(samples_per_prompt)]
-            out = self.rollout.generate([ex.prompt for ex in repeated], sampling, derive_seed(*seed_parts, call))
+            repeated = [ex for ex in examples[call * per_call:(call + 1) * per_call] for _ in range(samples_per_prompt)]
+            if repeated:
+                calls_made.append(repeated)
+                requests.append(([ex.prompt for ex in repeated], derive_seed(*seed_parts, call)))
+        parts = generate_calls(self.rollout, requests, sampling)
+        for out, repeated in zip(parts, calls_made):
             out["prompts"] = [ex.prompt for ex in repeated]
             out["answers"] = [ex.answer for ex in repeated]
-            parts.append(out)
         batch = Batch.concat(parts, pad_values={"prompt_ids": self.tokenizer.pad_token_id,
                                                 "response_ids": self.tokenizer.pad_token_id},
                              left_pad=("prompt_ids", "prompt_mask"))

@@ -10,19 +10,26 @@ import torch
 from rlhf import algos
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
-from rlhf.workers.common import (StatAccumulator, build_optimizer, build_scheduler, clip_grad,
-                                 minibatch_indices, response_logits)
+from rlhf.workers.common import (SingleRank, StatAccumulator, build_optimizer, build_scheduler, clip_grad,
+                                 global_stats, minibatch_indices, response_logits)
+
+from rlhf.workers.common import response_logprobs
+from rlhf.workers.compiled import compile_layers
 
 RATIO_BIN_EDGES = [round(0.05 * i, 2) for i in range(41)]  # 0.0 .. 2.0; ratios above 2 land in the last bin
 
 
 class ActorWorker:
     def __init__(self, model: torch.nn.Module, cfg: PPOConfig, device: torch.device, total_optimizer_steps: int,
-                 autocast_dtype=None):
+                 autocast_dtype=None, ranks=None):
         self.model = model
+        self.ranks = ranks or SingleRank()
         self.cfg = cfg
         self.device = device
         self.autocast_dtype = autocast_dtype
+        self.fused = cfg.torch_compile and torch.device(device).type == "cuda"
+        if self.fused:
+            compile_layers(model)
         self.optimizer = build_optimizer(model.parameters(), cfg.actor_learning_rate, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, total_optimizer_steps)
 
@@ -32,31 +39,33 @@ class ActorWorker:
         self.model.eval()
         logps, ents = [], []
         for micro in batch.split(self.cfg.micro_batch_size):
-            logits = response_logits(self.model, micro, self.device, self.cfg.temperature, self.autocast_dtype)
-            logps.append(algos.logprobs_from_logits(logits, micro["response_ids"].to(self.device)).cpu())
-            ents.append(algos.entropy_from_logits(logits).cpu())
+            logprobs, entropy = response_logprobs(self.model, micro, self.device, self.cfg.temperature,
+                                                  self.autocast_dtype, fused=self.fused)
+            logps.append(logprobs.cpu())
+            ents.append(entropy.cpu())
         return torch.cat(logps), torch.cat(ents)
 
     def update(self, batch: Batch, shuffle_seed: int, kl_coef: float) -> Dict[str, object]:
         """PPO update on the rollout buffer. `batch` carries old_logprobs, advantages, response_mask
-        and, when the KL is a loss term, ref_logprobs."""
-        cfg = self.cfg
+        and, when the KL is a loss term, ref_logprobs. With several ranks, each takes its share of every
+        mini-batch; the loss normalizer is the global one divided by the world size, because FSDP
+        averages the ranks' gradients: the average of the shares is then the one-process gradient."""
+        cfg, ranks = self.cfg, self.ranks
         self.model.train()
         stats = StatAccumulator()
         ratio_counts = torch.zeros(len(RATIO_BIN_EDGES) - 1, dtype=torch.long)
         grad_norms = []
         for epoch in range(cfg.ppo_epochs):
             for mb_index in minibatch_indices(len(batch), cfg.mini_batch_size, shuffle_seed + epoch):
-                mini = batch.select(mb_index)
+                mini = ranks.share(batch.select(mb_index))
                 mask_all = mini["response_mask"].float()
-                normalizer = (mask_all.sum().clamp(min=1) if cfg.loss_aggregation == "token_mean"
-                              else (mask_all.sum(-1) > 0).sum().clamp(min=1)).item()
+                count = mask_all.sum() if cfg.loss_aggregation == "token_mean" else (mask_all.sum(-1) > 0).sum()
+                normalizer = ranks.sum(count).clamp(min=1).item() / ranks.world_size
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in mini.split(cfg.micro_batch_size):
                     mask = micro["response_mask"].to(self.device).float()
-                    logits = response_logits(self.model, micro, self.device, cfg.temperature, self.autocast_dtype)
-                    logprobs = algos.logprobs_from_logits(logits, micro["response_ids"].to(self.device))
-                    entropy = algos.entropy_from_logits(logits)
+                    logprobs, entropy = response_logprobs(self.model, micro, self.device, cfg.temperature,
+                                                          self.autocast_dtype, fused=self.fused)
                     pg_loss, pg_stats = algos.policy_loss(
                         logprobs, micro["old_logprobs"].to(self.device), micro["advantages"].to(self.device), mask,
                         cfg.clip_range, cfg.dual_clip, cfg.loss_aggregation, normalizer)
@@ -80,7 +89,8 @@ class ActorWorker:
                 grad_norms.append(clip_grad(self.model.parameters(), cfg.max_grad_norm))
                 self.optimizer.step()
                 self.scheduler.step()
-        out = {f"actor/{k}": v for k, v in stats.means().items()}
+        ratio_counts = ranks.sum(ratio_counts)
+        out = {f"actor/{k}": v for k, v in global_stats(stats, ranks).items()}
         out["actor/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         out["policy_ratio_hist"] = {"bin_edges": RATIO_BIN_EDGES, "counts": ratio_counts.tolist()}

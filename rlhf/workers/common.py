@@ -10,6 +10,7 @@ from transformers import get_scheduler
 
 from rlhf.batch import Batch
 from rlhf.models import position_ids_from_mask
+from rlhf.workers.compiled import logprobs_and_entropy
 
 
 def sequence_inputs(batch: Batch, device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -19,22 +20,43 @@ def sequence_inputs(batch: Batch, device) -> tuple[torch.Tensor, torch.Tensor, i
     return ids, mask, batch["prompt_ids"].shape[1]
 
 
-def response_logits(model, batch: Batch, device, temperature: float = 1.0, autocast_dtype=None) -> torch.Tensor:
+def response_logits(model, batch: Batch, device, temperature: float = 1.0, autocast_dtype=None,
+                    upcast: bool = True) -> torch.Tensor:
     """Logits that predict each response token, [B, R, V], divided by the sampling temperature
-    so log-probs are those of the distribution the rollout sampled from."""
+    so log-probs are those of the distribution the rollout sampled from. Only the last R + 1
+    positions go through the LM head (`logits_to_keep`): prompt logits are never needed, and
+    at a 152k vocabulary they are most of the activation memory. `upcast=False` returns the raw
+    logits (model dtype, no temperature) for `compiled.logprobs_and_entropy` to fuse."""
     ids, mask, P = sequence_inputs(batch, device)
     R = batch["response_ids"].shape[1]
     with torch.autocast(device_type=device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False)
-    logits = out.logits[:, P - 1:P - 1 + R].float()
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False,
+                    logits_to_keep=R + 1)
+    logits = out.logits[:, -(R + 1):-1]  # position P - 1 + t predicts response token t
+    if not upcast:
+        return logits
+    logits = logits.float()
     if temperature and temperature != 1.0:
         logits = logits / temperature
     return logits
 
 
+def response_logprobs(model, batch: Batch, device, temperature: float = 1.0, autocast_dtype=None,
+                      with_entropy: bool = True, fused: bool = False):
+    """Log-probs of the response tokens [B, R] and, if asked, the entropy [B, R] (else None).
+    `fused` (GPU, ppo.torch_compile) computes both in compiled kernels from the raw logits."""
+    logits = response_logits(model, batch, device, temperature, autocast_dtype, upcast=not fused)
+    tokens = batch["response_ids"].to(device)
+    return logprobs_and_entropy(logits, tokens, 1.0 if not fused else temperature, with_entropy, fused)
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], lr: float, cfg) -> torch.optim.Optimizer:
+    """AdamW; on a GPU its fused kernel (one launch for all parameters instead of ~10 per tensor)."""
+    params = list(params)
+    on_gpu = bool(params) and all(p.device.type == "cuda" and not hasattr(p, "device_mesh") for p in params)
+    fast = dict(fused=True) if on_gpu else dict(foreach=False)
     return torch.optim.AdamW(params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                             weight_decay=cfg.weight_decay, foreach=False)
+                             weight_decay=cfg.weight_decay, **fast)
 
 
 def build_scheduler(optimizer, cfg, total_optimizer_steps: int):
@@ -67,8 +89,43 @@ class StatAccumulator:
         return {k: self.sums[k] / self.weights[k] if self.weights[k] else math.nan for k in self.sums}
 
 
+class SingleRank:
+    """The ranks a worker shares each mini-batch with, when there is only itself.
+
+    A worker takes `share(mini_batch)` (its rows of a mini-batch) and sums what must be global
+    (loss normalizers, statistics, histograms) with `sum`. `rlhf/distributed/ranks.py` has the
+    version for a group of ranks over torch.distributed; these are its identities.
+    """
+
+    world_size = 1
+
+    def share(self, batch: Batch) -> Batch:
+        return batch
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+def global_stats(stats: StatAccumulator, ranks) -> Dict[str, float]:
+    """Token-weighted means over every rank's micro-batches."""
+    if ranks.world_size == 1:
+        return stats.means()
+    keys = sorted(stats.sums)
+    packed = ranks.sum(torch.tensor([[stats.sums[k] for k in keys], [stats.weights[k] for k in keys]],
+                                    dtype=torch.float64))
+    return {k: float(packed[0, i] / packed[1, i]) if packed[1, i] else math.nan for i, k in enumerate(keys)}
+
+
 def clip_grad(params, max_norm: float) -> float:
+    """Clips to `max_norm` (0: no clipping) and returns the gradient norm before clipping. With
+    FSDP2 the gradients are DTensor shards and the norm is the global one over every rank."""
     params = [p for p in params if p.grad is not None]
+    if not params:
+        return 0.0
     if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    return float(torch.norm(torch.stack([p.grad.detach().norm() for p in params]))) if params else 0.0
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        total = torch.norm(torch.stack([p.grad.detach().norm() for p in params]))
+    if hasattr(total, "full_tensor"):  # a DTensor: reduce the partial norms over the ranks
+        total = total.full_tensor()
+    return float(total)

@@ -9,17 +9,21 @@ import torch
 from rlhf import algos
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
-from rlhf.workers.common import (StatAccumulator, build_optimizer, build_scheduler, clip_grad,
-                                 minibatch_indices, sequence_inputs)
+from rlhf.workers.common import (SingleRank, StatAccumulator, build_optimizer, build_scheduler, clip_grad,
+                                 global_stats, minibatch_indices, sequence_inputs)
+from rlhf.workers.compiled import compile_layers
 
 
 class CriticWorker:
     def __init__(self, model: torch.nn.Module, cfg: PPOConfig, device: torch.device, total_optimizer_steps: int,
-                 autocast_dtype=None):
+                 autocast_dtype=None, ranks=None):
         self.model = model
+        self.ranks = ranks or SingleRank()
         self.cfg = cfg
         self.device = device
         self.autocast_dtype = autocast_dtype
+        if cfg.torch_compile and torch.device(device).type == "cuda":
+            compile_layers(model)
         self.optimizer = build_optimizer(model.parameters(), cfg.critic_learning_rate, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, total_optimizer_steps)
 
@@ -38,16 +42,17 @@ class CriticWorker:
         return torch.cat([self._values(m).cpu() for m in batch.split(self.cfg.micro_batch_size)])
 
     def update(self, batch: Batch, shuffle_seed: int) -> Dict[str, float]:
-        cfg = self.cfg
+        """Value regression on the rollout buffer; shares and normalizers as in ActorWorker.update."""
+        cfg, ranks = self.cfg, self.ranks
         self.model.train()
         stats = StatAccumulator()
         grad_norms = []
         for epoch in range(cfg.ppo_epochs):
             for mb_index in minibatch_indices(len(batch), cfg.mini_batch_size, shuffle_seed + epoch):
-                mini = batch.select(mb_index)
+                mini = ranks.share(batch.select(mb_index))
                 mask_all = mini["response_mask"].float()
-                normalizer = (mask_all.sum().clamp(min=1) if cfg.loss_aggregation == "token_mean"
-                              else (mask_all.sum(-1) > 0).sum().clamp(min=1)).item()
+                count = mask_all.sum() if cfg.loss_aggregation == "token_mean" else (mask_all.sum(-1) > 0).sum()
+                normalizer = ranks.sum(count).clamp(min=1).item() / ranks.world_size
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in mini.split(cfg.micro_batch_size):
                     mask = micro["response_mask"].to(self.device).float()
@@ -62,7 +67,7 @@ class CriticWorker:
                 grad_norms.append(clip_grad(self.model.parameters(), cfg.max_grad_norm))
                 self.optimizer.step()
                 self.scheduler.step()
-        out = {f"critic/{k}": v for k, v in stats.means().items()}
+        out = {f"critic/{k}": v for k, v in global_stats(stats, ranks).items()}
         out["critic/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         out["critic/lr"] = self.scheduler.get_last_lr()[0]
         return out
