@@ -1,0 +1,139 @@
+"""The engine on Ray: world size 2 (two FSDP2 ranks over gloo, one per node of a two-node
+`ray.cluster_utils.Cluster`) computes what one process computes; a single-process checkpoint
+resumes in split placement; placement errors come before any compute.
+
+Every distributed run joins the same two-node cluster (1 CPU each), so a two-rank run cannot fit
+on one node and its roles land on both.
+"""
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file
+
+from rlhf.metrics import read_metrics
+from tests.conftest import REPO, run_train
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+RECIPE = str(REPO / "recipes" / "tiny.gin")
+SHORT = ["-b", "ppo.total_steps = 3", "-b", "ppo.eval_every = 3", "-b", "ppo.save_every = 1",
+         "-b", "ppo.keep_checkpoints = 0", "-b", "task.eval_size = 32", "--quiet"]
+VOLATILE = ("timing_s/", "perf/")
+# Sampled tokens, rewards and evaluations must match exactly; losses to float32 rounding (the ranks
+# run micro-batches of other shapes); fractions of tokens may flip one token across a clip boundary.
+EXACT = ("reward_mean", "reward_std", "accuracy", "response_length_mean", "response_clip_ratio",
+         "rollout_success_rate", "eval/")
+FRACTIONS = ("clip_fraction", "actor/clip_fraction", "actor/pg_clipfrac", "critic/value_clip_fraction")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    yield c
+    c.shutdown()
+
+
+def train(args, out, cwd, **kw):
+    # cwd outside the repo: the engine must not depend on where it is started from.
+    return run_train([RECIPE, *SHORT, *args, "--out", out], cwd=cwd, **kw)
+
+
+def assert_same_metrics(a, b):
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        keys = {k for k in ra if not k.startswith(VOLATILE)}
+        assert keys == {k for k in rb if not k.startswith(VOLATILE)}, ra["step"]
+        for k in keys:
+            where = f"step {ra['step']}: {k}"
+            if k == "policy_ratio_hist":
+                assert sum(ra[k]["counts"]) == sum(rb[k]["counts"]), where
+                assert sum(abs(x - y) for x, y in zip(ra[k]["counts"], rb[k]["counts"])) <= 2, where
+            elif k.startswith(EXACT) or k == "step":
+                assert ra[k] == rb[k], where
+            elif k.startswith(FRACTIONS):
+                assert ra[k] == pytest.approx(rb[k], abs=1e-2), where
+            else:
+                assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), where
+
+
+def assert_same_checkpoint(a, b):
+    files = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    for name in ("actor/model.safetensors", "critic.safetensors", "actor_optim.safetensors",
+                 "critic_optim.safetensors"):
+        ta, tb = load_file(str(a / name)), load_file(str(b / name))
+        assert ta.keys() == tb.keys(), name
+        for key in ta:
+            assert ta[key].shape == tb[key].shape and ta[key].dtype == tb[key].dtype, (name, key)
+            assert (ta[key].double() - tb[key].double()).abs().max() <= 1e-5, (name, key)
+    sa, sb = (json.loads((d / "state.json").read_text()) for d in (a, b))
+    assert sa["trainer"] == sb["trainer"] and sa["actor_scheduler"] == sb["actor_scheduler"]
+    assert sa["actor_optim"]["param_groups"] == sb["actor_optim"]["param_groups"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ws1")
+    train([], out, cwd=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(cluster, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ws2")
+    train(["-b", "ppo.world_size = 2", "--ray-address", cluster.address], out, cwd=out)
+    return out
+
+
+def test_world_size_2_on_two_nodes_equals_world_size_1(single, two_ranks):
+    assert_same_metrics(read_metrics(single / "metrics.jsonl"), read_metrics(two_ranks / "metrics.jsonl"))
+    for step in (1, 3):
+        assert_same_checkpoint(single / "checkpoints" / f"step_{step}", two_ranks / "checkpoints" / f"step_{step}")
+    placed = json.loads((two_ranks / "provenance.json").read_text())["placement"]
+    assert placed["placement"] == "colocated" and placed["world_size"] == 2
+    for role in ("actor", "critic", "reference"):
+        assert [r["rank"] for r in placed["roles"][role]] == [0, 1]
+        assert len({r["node_id"] for r in placed["roles"][role]}) == 2, f"{role} ranks share a node"
+    summary = json.loads((two_ranks / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["final"] == json.loads(
+        (single / "summary.json").read_text())["final"]
+
+
+def test_single_process_checkpoint_resumes_in_split_placement(single, cluster, tmp_path):
+    """Restores actor, critic, optimizers and schedulers into ranks through the checkpoint
+    stand-ins, then finishes the run as one process would."""
+    out = tmp_path / "resumed"
+    shutil.copytree(single, out)
+    for later in ("step_2", "step_3"):
+        shutil.rmtree(out / "checkpoints" / later)
+    (out / "summary.json").unlink()
+    train(["-b", "ppo.placement = 'split'", "-b", "ppo.cpus_per_rank = 0.5", "--ray-address", cluster.address,
+           "--resume"], out, cwd=tmp_path)
+    assert_same_metrics(read_metrics(single / "metrics.jsonl"), read_metrics(out / "metrics.jsonl"))
+    placed = json.loads((out / "provenance.json").read_text())["placement"]
+    assert placed["placement"] == "split"
+    pids = [placed["roles"][role][0]["pid"] for role in ("actor", "critic", "reference")]
+    assert len(set(pids)) == 3, "split placement gives each role processes of its own"
+
+
+def test_distributed_checkpoint_starts_a_single_process_run(two_ranks, tmp_path):
+    ckpt = two_ranks / "checkpoints" / "step_3"
+    run_train([RECIPE, "-b", "ppo.total_steps = 1", "-b", "task.eval_size = 32", "--quiet",
+               "-b", f"ppo.init_from = '{ckpt}'", "--out", tmp_path / "next"], cwd=tmp_path)
+    first = read_metrics(tmp_path / "next" / "metrics.jsonl")[0]
+    assert first["eval/greedy_accuracy"] == read_metrics(two_ranks / "metrics.jsonl")[-1]["eval/greedy_accuracy"]
+
+
+def test_placement_that_cannot_fit_fails_before_compute(cluster, tmp_path):
+    proc = train(["-b", "ppo.world_size = 2", "-b", "ppo.cpus_per_rank = 4", "--ray-address", cluster.address],
+                 tmp_path / "run", cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "ppo.world_size = 2" in proc.stderr and "8 CPU (the cluster has 2)" in proc.stderr
+    proc = train(["-b", "ppo.world_size = 2", "-b", "ppo.placement = 'local'"], tmp_path / "run2", cwd=tmp_path,
+                 check=False)
+    assert proc.returncode == 2 and "ppo.placement = 'local' is invalid" in proc.stderr
