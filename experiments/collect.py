@@ -46,7 +46,8 @@ def load_plan(study_dir: Path) -> List[RunSpec]:
     if plan is None:
         raise StudyError(f"{study_dir}/plan.json not found: run `python -m experiments run` on the study first")
     fields = {f.name for f in dataclasses.fields(RunSpec)}
-    return [RunSpec(**{k: (tuple(v) if k == "bindings" else v) for k, v in run.items() if k in fields})
+    return [RunSpec(**{"placement": "local",
+                       **{k: (tuple(v) if k == "bindings" else v) for k, v in run.items() if k in fields}})
             for run in plan["runs"]]
 
 

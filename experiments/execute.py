@@ -40,11 +40,13 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def engine_argv(spec: dict, resume: bool) -> list:
+def engine_argv(spec: dict, resume: bool, ray_address: Optional[str] = None) -> list:
     argv = [sys.executable, "-m", "rlhf.train", spec["recipe"]]
     for binding in spec["bindings"]:
         argv += ["-b", binding]
     argv += ["--out", spec["run_dir"]]
+    if spec.get("placement", "local") != "local" and ray_address:
+        argv += ["--ray-address", ray_address]  # the engine's ranks join the manager's cluster
     return argv + (["--resume"] if resume else [])
 
 
@@ -114,7 +116,7 @@ def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: st
     run_dir = Path(spec["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     record = _record(spec)
-    argv = engine_argv(spec, resume)
+    argv = engine_argv(spec, resume, manager.get("ray_address"))
     entry = {"attempt": attempt, "resumed": resume, "command": argv, "start": now(), "end": None,
              "exit_code": None, "error": None, "host": socket.gethostname(), "pid": os.getpid()}
     record["attempts"].append(entry)

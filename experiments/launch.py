@@ -169,14 +169,18 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
         try:
             _check_resources(study)
             manager = manager_fields(study_path.parent, argv)
+            manager["ray_address"] = ray.get_runtime_context().gcs_address
             task = ray.remote(execute)
             attempts = {s.key: 0 for s in todo}
             refs: Dict[object, RunSpec] = {}
 
             def submit(spec: RunSpec, resume: bool) -> None:
                 attempts[spec.key] += 1
-                options = dict(num_cpus=spec.cpus, num_gpus=spec.gpus, max_retries=0,
-                               name=f"{study.name}:{spec.key}")
+                # A one-process run holds its resources in its task; a distributed run's task holds
+                # none: the engine reserves a placement group for its ranks on the same cluster.
+                local = spec.placement == "local"
+                options = dict(num_cpus=spec.cpus if local else 0, num_gpus=spec.gpus if local else 0,
+                               max_retries=0, name=f"{study.name}:{spec.key}")
                 ref = task.options(**options).remote(spec.to_json(), resume, attempts[spec.key],
                                                      manager, cache_dir)
                 refs[ref] = spec
@@ -198,7 +202,10 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
                                 display.set(spec.key, "done")
                             elif outcome["retriable"] and attempts[spec.key] <= study.retries:
                                 display.set(spec.key, "retrying", outcome["error"] or "")
-                                submit(spec, latest_checkpoint(spec.run_dir) is not None)
+                                resume = latest_checkpoint(spec.run_dir) is not None
+                                if not resume:
+                                    clear_engine_outputs(spec.run_dir)
+                                submit(spec, resume)
                             else:
                                 result.failed[spec.key] = outcome["error"] or "failed"
                                 display.set(spec.key, "failed", outcome["error"] or "")

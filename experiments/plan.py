@@ -1,7 +1,7 @@
 """Plan: a study expanded into run specs, each content-hashed, before anything runs.
 
 A run's hash covers what decides its result: the operative config (gin's resolved text, which
-includes the seed and the starting checkpoint path), the starting checkpoint's content, the
+includes the seed and the starting checkpoint path, less the placement bindings), the starting checkpoint's content, the
 engine's code and the task data. A rerun skips a run whose hash matches a finished run dir and
 reruns only what changed. The code version hashes the engine's files (`rlhf/`), committed or
 not, so a commit that touches only docs or the manager does not invalidate finished runs; the
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from rlhf.config import ConfigError, flat_dict
+from rlhf.config import PLACEMENT_BINDINGS, ConfigError, flat_dict
 from rlhf.configurable import resolve
 from rlhf.data import dataset_hash, load_task
 
@@ -52,6 +52,9 @@ class RunSpec:
     init_from_hash: Optional[str]
     cpus: int
     gpus: float
+    placement: str
+    """The engine's resolved placement: 'local' (one process) or 'colocated'/'split' (the engine
+    places its ranks in a Ray placement group of its own, on the manager's cluster)."""
     total_steps: int
     operative_config: str
 
@@ -191,6 +194,13 @@ def _resolve(recipe: str, bindings: Sequence[str], where: str):
         root.setLevel(level)
 
 
+def _without_placement(operative: str) -> str:
+    """The operative config minus the bindings that say where a run executes (world size,
+    placement), which the engine guarantees do not change results: moving a study to more
+    ranks does not rerun it."""
+    return "\n".join(line for line in operative.splitlines() if not line.strip().startswith(PLACEMENT_BINDINGS))
+
+
 def _changes(base: dict, other: dict) -> dict:
     return {k: other[k] for k in sorted(other) if other[k] != base.get(k)}
 
@@ -234,7 +244,7 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
                 managed.append(f"ppo.init_from = {init_from!r}")
             bindings = (*study.baseline_bindings, *variant.bindings, *managed)
             cfg, operative = _resolve(study.baseline_recipe, bindings, where)
-            config_hash = _sha(operative)
+            config_hash = _sha(_without_placement(operative))
             init_hash = start_hashes.get(init_from) if init_from else None
             run_hash = _sha(json.dumps({"config": config_hash, "code": code["engine_sha256"],
                                         "data": data_hashes[task_key], "init_from": init_hash},
@@ -244,7 +254,8 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
                 bindings=bindings, changes=changes, run_dir=str(study_dir / "runs" / variant.name / f"seed{seed}"),
                 run_hash=run_hash, config_hash=config_hash, code_version=code,
                 data_hash=data_hashes[task_key], init_from=init_from, init_from_hash=init_hash,
-                cpus=study.cpus_per_run, gpus=study.gpus_per_run, total_steps=cfg.ppo.total_steps,
+                cpus=study.cpus_per_run, gpus=study.gpus_per_run, placement=cfg.ppo.resolved_placement,
+                total_steps=cfg.ppo.total_steps,
                 operative_config=operative))
     return specs
 

@@ -82,7 +82,7 @@ def test_smoke_study_end_to_end_then_skip_then_only_new_runs(workdir):
 DIVERGING = """
 study.name = 'diverge'
 study.baseline_recipe = 'tiny.gin'
-study.baseline_bindings = ['ppo.total_steps = 4', 'ppo.eval_every = 4', 'ppo.save_every = 2', 'ppo.final_window = 2']
+study.baseline_bindings = ['ppo.total_steps = 6', 'ppo.eval_every = 6', 'ppo.save_every = 2', 'ppo.final_window = 2']
 # A vanishing Adam epsilon divides by ~0: the losses become NaN within a few steps.
 study.variants = {'tiny_adam_eps': 'ppo.adam_eps = 1e-300'}
 study.seeds = 1
@@ -90,19 +90,49 @@ study.retries = 2
 """
 
 
-def test_diverging_variant_is_recorded_and_does_not_stop_the_baseline(workdir):
+def _engine_pid(run_dir: Path):
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"rlhf.train" in cmd and str(run_dir).encode() in cmd:
+            return int(proc.name)
+    return None
+
+
+def test_failures_are_recorded_retried_or_not_and_do_not_stop_others(workdir):
+    """The variant diverges (exit 3: recorded, never retried); the baseline's engine is killed
+    mid-run like an out-of-memory kill (recorded, retried, completes)."""
     path = workdir / "diverge.gin"
     path.write_text(textwrap.dedent(DIVERGING))
     results = workdir / "results"
-    out = run_cli("run", str(path), "--results", str(results), "--num-cpus", "2")
-    assert out.returncode == 1, out.stdout + out.stderr  # some runs failed
     study = results / "diverge"
+    base = study / "runs" / "baseline" / "seed0"
+    proc = subprocess.Popen([sys.executable, "-m", "experiments", "run", str(path), "--results", str(results),
+                             "--num-cpus", "2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not ((base / "metrics.jsonl").exists() and len(steps_logged(base)) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+        time.sleep(0.2)
+    pid = _engine_pid(base)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 1, output  # some runs failed
+
     bad = study / "runs" / "tiny_adam_eps" / "seed0"
     tries = attempts(bad)
     assert len(tries) == 1, "a divergence is deterministic: never retried"
     assert tries[0]["exit_code"] == 3 and "diverged" in tries[0]["error"]
     assert json.loads((bad / "provenance.json").read_text())["manager"]["exit_status"] == 3
-    assert attempts(study / "runs" / "baseline" / "seed0")[-1]["exit_code"] == 0
+
+    tries = attempts(base)
+    assert len(tries) == 2, tries
+    assert tries[0]["exit_code"] == -signal.SIGKILL and "killed by SIGKILL" in tries[0]["error"]
+    assert tries[1]["exit_code"] == 0 and tries[1]["attempt"] == 2
+    assert steps_logged(base) == list(range(7))
+
     agg = json.loads((study / "aggregate.json").read_text())
     assert agg["variants"]["tiny_adam_eps"]["verdict"] == "failed"
     assert agg["variants"]["baseline"]["summary"]["n"] == 1
@@ -110,7 +140,7 @@ def test_diverging_variant_is_recorded_and_does_not_stop_the_baseline(workdir):
     assert "diverged" in (study / "report.md").read_text()
     # Rerun: the same hash would diverge again, so it is reported, not rerun.
     again = run_cli("run", str(path), "--results", str(results), "--num-cpus", "2")
-    assert again.returncode == 1 and len(attempts(bad)) == 1
+    assert again.returncode == 1 and len(attempts(bad)) == 1 and len(attempts(base)) == 2
 
 
 def _completed(study: Path) -> list:

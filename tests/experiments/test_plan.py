@@ -43,6 +43,8 @@ def test_hash_is_stable_and_tracks_the_config(write_study, tmp_path):
     path = write_study(STUDY)
     first = {s.key: s.run_hash for s in expand(load_study(path), tmp_path)}
     assert first == {s.key: s.run_hash for s in expand(load_study(path), tmp_path)}
+    placed = {s.key: s.run_hash for s in expand(load_study(path, ["ppo.world_size = 2"]), tmp_path)}
+    assert placed == first, "where a run executes (world size, placement) does not change its result"
     changed = {s.key: s.run_hash for s in expand(load_study(path, ["ppo.total_steps = 5"]), tmp_path)}
     assert not set(first.values()) & set(changed.values())
     # Another variant added: the existing runs keep their hashes, so only the new one would run.

@@ -114,3 +114,13 @@ def test_band_aligns_steps_across_seeds():
     assert steps.tolist() == [0, 2, 5]
     assert mean.tolist() == [2.0, 7.0, 4.0]
     assert std.tolist() == [1.0, 0.0, 1.0]
+
+
+def test_baseline_only_study_reports_and_keeps_the_baseline(write_study, tmp_path):
+    study = load_study(write_study(STUDY), ["study.variants = {}", "study.seeds = 2"])
+    specs = expand(study, tmp_path / "r")
+    for spec in specs:
+        fake_run(spec, ACCURACY["baseline"][spec.seed])
+    agg = write_report(study, tmp_path / "r" / "synthetic", specs)
+    assert list(agg["variants"]) == ["baseline"] and agg["decision"]["chosen"] == "baseline"
+    assert agg["variants"]["baseline"]["summary"]["n"] == 2
