@@ -141,7 +141,11 @@ def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: st
                                  start_new_session=True,
                                  preexec_fn=_die_with_parent if platform.system() == "Linux" else None)
         try:
-            exit_code = child.wait()
+            # Poll rather than block in wait(): Ray delivers a cancellation between bytecodes,
+            # which a blocking wait() would postpone until the run ends by itself.
+            while child.poll() is None:
+                time.sleep(0.2)
+            exit_code = child.returncode
         except BaseException:
             interrupted = True
             child.terminate()

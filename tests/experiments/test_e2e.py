@@ -77,6 +77,9 @@ def test_smoke_study_end_to_end_then_skip_then_only_new_runs(workdir):
     assert json.loads((study / "aggregate.json").read_text())["variants"]["baseline"]["summary"]["n"] == 3
     status = run_cli("status", "recipes/studies/smoke.gin", "--results", str(results), "-b", "study.seeds = [0, 1, 2]")
     assert status.returncode == 0 and status.stdout.count("completed") >= 6
+    (study / "report.md").unlink()
+    report = run_cli("report", "recipes/studies/smoke.gin", "--results", str(results))
+    assert report.returncode == 0 and "decision:" in report.stdout and (study / "report.md").exists()
 
 
 DIVERGING = """
