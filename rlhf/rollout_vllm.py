@@ -1,0 +1,179 @@
+"""vLLM rollout backend: an in-process vLLM engine on the GPU, fed token ids, returning `Batch`es.
+
+Why these choices (vLLM 0.24.0):
+- In-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the trainer's tensors load straight
+  into the running model with `load_weights`, and the engine's sampler draws from this process's
+  CUDA generator, which `per_request_seeds=False` uses for cheap, reproducible seeding.
+- Prompts are encoded by the trainer's tokenizer and passed as token ids; responses come back as
+  token ids (`detokenize=False`), so vLLM never decodes ids the tokenizer does not know (a model's
+  vocabulary may be larger than its tokenizer's) and the Batch matches the HF backend's exactly.
+- Stopping follows the trainer's tokenizer: `ignore_eos` with `stop_token_ids=[eos]`, as HF
+  generate is called, so the model config's own EOS ids do not end a response early.
+- Seeds: by default every request gets its own seed, derived from the call's seed and its index
+  (`derive_seed`), so a response depends on the run seed, step and call, never on batching.
+  vLLM then draws each seeded request's noise in a Python loop (one kernel per request per token),
+  which costs throughput at large batches; `per_request_seeds=False` seeds this process's CUDA
+  generator once per call instead (same call, same tokens; responses then depend on the batch).
+- Memory: with `sleep=True` the engine offloads its weights to CPU and frees its KV cache between
+  rollouts (`LLM.sleep(level=1)`); `sync_weights` and `generate` wake it first.
+
+vLLM is imported only here, and only when the backend is built: it is an optional GPU extra.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import List, Mapping, Optional, Sequence
+
+import torch
+
+from rlhf.batch import Batch
+from rlhf.rollout import SamplingParams, derive_seed, encode_prompts
+
+
+def batch_from_token_lists(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                           responses: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int,
+                           pad_token_id: int, logprobs: Optional[Sequence[Sequence[float]]] = None) -> Batch:
+    """The rollout `Batch` from per-request response token lists (and their sampling log-probs).
+
+    Responses are cut after their first EOS (kept, and covered by the mask) and right-padded to
+    `max_new_tokens`; `finished` says whether an EOS was produced. Log-probs, when given, align
+    with the response tokens and are 0 where the mask is 0 ([B, R] float32, key `rollout_logprobs`).
+    """
+    n = len(responses)
+    response = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((n, max_new_tokens), dtype=torch.long)
+    finished = torch.zeros(n, dtype=torch.bool)
+    lps = torch.zeros((n, max_new_tokens), dtype=torch.float32) if logprobs is not None else None
+    for i, tokens in enumerate(responses):
+        tokens = list(tokens)[:max_new_tokens]
+        if eos_token_id in tokens:
+            tokens = tokens[:tokens.index(eos_token_id) + 1]
+            finished[i] = True
+        k = len(tokens)
+        if k:
+            response[i, :k] = torch.tensor(tokens, dtype=torch.long)
+            mask[i, :k] = 1
+            if lps is not None:
+                lps[i, :k] = torch.tensor(list(logprobs[i])[:k], dtype=torch.float32)
+    out = Batch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+                 "response_ids": response, "response_mask": mask, "finished": finished})
+    if lps is not None:
+        out["rollout_logprobs"] = lps
+    return out
+
+
+def sampled_logprobs(token_ids: Sequence[int], position_logprobs) -> List[float]:
+    """The sampled token's log-prob at each position, from vLLM's per-position {token: Logprob}."""
+    return [float(position_logprobs[t][tok].logprob) for t, tok in enumerate(token_ids)]
+
+
+class VLLMRollout:
+    """The `RolloutBackend` interface (see rlhf/rollout.py) over an in-process `vllm.LLM`."""
+
+    def __init__(self, tokenizer, device: torch.device, model_dir: str, seed: int, max_model_len: int,
+                 return_logprobs: bool = False, gpu_memory_utilization: float = 0.3, sleep: bool = False,
+                 per_request_seeds: bool = True, max_num_seqs: int = 256, dtype: str = "bfloat16",
+                 enforce_eager: bool = False, log=print):
+        if torch.device(device).type != "cuda":
+            from rlhf.config import ConfigError
+            raise ConfigError("ppo.rollout_backend = 'vllm' is invalid on the CPU: vLLM needs a CUDA device; "
+                              "use ppo.rollout_backend = 'hf' or run on a GPU")
+        # Read by vLLM when the engine is built: the engine must live in this process (see above).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise RuntimeError("VLLMRollout needs the in-process vLLM engine: unset VLLM_ENABLE_V1_MULTIPROCESSING "
+                               "or set it to 0")
+        try:
+            import vllm
+        except ImportError as err:
+            raise ImportError("ppo.rollout_backend = 'vllm' needs the vllm package (0.24.0 matches torch 2.11); "
+                              "install it or use ppo.rollout_backend = 'hf'") from err
+        self._vllm = vllm
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.return_logprobs = return_logprobs
+        self.sleep_between_rollouts = sleep
+        self.per_request_seeds = per_request_seeds
+        self.asleep = False
+        self.timings: dict = {}
+        tok_dir = getattr(tokenizer, "name_or_path", "")
+        has_tok_dir = bool(tok_dir) and Path(tok_dir).is_dir()
+        t0 = time.perf_counter()
+        self.llm = vllm.LLM(
+            model=str(model_dir), tokenizer=tok_dir if has_tok_dir else None, skip_tokenizer_init=not has_tok_dir,
+            dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, enable_sleep_mode=sleep, enforce_eager=enforce_eager,
+            # Trainer log-probs divide logits by the temperature; vLLM's raw log-probs would not.
+            logprobs_mode="processed_logprobs" if return_logprobs else "raw_logprobs")
+        self.timings["engine_start_s"] = time.perf_counter() - t0
+        log(f"vLLM {vllm.__version__} engine ready in {self.timings['engine_start_s']:.1f} s")
+
+    # ------------------------------------------------------------------ weights and memory
+    def _model(self):
+        """The engine's own model module (vLLM's fused layers; `load_weights` takes HF names)."""
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def release_memory(self) -> None:
+        """Frees the KV cache and offloads the weights to CPU until the next sync or rollout."""
+        if self.sleep_between_rollouts and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    @torch.no_grad()
+    def sync_weights(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+        """Loads the trainer's HF-named weights into the running engine; no rebuild, no recompile."""
+        t0 = time.perf_counter()
+        self._wake()
+        state = model if isinstance(model, Mapping) else model.state_dict()
+        self._model().load_weights(((name, tensor.detach()) for name, tensor in state.items()))
+        # Cached prefixes hold keys/values computed with the old weights.
+        self.llm.reset_prefix_cache()
+        torch.cuda.synchronize(self.device)
+        self.timings["last_sync_s"] = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ sampling
+    def _sampling_params(self, sampling: SamplingParams, seed: Optional[int]):
+        greedy = sampling.greedy
+        return self._vllm.SamplingParams(
+            n=1, max_tokens=sampling.max_new_tokens, min_tokens=0,
+            temperature=0.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p,
+            top_k=0 if greedy or sampling.top_k <= 0 else sampling.top_k,
+            seed=seed, ignore_eos=True, stop_token_ids=[self.tokenizer.eos_token_id],
+            detokenize=False, logprobs=0 if self.return_logprobs else None)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> Batch:
+        self._wake()
+        tok = self.tokenizer
+        prompt_ids, prompt_mask = encode_prompts(tok, prompts, sampling.max_prompt_length)
+        requests = []
+        for i, (ids, mask) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
+            tokens = [t for t, m in zip(ids, mask) if m]
+            if not tokens:
+                raise ValueError(f"prompt {i} ({prompts[i]!r}) encodes to no tokens; vLLM needs at least one")
+            requests.append({"prompt_token_ids": tokens})
+        # A fresh prefix cache per call: the schedule, hence the tokens, depend on this call alone.
+        self.llm.reset_prefix_cache()
+        if self.per_request_seeds and not sampling.greedy:
+            params = [self._sampling_params(sampling, derive_seed(seed, i)) for i in range(len(requests))]
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        else:
+            params = self._sampling_params(sampling, None)
+            with torch.random.fork_rng(devices=[self.device]):
+                torch.cuda.manual_seed(seed)  # the engine samples with this process's CUDA generator
+                outputs = self.llm.generate(requests, params, use_tqdm=False)
+        completions = [out.outputs[0] for out in outputs]
+        responses = [list(c.token_ids) for c in completions]
+        logprobs = ([sampled_logprobs(r, c.logprobs) for r, c in zip(responses, completions)]
+                    if self.return_logprobs else None)
+        return batch_from_token_lists(prompt_ids, prompt_mask, responses, sampling.max_new_tokens,
+                                      tok.eos_token_id, tok.pad_token_id, logprobs)
