@@ -17,7 +17,7 @@ from rlhf import checkpoint
 from rlhf.batch import Batch
 from rlhf.config import RunConfig
 from rlhf.models import ValueModel, load_policy
-from rlhf.rollout import SamplingParams, build_rollout, derive_seed
+from rlhf.rollout import SamplingParams, build_rollout, derive_seed, rollout_options
 from rlhf.workers.actor import ActorWorker
 from rlhf.workers.critic import CriticWorker
 from rlhf.workers.reference import ReferenceWorker
@@ -59,7 +59,8 @@ def build_roles(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, tokeniz
             checkpoint.load_weights(critic_model, Path(ppo.init_from) / "critic.safetensors")
         critic = CriticWorker(critic_model.to(device), ppo, device, total_updates, autocast_dtype)
     rollout = build_rollout(ppo.rollout_backend, actor_model, tokenizer, device, model_dir=str(start_dir),
-                            seed=ppo.seed, max_model_len=ppo.max_prompt_length + ppo.max_response_length)
+                            seed=ppo.seed, max_model_len=ppo.max_prompt_length + ppo.max_response_length,
+                            **rollout_options(ppo, device))
     return Roles(actor=actor, critic=critic, reference=reference, reward=RewardWorker(cfg.task), rollout=rollout,
                  placement={"placement": "local", "world_size": 1, "device": device.type})
 

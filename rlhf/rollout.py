@@ -3,8 +3,10 @@
 `RolloutBackend.generate(prompts, sampling, seed)` returns a `Batch` with left-padded
 `prompt_ids`/`prompt_mask` [B, P], right-padded `response_ids`/`response_mask` [B, R]
 (R = max_new_tokens; the mask covers tokens up to and including EOS) and `finished` [B]
-(False when the response hit R without EOS). `sync_weights(model)` loads the trainer's new
-weights (an HF-named module); the HF backend shares the actor's module, so it has nothing to copy.
+(False when the response hit R without EOS); a backend may add `rollout_logprobs` [B, R] (its
+sampling log-probs, 0 past the mask). `sync_weights(model)` loads the trainer's new weights (an
+HF-named module); the HF backend shares the actor's module, so it has nothing to copy.
+`release_memory()` lets a backend free what it holds between rollouts (vLLM: sleep mode).
 """
 
 from __future__ import annotations
@@ -64,16 +66,25 @@ class RolloutBackend(Protocol):
 
     def sync_weights(self, model: torch.nn.Module) -> None: ...
 
+    def release_memory(self) -> None: ...
+
 
 class HFRollout:
-    """transformers `generate` on the actor's own module (left padding, KV cache)."""
+    """transformers `generate` on the actor's own module (left padding, KV cache).
 
-    def __init__(self, model: torch.nn.Module, tokenizer, device: torch.device):
+    With `autocast_dtype` (bf16 on a GPU) generation runs under autocast like the trainer's
+    forwards; without it an fp32 module would also generate in fp32, several times slower."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, device: torch.device, autocast_dtype=None):
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
+        self.autocast_dtype = autocast_dtype
 
     def sync_weights(self, model: torch.nn.Module) -> None:  # shares the trainer's module
+        return None
+
+    def release_memory(self) -> None:  # holds nothing of its own
         return None
 
     @torch.no_grad()
@@ -85,7 +96,11 @@ class HFRollout:
         was_training = self.model.training
         self.model.eval()
         gen_device = self.device
-        with torch.random.fork_rng(devices=[gen_device] if gen_device.type == "cuda" else []):
+        # force_eager: layers compiled for training (ppo.torch_compile) would recompile at every KV-cache step.
+        autocast = torch.autocast(device_type=gen_device.type, dtype=self.autocast_dtype,
+                                  enabled=self.autocast_dtype is not None)
+        with torch.random.fork_rng(devices=[gen_device] if gen_device.type == "cuda" else []), \
+                torch.compiler.set_stance("force_eager"), autocast:
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=prompt_ids.to(gen_device), attention_mask=prompt_mask.to(gen_device),
@@ -115,9 +130,28 @@ def decode_responses(tokenizer, batch: Batch) -> List[str]:
     return out
 
 
+def rollout_logprob_gap(batch: Batch) -> float | None:
+    """Mean |rollout log-prob - trainer old log-prob| over response tokens, or None when the
+    backend returned no sampling log-probs (`ppo.rollout_logprobs`)."""
+    if "rollout_logprobs" not in batch or "old_logprobs" not in batch:
+        return None
+    mask = batch["response_mask"].float()
+    gap = (batch["rollout_logprobs"].float() - batch["old_logprobs"].float()).abs() * mask
+    return float(gap.sum() / mask.sum().clamp(min=1))
+
+
+def rollout_options(ppo, device: torch.device) -> dict:
+    """The backend-specific keyword arguments of `build_rollout`, from the run's PPOConfig."""
+    if ppo.rollout_backend == "vllm":
+        return dict(return_logprobs=ppo.rollout_logprobs, gpu_memory_utilization=ppo.vllm_gpu_memory_utilization,
+                    sleep=ppo.vllm_sleep, per_request_seeds=ppo.vllm_per_request_seeds)
+    use_bf16 = ppo.dtype == "bfloat16" and torch.device(device).type == "cuda"
+    return dict(autocast_dtype=torch.bfloat16 if use_bf16 else None)
+
+
 def build_rollout(backend: str, model, tokenizer, device, **kwargs) -> RolloutBackend:
     if backend == "hf":
-        return HFRollout(model, tokenizer, device)
+        return HFRollout(model, tokenizer, device, autocast_dtype=kwargs.get("autocast_dtype"))
     if backend == "vllm":
         from rlhf.rollout_vllm import VLLMRollout  # optional dependency, GPU only
         return VLLMRollout(tokenizer=tokenizer, device=device, **kwargs)

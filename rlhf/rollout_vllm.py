@@ -168,8 +168,8 @@ class VLLMRollout:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         else:
             params = self._sampling_params(sampling, None)
-            with torch.random.fork_rng(devices=[self.device]):
-                torch.cuda.manual_seed(seed)  # the engine samples with this process's CUDA generator
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.manual_seed(seed)  # also seeds this process's CUDA generator, which the engine samples with
                 outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions = [out.outputs[0] for out in outputs]
         responses = [list(c.token_ids) for c in completions]

@@ -24,7 +24,7 @@ from rlhf.data import Example, PromptSampler, dataset_hash, load_task
 from rlhf.metrics import MetricLogger, read_metrics, window_means
 from rlhf.models import load_tokenizer
 from rlhf.roles import build_roles, generate_calls
-from rlhf.rollout import SamplingParams, decode_responses, derive_seed
+from rlhf.rollout import SamplingParams, decode_responses, derive_seed, rollout_logprob_gap
 from rlhf.tiny import prepare_tiny
 
 EVAL_SEED_SALT = 7_919
@@ -166,6 +166,9 @@ class PPOTrainer:
             prompts = self.sampler.next(ppo.rollout_micro_batch_size * ppo.num_rollout_batches)
             batch = self.generate(prompts, self.sampling, (ppo.seed, step), ppo.samples_per_prompt,
                                   ppo.num_rollout_batches)
+        if hasattr(self.rollout, "release_memory"):
+            with timer("rollout_release"):  # vLLM sleep mode: frees its KV cache and weights until the next sync
+                self.rollout.release_memory()
         with timer("reward"):
             for key, value in self.reward.score(batch).items():
                 batch[key] = value
@@ -173,11 +176,14 @@ class PPOTrainer:
             batch["ref_logprobs"] = self.reference.compute_logprobs(batch)
         with timer("old_logprobs"):
             batch["old_logprobs"], entropy = self.actor.compute_logprobs(batch)
+        logprob_gap = rollout_logprob_gap(batch)  # None unless ppo.rollout_logprobs
         if self.critic is not None:
             with timer("values"):
                 batch["values"] = self.critic.compute_values(batch)
         with timer("advantages"):
             record = self.compute_advantages(batch)
+        if logprob_gap is not None:
+            record["rollout/logprob_gap"] = logprob_gap
         if self.critic is not None:
             with timer("update_critic"):
                 record.update(self.critic.update(batch, shuffle_seed=derive_seed(ppo.seed, step, 2)))
