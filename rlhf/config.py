@@ -174,6 +174,10 @@ class PPOConfig:
     ('local' at world_size 1, 'colocated' above)."""
     cpus_per_rank: float = 1.0
     """Logical Ray CPUs in each placement-group bundle (one bundle per rank; on GPU it also holds one GPU)."""
+    offload_idle_models: bool = True
+    """Colocated placement on GPU: move the models (and optimizer states) of the roles not at work
+    to CPU between phases, so one role at a time holds GPU memory. False keeps them all resident:
+    faster when they fit."""
 
     def __post_init__(self) -> None:
         s = "ppo"
@@ -216,6 +220,8 @@ class PPOConfig:
         _positive_int(s, "world_size", self.world_size)
         _choice(s, "placement", self.placement, ("auto", "local", "colocated", "split"))
         _number(s, "cpus_per_rank", self.cpus_per_rank, 0.0, 1024.0, lo_open=True)
+        _check(isinstance(self.offload_idle_models, bool), "ppo.offload_idle_models", self.offload_idle_models,
+               "must be True or False")
         _number(s, "vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, 0.0, 1.0,
                 lo_open=True, hi_open=True)
         for name in ("adaptive_kl", "whiten_advantages", "grpo_normalize_std", "rollout_logprobs",
@@ -262,7 +268,7 @@ class PPOConfig:
 
 
 # Bindings that say where a run executes, not what it computes: a run may resume under other values.
-PLACEMENT_BINDINGS = ("ppo.world_size", "ppo.placement", "ppo.cpus_per_rank")
+PLACEMENT_BINDINGS = ("ppo.world_size", "ppo.placement", "ppo.cpus_per_rank", "ppo.offload_idle_models")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.distributed import fsdp
 from rlhf.models import load_policy, load_tokenizer
-from rlhf.rollout import SamplingParams, build_rollout
+from rlhf.rollout import SamplingParams, build_rollout, rollout_options
 from rlhf.workers.actor import ActorWorker
 
 
@@ -35,7 +35,8 @@ class ActorRole:
         self.replica_fresh = True
         self.rollout = build_rollout(ppo.rollout_backend, self.replica, load_tokenizer(tokenizer_dir), device,
                                      model_dir=start_dir, seed=ppo.seed,
-                                     max_model_len=ppo.max_prompt_length + ppo.max_response_length)
+                                     max_model_len=ppo.max_prompt_length + ppo.max_response_length,
+                                     **rollout_options(ppo, device))
 
     # ------------------------------------------------------------ the local worker's methods
     def compute_logprobs(self, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +51,10 @@ class ActorRole:
         """One generation call per (prompts, seed): the seed is the call's, not the rank's, so which
         rank runs a call does not change what it samples."""
         return [self.rollout.generate(prompts, sampling, seed) for prompts, seed in requests]
+
+    def release_memory(self) -> None:
+        """Lets the backend free what it holds until the next sync (vLLM: sleep mode)."""
+        getattr(self.rollout, "release_memory", lambda: None)()
 
     def sync_weights(self) -> None:
         """Gathers the full weights (a collective: every rank calls it) into the replica."""

@@ -28,7 +28,8 @@ def build_distributed_roles(cfg: RunConfig, *, model_dir: str, tokenizer_dir: st
 
     hosts, where = {}, {}
     if colocated:
-        shared, shared_where = placement.start_hosts(pg, bundles["actor"], ppo, device, offload=True)
+        shared, shared_where = placement.start_hosts(pg, bundles["actor"], ppo, device,
+                                                              offload=ppo.offload_idle_models)
         for role in model_roles:
             hosts[role], where[role] = shared, shared_where
     else:

@@ -94,6 +94,9 @@ class RolloutGroup(RoleGroup):
     def generate(self, prompts: List[str], sampling: SamplingParams, seed: int) -> Batch:
         return self.generate_calls([(prompts, seed)], sampling)[0]
 
+    def release_memory(self) -> None:
+        self.on_all("release_memory")
+
     def sync_weights(self, model=None) -> None:
         """Every actor rank gathers the new full weights into its replica (the argument, the
         actor's model in one process, is not needed: the ranks hold it)."""
