@@ -76,6 +76,13 @@ def cmd_run(args: Namespace, console: Console) -> int:
         console.print("interrupted: run the same command again to resume", highlight=False)
         return EXIT_INTERRUPTED
     agg = write_report(study, study_dir(study, args.results), specs)
+    try:
+        from experiments.wandb_sink import log_aggregate_dir, wandb_mode
+        if wandb_mode() != "disabled":
+            log_aggregate_dir(study_dir(study, args.results), study.wandb_project or study.name,
+                              [s.run_hash for s in specs])
+    except Exception as err:  # noqa: BLE001 - W&B must never fail a study
+        console.print(f"warning: W&B aggregate: {err}", highlight=False)
     console.print(f"decision: {agg['decision']['chosen']} ({agg['decision']['reason']}); "
                   f"report: {study_dir(study, args.results) / 'report.md'}", highlight=False, soft_wrap=True)
     return EXIT_RUNS_FAILED if result.failed else EXIT_OK

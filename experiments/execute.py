@@ -50,6 +50,47 @@ def engine_argv(spec: dict, resume: bool, ray_address: Optional[str] = None) -> 
     return argv + (["--resume"] if resume else [])
 
 
+WANDB_POLL_S = 1.0
+
+
+class _NoStreamer:
+    def poll(self) -> int:
+        return 0
+
+    def close(self, exit_code: int) -> None:
+        pass
+
+
+def _wandb_streamer(spec: dict, manager: dict):
+    """Streams the run's metrics to its W&B run from this (task) process; W&B stays optional
+    and its failures never reach the run."""
+    try:
+        from experiments.wandb_sink import RunDirStreamer, run_for_spec, wandb_mode
+        if wandb_mode() == "disabled":
+            return _NoStreamer()
+        run = run_for_spec(spec, operative_flat(spec.get("operative_config", "")), manager.get("wandb_dir"),
+                           manager.get("wandb_project") or spec["study"])
+        return RunDirStreamer(spec["run_dir"], run)
+    except Exception as err:  # noqa: BLE001 - e.g. wandb not installed
+        print(f"warning: W&B: {err} (continuing without it)", file=sys.stderr)
+        return _NoStreamer()
+
+
+def operative_flat(text: str) -> dict:
+    """gin's operative config text as {'ppo.kl_coef': 0.05, ...}."""
+    import ast
+    out = {}
+    for line in text.splitlines():
+        if "=" not in line or line.lstrip().startswith("#"):
+            continue
+        key, _, value = line.partition("=")
+        try:
+            out[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            out[key.strip()] = value.strip()
+    return out
+
+
 def _tail(path: Path, limit: int = STDERR_TAIL) -> str:
     try:
         with open(path, "rb") as f:
@@ -135,9 +176,9 @@ def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: st
         err.flush()
         stderr_start = err.tell()
         # Own session: a terminal's Ctrl-C reaches the manager, which stops runs in order,
-        # rather than every engine at once. Started in the run dir, so whatever the engine
-        # writes relative to its working directory lands with the run.
-        child = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=run_dir,
+        # rather than every engine at once. Started where the manager was started, so paths
+        # in recipes mean what they meant to the user.
+        child = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=manager.get("cwd"),
                                  start_new_session=True,
                                  preexec_fn=_die_with_parent if platform.system() == "Linux" else None)
         try:

@@ -113,8 +113,8 @@ def _init_ray(address: Optional[str], num_cpus: Optional[int], num_gpus: Optiona
     kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
     if address:
         ray.init(address=address, **kwargs)
-    else:
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+    else:  # 'local': a private instance, even when other Ray clusters run on this machine
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
     return True
 
 
@@ -130,7 +130,7 @@ def _check_resources(study: Study) -> None:
 
 def manager_fields(results_dir: Path, argv: Optional[List[str]]) -> dict:
     return {"manager_command": [sys.executable, "-m", "experiments", *(argv or sys.argv[1:])],
-            "manager_host": os.uname().nodename, "cwd": str(REPO_ROOT), "results_dir": str(results_dir),
+            "manager_host": os.uname().nodename, "cwd": os.getcwd(), "results_dir": str(results_dir),
             "launched_at": now()}
 
 
@@ -170,6 +170,8 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
             _check_resources(study)
             manager = manager_fields(study_path.parent, argv)
             manager["ray_address"] = ray.get_runtime_context().gcs_address
+            manager["wandb_project"] = study.wandb_project or study.name
+            manager["wandb_dir"] = str(Path(results_dir).resolve() / "wandb")
             task = ray.remote(execute)
             attempts = {s.key: 0 for s in todo}
             refs: Dict[object, RunSpec] = {}

@@ -86,6 +86,7 @@ class Study:
     gpus_per_run: float
     retries: int
     alpha: float
+    wandb_project: str = ""
 
     @property
     def all_variants(self) -> Tuple[Variant, ...]:
@@ -98,7 +99,7 @@ def study(name: str = gin.REQUIRED, description: str = "", baseline_recipe: str 
           coupled: Sequence[str] = (), seeds=3, metric: str = "eval/accuracy",
           metric_from: str = "final", direction: str = "higher", guardrails: Mapping = None,
           resume_from: str = "", resume_variant: str = "", cpus_per_run: int = 1,
-          gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05) -> dict:
+          gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, wandb_project: str = "") -> dict:
     """The gin configurable `study`; returns its arguments for `_validate`.
 
     name: the study's name; its results live in RESULTS/<name>/.
@@ -117,6 +118,7 @@ def study(name: str = gin.REQUIRED, description: str = "", baseline_recipe: str 
     retries: extra attempts for a run that crashed or was killed (a divergence or a
         configuration error is deterministic and never retried).
     alpha: significance level of the Holm-corrected Welch tests.
+    wandb_project: the W&B project of the study's runs (default: the study's name).
     """
     return dict(locals())
 
@@ -240,7 +242,7 @@ def _validate(args: dict, path: Path) -> Study:
         raise _bad("study.retries", retries, "must be an integer >= 0")
     if not isinstance(args["alpha"], float) or not 0 < args["alpha"] < 1:
         raise _bad("study.alpha", args["alpha"], "must be a number in (0, 1)")
-    for key in ("resume_from", "resume_variant", "description"):
+    for key in ("resume_from", "resume_variant", "description", "wandb_project"):
         if not isinstance(args[key], str):
             raise _bad(f"study.{key}", args[key], "must be a string")
     resume_from = args["resume_from"]
@@ -253,7 +255,7 @@ def _validate(args: dict, path: Path) -> Study:
         seeds=_seeds(args["seeds"]), metric=args["metric"], metric_from=args["metric_from"],
         direction=args["direction"], guardrails=_guardrails(args["guardrails"]),
         resume_from=resume_from, resume_variant=args["resume_variant"], cpus_per_run=cpus,
-        gpus_per_run=float(gpus), retries=retries, alpha=args["alpha"])
+        gpus_per_run=float(gpus), retries=retries, alpha=args["alpha"], wandb_project=args["wandb_project"])
 
 
 def split_cli_bindings(bindings: Sequence[str]) -> Tuple[List[str], List[str]]:

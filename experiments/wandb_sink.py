@@ -224,3 +224,37 @@ def log_study_aggregate(*, project: str, study: str, study_hash: str, columns: L
     except Exception as err:  # noqa: BLE001
         _warn(f"aggregate failed: {err}")
     run.finish()
+
+
+AGGREGATE_COLUMNS = ["variant", "change", "n", "mean", "std", "se", "ci95_low", "ci95_high", "difference",
+                     "difference_ci95_low", "difference_ci95_high", "p_value_holm", "hedges_g", "prob_improvement",
+                     "verdict", "underpowered", "guardrails_ok"]
+
+
+def aggregate_rows(aggregate: Dict) -> List[List]:
+    """One table row per variant from aggregate.json."""
+    rows = []
+    for name, v in aggregate["variants"].items():
+        s, c = v.get("summary", {}), v.get("comparison") or {}
+        ci, dci = s.get("ci95") or [None, None], c.get("difference_ci95") or [None, None]
+        rows.append([name, "; ".join(v.get("bindings", [])) or "baseline", s.get("n"), s.get("mean"), s.get("std"),
+                     s.get("se"), ci[0], ci[1], c.get("difference"), dci[0], dci[1], c.get("p_value_holm"),
+                     c.get("hedges_g"), c.get("prob_improvement"), v.get("verdict") or "reference",
+                     bool(v.get("underpowered")), bool(v.get("guardrails_ok", True))])
+    return rows
+
+
+def log_aggregate_dir(study_dir: str | Path, project: str, run_hashes: Iterable[str]) -> None:
+    """Sends a finished study's aggregate.json and plots as its W&B aggregate run."""
+    import hashlib
+
+    study_dir = Path(study_dir)
+    aggregate = json.loads((study_dir / "aggregate.json").read_text())
+    study_hash = hashlib.sha256("".join(sorted(run_hashes)).encode()).hexdigest()
+    summary = {f"{name}.mean": v.get("summary", {}).get("mean") for name, v in aggregate["variants"].items()}
+    summary.update({f"{name}.verdict": v.get("verdict") for name, v in aggregate["variants"].items() if v.get("verdict")})
+    summary["chosen"] = aggregate.get("decision", {}).get("chosen")
+    log_study_aggregate(project=project, study=aggregate["study"], study_hash=study_hash, columns=AGGREGATE_COLUMNS,
+                        rows=aggregate_rows(aggregate), summary=summary,
+                        images=sorted((study_dir / "plots").glob("*.png")),
+                        directory=str(study_dir.parent / "wandb"))
