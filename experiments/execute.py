@@ -181,13 +181,21 @@ def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: st
         child = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=manager.get("cwd"),
                                  start_new_session=True,
                                  preexec_fn=_die_with_parent if platform.system() == "Linux" else None)
+        streamer = _wandb_streamer(spec, manager)
         try:
             # Poll rather than block in wait(): Ray delivers a cancellation between bytecodes,
-            # which a blocking wait() would postpone until the run ends by itself.
+            # which a blocking wait() would postpone until the run ends by itself. The same
+            # loop streams new metrics to W&B.
+            last_stream = 0.0
             while child.poll() is None:
                 time.sleep(0.2)
+                if time.monotonic() - last_stream > WANDB_POLL_S:
+                    streamer.poll()
+                    last_stream = time.monotonic()
             exit_code = child.returncode
+            streamer.close(exit_code)
         except BaseException:
+            streamer.close(1)
             interrupted = True
             child.terminate()
             try:

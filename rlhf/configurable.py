@@ -52,6 +52,29 @@ class _QuietIncludeProbe(logging.Filter):
 logging.getLogger().addFilter(_QuietIncludeProbe())
 
 
+def _guard_package_probe() -> None:
+    """gin's package-path probe crashes (TypeError) when the include's first folder is also a
+    namespace package on sys.path, e.g. a `models/` data folder in the working directory; a
+    crash there must mean 'not found here', so the search paths get their turn."""
+    from gin import config as gin_config
+
+    for i, (reader, exists) in enumerate(gin_config._FILE_READERS):
+        if getattr(exists, "_guarded", False) or exists is os.path.isfile:
+            continue
+
+        def safe(path, _exists=exists):
+            try:
+                return _exists(path)
+            except (TypeError, AttributeError):
+                return False
+
+        safe._guarded = True
+        gin_config._FILE_READERS[i] = (reader, safe)
+
+
+_guard_package_probe()
+
+
 def _known_params(scope: str) -> list[str]:
     import dataclasses
     return [f.name for f in dataclasses.fields(SCOPES[scope])]
