@@ -89,8 +89,18 @@ def study_params(path: str, bindings: List[str]) -> Dict:
                           f"study.variants[{variant.name!r}]")
         variants[variant.name] = _changes(base, flat_dict(cfg))
     return {"study": {"name": study.name, "seeds": list(study.seeds), "metric": study.metric,
-                      "direction": study.direction, "resume_from": study.resume_from or None},  # noqa: E501
+                      "direction": study.direction, "resume_from": _relative_to_cwd(study.resume_from)},
             "baseline": _nested(flat), "variants": {k: _nested(v) for k, v in variants.items()}}
+
+
+def _relative_to_cwd(path: str):
+    """Params must not depend on where the repository is checked out."""
+    if not path:
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path
 
 
 def cmd_params(args) -> int:
