@@ -45,6 +45,24 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny shape on the CPU with the HF backend (smoke test)")
     args = p.parse_args(argv)
 
+    if len(args.variant) > 1:  # one process per variant: vLLM allows one sleep-mode engine per process
+        import subprocess
+        rest = [a for a in (sys.argv[1:] if argv is None else argv)]
+        base = []
+        skip = False
+        for a in rest:
+            if skip:
+                skip = False
+                continue
+            if a == "--variant":
+                skip = True
+                continue
+            if not a.startswith("--variant="):
+                base.append(a)
+        for spec in args.variant:
+            subprocess.run([sys.executable, __file__, *base, "--variant", spec])
+        return 0
+
     import ppo_step
     from gpu_assets import build_assets, write_prompt_file
 

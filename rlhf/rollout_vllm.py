@@ -102,12 +102,21 @@ class VLLMRollout:
         tok_dir = getattr(tokenizer, "name_or_path", "")
         has_tok_dir = bool(tok_dir) and Path(tok_dir).is_dir()
         t0 = time.perf_counter()
-        self.llm = vllm.LLM(
-            model=str(model_dir), tokenizer=tok_dir if has_tok_dir else None, skip_tokenizer_init=not has_tok_dir,
-            dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, enable_sleep_mode=sleep, enforce_eager=enforce_eager,
-            # Trainer log-probs divide logits by the temperature; vLLM's raw log-probs would not.
-            logprobs_mode="processed_logprobs" if return_logprobs else "raw_logprobs")
+        # The trainer asks for deterministic algorithms (warn only); that also puts Inductor in a
+        # deterministic mode which refuses the kernel benchmarking vLLM's start-up compilation does.
+        # The engine is compiled and its graphs captured here, once, so the flag is lifted meanwhile.
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(False)
+        try:
+            self.llm = vllm.LLM(
+                model=str(model_dir), tokenizer=tok_dir if has_tok_dir else None, skip_tokenizer_init=not has_tok_dir,
+                dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs, enable_sleep_mode=sleep, enforce_eager=enforce_eager,
+                # Trainer log-probs divide logits by the temperature; vLLM's raw log-probs would not.
+                logprobs_mode="processed_logprobs" if return_logprobs else "raw_logprobs")
+        finally:
+            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         self.timings["engine_start_s"] = time.perf_counter() - t0
         log(f"vLLM {vllm.__version__} engine ready in {self.timings['engine_start_s']:.1f} s")
 
