@@ -13,6 +13,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 from rich.console import Console
 
 from experiments import commands
+from experiments.advisor import command as advisor_command
 from experiments.study import StudyError
 
 
@@ -40,6 +41,8 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
     "status": Subcommand("show each run's state on disk", commands.cmd_status),
     "report": Subcommand("write aggregate.json, report.md and plots from the run dirs",
                          commands.cmd_report),
+    "advise": Subcommand("apply the tuning guide's rules to a finished study (RESULTS/STUDY) and write the "
+                         "next study recipe", advisor_command.cmd_advise, advisor_command.add_arguments),
 }
 
 

@@ -1,0 +1,162 @@
+"""The evidence a rule reads: one variant's metrics over the last steps, every seed, plus its config.
+
+The guide's rules are judgements on curves ("KL oscillating in 0.03-0.08", "reward rising then
+crashing"), so a rule needs more than the final-window means of summary.json: it needs the
+per-step values of every seed. A `Window` holds them as (seeds x steps) arrays, NaN where a seed
+did not log a metric at a step, together with the parameter values the variant ran with (rules
+propose a change relative to them) and the device's memory when it is known.
+
+`Window.from_arrays` builds one from synthetic traces (the tests); `load_window` reads a study's
+results dir (`RESULTS/<study>/`, via its aggregate.json and run dirs).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+import warnings
+from pathlib import Path
+from typing import Dict, Mapping, Optional, Sequence
+
+import numpy as np
+
+from experiments.rundir import iter_metrics, read_json, scalar
+from experiments.study import StudyError
+
+DEFAULT_WINDOW = 50
+"""Steps read by default: the guide judges trends "for long", more than summary.json's window."""
+
+_GIN_LINE = re.compile(r"^([A-Za-z_]\w*)\.([A-Za-z_]\w*)\s*=\s*(.+?)\s*$")
+
+
+class AdviceError(StudyError):
+    """The advisor cannot read its input; the message names what is missing and how to get it.
+    (A StudyError, so the CLI reports it in one line with the configuration exit code.)"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """One variant's metrics over a window of steps, every seed.
+
+    values: {metric: array (seeds x steps)}, NaN where missing; steps: the step numbers (columns).
+    config: {'ppo.kl_coef': 0.05, ...}, the operative parameters of the variant.
+    device_memory_gb: the accelerator's total memory, when known (rules on memory need it).
+    """
+
+    variant: str
+    steps: np.ndarray
+    values: Mapping[str, np.ndarray]
+    config: Mapping[str, object]
+    device_memory_gb: Optional[float] = None
+    seeds: Sequence[int] = ()
+
+    @classmethod
+    def from_arrays(cls, traces: Mapping[str, Sequence], config: Mapping[str, object] = None,
+                    variant: str = "baseline", device_memory_gb: Optional[float] = None) -> "Window":
+        """A window from synthetic traces: each a 1-D curve (one seed) or 2-D (seeds x steps)."""
+        values = {}
+        for name, trace in traces.items():
+            arr = np.atleast_2d(np.asarray(trace, float))
+            values[name] = arr
+        length = max((a.shape[1] for a in values.values()), default=0)
+        values = {k: np.pad(a, ((0, 0), (0, length - a.shape[1])), constant_values=np.nan)
+                  for k, a in values.items()}
+        n_seeds = max((a.shape[0] for a in values.values()), default=0)
+        return cls(variant=variant, steps=np.arange(length), values=values, config=dict(config or {}),
+                   device_memory_gb=device_memory_gb, seeds=tuple(range(n_seeds)))
+
+    def has(self, metric: str) -> bool:
+        a = self.values.get(metric)
+        return a is not None and bool(np.isfinite(a).any())
+
+    def mean(self, metric: str) -> Optional[float]:
+        """Mean over seeds and steps; None when the metric was never logged."""
+        if not self.has(metric):
+            return None
+        return float(np.nanmean(self.values[metric]))
+
+    def max(self, metric: str) -> Optional[float]:
+        return float(np.nanmax(self.values[metric])) if self.has(metric) else None
+
+    def seed_curves(self, metric: str) -> list:
+        """Each seed's curve over the window with its missing steps dropped."""
+        if metric not in self.values:
+            return []
+        return [row[np.isfinite(row)] for row in self.values[metric] if np.isfinite(row).any()]
+
+    def curve(self, metric: str) -> np.ndarray:
+        """Mean over seeds at each step (NaN-aware)."""
+        if metric not in self.values:
+            return np.array([])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return np.nanmean(self.values[metric], axis=0)
+
+    def param(self, name: str, default=None):
+        return self.config.get(name, default)
+
+
+def parse_operative_config(text: str) -> Dict[str, object]:
+    """{'ppo.kl_coef': 0.05, ...} from gin's operative config (one-line Python literals only)."""
+    out = {}
+    for line in text.splitlines():
+        m = _GIN_LINE.match(line)
+        if not m:
+            continue
+        try:
+            out[f"{m.group(1)}.{m.group(2)}"] = ast.literal_eval(m.group(3))
+        except (ValueError, SyntaxError):
+            continue
+    return out
+
+
+def _device_memory_gb(run_dir: Path) -> Optional[float]:
+    """Total accelerator memory from the run's provenance, when the engine recorded it."""
+    prov = read_json(run_dir / "provenance.json") or {}
+    for holder in (prov, prov.get("hardware") or {}):
+        for key in ("gpu_memory_gb", "gpu_total_memory_gb"):
+            v = scalar(holder.get(key)) if isinstance(holder, dict) else None
+            if v:
+                return v
+    return None
+
+
+def load_window(study_dir: str | Path, variant: Optional[str] = None, window: int = DEFAULT_WINDOW,
+                device_memory_gb: Optional[float] = None) -> Window:
+    """The last `window` steps of `variant` (default: the study's chosen one), every completed seed."""
+    study_dir = Path(study_dir)
+    agg = read_json(study_dir / "aggregate.json")
+    if agg is None:
+        raise AdviceError(f"{study_dir}/aggregate.json not found: run `python -m experiments run` (or "
+                          f"`report`) on the study first")
+    variant = variant or agg.get("decision", {}).get("chosen")
+    if variant not in agg.get("variants", {}):
+        raise AdviceError(f"variant {variant!r} is not in {study_dir}; allowed: {', '.join(agg.get('variants', {}))}")
+    if not isinstance(window, int) or window < 2:
+        raise AdviceError(f"window = {window!r} is invalid: must be an integer >= 2 (steps)")
+    runs = [r for r in agg["variants"][variant]["runs"] if r.get("status") == "completed"]
+    if not runs:
+        raise AdviceError(f"variant {variant!r} of {study_dir} has no completed run to read")
+    rows_by_seed = {}
+    for run in runs:
+        rows = [row for row in iter_metrics(study_dir / run["run_dir"]) if "reward_mean" in row]
+        rows_by_seed[run["seed"]] = rows[-window:]
+    steps = sorted({int(r["step"]) for rows in rows_by_seed.values() for r in rows})
+    col = {s: i for i, s in enumerate(steps)}
+    names = sorted({k for rows in rows_by_seed.values() for r in rows for k, v in r.items()
+                    if scalar(v) is not None and k != "step"})
+    values = {name: np.full((len(rows_by_seed), len(steps)), np.nan) for name in names}
+    for i, rows in enumerate(rows_by_seed.values()):
+        for r in rows:
+            for name in names:
+                v = scalar(r.get(name))
+                if v is not None:
+                    values[name][i, col[int(r["step"])]] = v
+    first = study_dir / runs[0]["run_dir"]
+    config_path = first / "config.gin"
+    if not config_path.is_file():
+        raise AdviceError(f"{config_path} not found: the advisor needs the operative config of the run")
+    return Window(variant=variant, steps=np.asarray(steps), values=values,
+                  config=parse_operative_config(config_path.read_text()),
+                  device_memory_gb=device_memory_gb or _device_memory_gb(first), seeds=tuple(rows_by_seed))
