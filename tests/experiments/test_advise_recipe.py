@@ -1,0 +1,87 @@
+"""`python -m experiments advise RESULTS/STUDY` on a synthetic finished study: the table, and a
+next-study recipe that parses and plans (one variant per change, resuming from the study)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments.cli import main
+from experiments.plan import expand
+from experiments.study import StudyError, load_study
+from rlhf.configurable import RECIPES_DIR
+
+CONFIG_GIN = """# Parameters for ppo:
+ppo.actor_learning_rate = 0.0003
+ppo.clip_range = 0.2
+ppo.critic_learning_rate = 0.0009
+ppo.kl_coef = 0.05
+ppo.max_response_length = 6
+ppo.mini_batch_size = 32
+ppo.num_rollout_batches = 2
+ppo.rollout_micro_batch_size = 32
+ppo.samples_per_prompt = 1
+"""
+
+
+def synthetic_study(root: Path, name: str = "synth") -> Path:
+    """A finished study's results dir: KL too high, responses far under the max, clean otherwise."""
+    study_dir = root / name
+    runs, plan = [], []
+    for seed in (0, 1):
+        run_dir = study_dir / "runs" / "baseline" / f"seed{seed}"
+        (run_dir / "checkpoints" / "step_20").mkdir(parents=True)
+        (run_dir / "checkpoints" / "step_20" / "model.safetensors").write_bytes(b"weights")
+        (run_dir / "config.gin").write_text(CONFIG_GIN)
+        rng = np.random.default_rng(seed)
+        with open(run_dir / "metrics.jsonl", "w") as f:
+            for step in range(1, 21):
+                f.write(json.dumps({"step": step, "reward_mean": 0.3 + 0.02 * step + rng.normal(0, 0.01),
+                                    "kl_divergence": 0.3, "clip_fraction": 0.3, "response_length_mean": 2.8,
+                                    "response_clip_ratio": 0.0, "rollout_success_rate": 1.0}) + "\n")
+        runs.append({"seed": seed, "status": "completed", "value": 0.4, "run_dir": f"runs/baseline/seed{seed}"})
+        plan.append({"variant": "baseline", "seed": seed, "recipe": str(RECIPES_DIR / "tiny.gin"), "cpus": 1,
+                     "bindings": ["ppo.total_steps = 4", "ppo.eval_every = 2", f"ppo.seed = {seed}",
+                                  "ppo.torch_threads = 1"]})
+    agg = {"study": name, "metric": "eval/accuracy", "metric_from": "final", "direction": "higher",
+           "seeds": [0, 1], "decision": {"chosen": "baseline", "reason": "baseline only"},
+           "variants": {"baseline": {"bindings": [], "runs": runs,
+                                     "guardrails": {"rollout_success_rate": {"min": 0.95, "max": None}}}}}
+    (study_dir / "aggregate.json").write_text(json.dumps(agg))
+    (study_dir / "plan.json").write_text(json.dumps({"study": name, "runs": plan}))
+    return study_dir
+
+
+def test_advise_writes_a_next_study_that_parses_and_plans(tmp_path, capsys):
+    study_dir = synthetic_study(tmp_path / "results")
+    out, advice = tmp_path / "next.gin", tmp_path / "advice.json"
+    assert main(["advise", str(study_dir), "--out", str(out), "--name", "synth2", "--json", str(advice)]) == 0
+    printed = capsys.readouterr().out
+    assert "kl_high" in printed and "response_length" in printed
+    study = load_study(out)
+    variants = {v.name: v.bindings for v in study.variants}
+    assert variants == {"kl_coef_up": ("ppo.kl_coef = 0.06",),
+                        "max_response_length_down": ("ppo.max_response_length = 5",)}
+    assert study.name == "synth2" and study.resume_from == str(study_dir.resolve()) and study.seeds == (0, 1)
+    assert study.baseline_bindings == ("ppo.total_steps = 4", "ppo.eval_every = 2")
+    assert [g.describe() for g in study.guardrails] == ["rollout_success_rate >= 0.95"]
+    specs = expand(study, tmp_path / "results")
+    assert len(specs) == 3 * 2 and all(s.init_from.endswith("step_20") for s in specs)
+    text = out.read_text()
+    assert "kl_divergence = 0.3" in text  # the evidence travels in the header
+    assert json.loads(advice.read_text())["changes"][0]["rule"] == "kl_high"
+
+
+def test_advise_keeps_the_top_variants_and_names_bad_input(tmp_path, capsys):
+    study_dir = synthetic_study(tmp_path / "results")
+    out = tmp_path / "top.gin"
+    assert main(["advise", str(study_dir), "--out", str(out), "--max-variants", "1"]) == 0
+    assert [v.name for v in load_study(out).variants] == ["kl_coef_up"]
+    assert main(["advise", str(tmp_path / "nowhere")]) == 2
+    assert main(["advise", str(study_dir), "-t", "kl_high.kl_limit=1"]) == 2
+    assert "kl_limit is not a threshold" in capsys.readouterr().err
+    with pytest.raises(StudyError):
+        load_study(tmp_path / "missing.gin")
