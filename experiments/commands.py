@@ -57,6 +57,9 @@ def cmd_run(args: Namespace, console: Console) -> int:
     """Runs what the plan needs on Ray, then writes the report."""
     from experiments.report import write_report
     study, specs = _planned(args)
+    if study.adaptive_seeds is not None:  # one launch per look: experiments/adaptive_run.py
+        from experiments.adaptive_run import run_adaptive
+        return run_adaptive(study, args, console)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     t0 = time.monotonic()
     try:

@@ -15,11 +15,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import gin
 
 from rlhf.configurable import RECIPES_DIR
+
+from experiments.adaptive import AdaptiveSeeds, parse_adaptive_seeds
 
 
 class StudyError(ValueError):
@@ -87,6 +89,8 @@ class Study:
     retries: int
     alpha: float
     wandb_project: str = ""
+    adaptive_seeds: Optional[AdaptiveSeeds] = None
+    """When set, seeds are added to undecided variants up to a maximum (experiments/adaptive.py)."""
 
     @property
     def all_variants(self) -> Tuple[Variant, ...]:
@@ -99,7 +103,8 @@ def study(name: str = gin.REQUIRED, description: str = "", baseline_recipe: str 
           coupled: Sequence[str] = (), seeds=3, metric: str = "eval/accuracy",
           metric_from: str = "final", direction: str = "higher", guardrails: Mapping = None,
           resume_from: str = "", resume_variant: str = "", cpus_per_run: int = 1,
-          gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, wandb_project: str = "") -> dict:
+          gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, wandb_project: str = "",
+          adaptive_seeds: Mapping = None) -> dict:
     """The gin configurable `study`; returns its arguments for `_validate`.
 
     name: the study's name; its results live in RESULTS/<name>/.
@@ -119,6 +124,8 @@ def study(name: str = gin.REQUIRED, description: str = "", baseline_recipe: str 
         configuration error is deterministic and never retried).
     alpha: significance level of the Holm-corrected Welch tests.
     wandb_project: the W&B project of the study's runs (default: the study's name).
+    adaptive_seeds: {'max_seeds': N} (optional 'min_seeds', 'step', 'spend_alpha_over_looks'): start
+        with study.seeds and add seeds to variants whose difference from the baseline is undecided.
     """
     return dict(locals())
 
@@ -255,7 +262,8 @@ def _validate(args: dict, path: Path) -> Study:
         seeds=_seeds(args["seeds"]), metric=args["metric"], metric_from=args["metric_from"],
         direction=args["direction"], guardrails=_guardrails(args["guardrails"]),
         resume_from=resume_from, resume_variant=args["resume_variant"], cpus_per_run=cpus,
-        gpus_per_run=float(gpus), retries=retries, alpha=args["alpha"], wandb_project=args["wandb_project"])
+        gpus_per_run=float(gpus), retries=retries, alpha=args["alpha"], wandb_project=args["wandb_project"],
+        adaptive_seeds=parse_adaptive_seeds(args["adaptive_seeds"], len(_seeds(args["seeds"]))))
 
 
 def split_cli_bindings(bindings: Sequence[str]) -> Tuple[List[str], List[str]]:

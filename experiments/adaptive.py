@@ -1,0 +1,129 @@
+"""Adaptive seeds: add seeds only to the variants whose comparison with the baseline is undecided.
+
+A fixed design runs every variant `max_seeds` times. Most variants of a tuning round are either
+clearly better/worse (decided after the first few seeds) or null; only the undecided ones need
+more. `study.adaptive_seeds = {'max_seeds': 8}` makes a study start with its `study.seeds`, then,
+after each look, give one more seed (`step`) to every variant whose confidence interval of the
+difference from the baseline still contains zero, until it excludes zero or `max_seeds` is
+reached. The baseline gets as many seeds as the variants still running.
+
+The interval is Welch's t interval (scipy) at confidence 1 - alpha / m, m the study's variants,
+so stopping agrees with the report's Holm-corrected Welch verdict at its strictest step. Looking
+repeatedly raises the chance of a false verdict on a null variant; `spend_alpha_over_looks`
+(Bonferroni over the possible looks) bounds it at alpha, at the price of more seeds for real
+differences. `bench/adaptive_seeds.py` measures both: runs saved and the false verdict rate.
+
+`decide_look` and `simulate` are pure (per-seed values in, decisions out); `run_adaptive` drives
+real studies through the ordinary plan -> launch -> report steps, one launch per look.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
+from scipy import stats
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveSeeds:
+    """The stopping rule. min_seeds: seeds before the first look (default: len(study.seeds));
+    max_seeds: the cap; step: seeds added per look; spend_alpha_over_looks: Bonferroni over looks."""
+
+    max_seeds: int
+    min_seeds: int = 3
+    step: int = 1
+    spend_alpha_over_looks: bool = False
+
+    @property
+    def looks(self) -> int:
+        return 1 + math.ceil((self.max_seeds - self.min_seeds) / self.step)
+
+    def confidence(self, alpha: float, n_variants: int) -> float:
+        spent = alpha / max(n_variants, 1) / (self.looks if self.spend_alpha_over_looks else 1)
+        return 1 - spent
+
+
+def parse_adaptive_seeds(value, initial_seeds: int) -> Optional[AdaptiveSeeds]:
+    """`study.adaptive_seeds` -> AdaptiveSeeds (None when unset); errors name the key and what is allowed."""
+    from experiments.study import StudyError
+
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, Mapping):
+        raise StudyError(f"study.adaptive_seeds = {value!r} is invalid: must be a dict such as {{'max_seeds': 8}}")
+    allowed = {f.name for f in dataclasses.fields(AdaptiveSeeds)}
+    unknown = set(value) - allowed
+    if unknown or "max_seeds" not in value:
+        raise StudyError(f"study.adaptive_seeds = {dict(value)!r} is invalid: needs 'max_seeds'; allowed keys: "
+                         f"{', '.join(sorted(allowed))}")
+    cfg = {"min_seeds": initial_seeds, **value}
+    for key in ("max_seeds", "min_seeds", "step"):
+        v = cfg.get(key, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or v < (2 if key != "step" else 1):
+            raise StudyError(f"study.adaptive_seeds['{key}'] = {v!r} is invalid: must be an integer >= "
+                             f"{2 if key != 'step' else 1}")
+    if cfg["max_seeds"] < cfg["min_seeds"]:
+        raise StudyError(f"study.adaptive_seeds['max_seeds'] = {cfg['max_seeds']} is invalid: must be >= "
+                         f"min_seeds = {cfg['min_seeds']} (default: the number of study.seeds)")
+    if not isinstance(cfg.get("spend_alpha_over_looks", False), bool):
+        raise StudyError("study.adaptive_seeds['spend_alpha_over_looks'] must be True or False")
+    return AdaptiveSeeds(**cfg)
+
+
+def difference_interval(variant: Sequence[float], baseline: Sequence[float], confidence: float) -> tuple:
+    """Welch's t interval of mean(variant) - mean(baseline); a point when neither varies."""
+    x, y = np.asarray(variant, float), np.asarray(baseline, float)
+    if len(x) < 2 or len(y) < 2:
+        return (-math.inf, math.inf)
+    if np.var(x) == 0 and np.var(y) == 0:
+        d = float(x.mean() - y.mean())
+        return (d, d)
+    ci = stats.ttest_ind(x, y, equal_var=False).confidence_interval(confidence)
+    return (float(ci.low), float(ci.high))
+
+
+def decide_look(values: Mapping[str, Sequence[float]], baseline: Sequence[float], confidence: float) -> Dict:
+    """{variant: {'decided', 'interval', 'n'}}: decided when the interval excludes zero."""
+    out = {}
+    for name, v in values.items():
+        lo, hi = difference_interval(v, baseline, confidence)
+        out[name] = {"decided": bool(lo > 0 or hi < 0), "interval": [lo, hi], "n": len(v)}
+    return out
+
+
+def simulate(draw: Callable[[str, int], float], variants: Sequence[str], cfg: AdaptiveSeeds,
+             alpha: float = 0.05) -> Dict:
+    """Runs the stopping rule on values from `draw(variant, seed)` ('baseline' included).
+
+    Returns per-variant seeds used and final decision, runs used, and the fixed design's runs
+    (every variant and the baseline at max_seeds)."""
+    confidence = cfg.confidence(alpha, len(variants))
+    n, active, final = cfg.min_seeds, list(variants), {}
+    values = {name: [draw(name, s) for s in range(n)] for name in ["baseline", *variants]}
+    while True:
+        look = decide_look({v: values[v] for v in active}, values["baseline"], confidence)
+        for name, d in look.items():
+            if d["decided"] or n >= cfg.max_seeds:
+                final[name] = d
+        active = [v for v in active if v not in final]
+        if not active:
+            break
+        n = min(n + cfg.step, cfg.max_seeds)
+        for name in ["baseline", *active]:
+            values[name] += [draw(name, s) for s in range(len(values[name]), n)]
+    used = sum(len(v) for v in values.values())
+    return {"variants": final, "runs_used": used, "runs_fixed": (1 + len(variants)) * cfg.max_seeds,
+            "baseline_seeds": len(values["baseline"])}
+
+
+def extra_seeds(seeds: Sequence[int], count: int) -> List[int]:
+    """The study's seeds, extended with the smallest unused integers up to `count`."""
+    out, candidate = list(seeds), 0
+    while len(out) < count:
+        if candidate not in out:
+            out.append(candidate)
+        candidate += 1
+    return out[:max(count, 0)]
