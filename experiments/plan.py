@@ -171,6 +171,17 @@ def resume_checkpoints(study: Study) -> Dict[int, str]:
     return {s: by_seed.get(s, first) for s in study.seeds}
 
 
+def resumed_setting(study: Study) -> tuple:
+    """The bindings of the variant `study.resume_from` chose (or `resume_variant`), when the study
+    sets `resume_setting`; () otherwise. The baseline's own bindings come after them and win."""
+    root = Path(study.resume_from) if study.resume_from else None
+    if not study.resume_setting or root is None or not (root / "aggregate.json").is_file():
+        return ()
+    previous = json.loads((root / "aggregate.json").read_text())
+    variant = study.resume_variant or previous.get("decision", {}).get("chosen")
+    return tuple(previous.get("variants", {}).get(variant, {}).get("bindings", ()))
+
+
 def _resolve(recipe: str, bindings: Sequence[str], where: str):
     """The engine's resolve(), quietly: gin logs every include search miss at ERROR level.
 
@@ -214,6 +225,9 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
     study_dir = Path(results_dir).resolve() / study.name
     code = code_version()
     starts = resume_checkpoints(study)
+    inherited = resumed_setting(study)
+    if inherited:
+        study = dataclasses.replace(study, baseline_bindings=(*inherited, *study.baseline_bindings))
     start_hashes = {p: checkpoint_hash(p) for p in set(starts.values())}
     base_cfg, _ = _resolve(study.baseline_recipe, study.baseline_bindings, "study.baseline_bindings")
     base_flat = flat_dict(base_cfg)

@@ -91,6 +91,8 @@ class Study:
     wandb_project: str = ""
     adaptive_seeds: Optional[AdaptiveSeeds] = None
     """When set, seeds are added to undecided variants up to a maximum (experiments/adaptive.py)."""
+    resume_setting: bool = False
+    """Also take the resumed variant's bindings into the baseline (planning reads them)."""
 
     @property
     def all_variants(self) -> Tuple[Variant, ...]:
@@ -104,7 +106,7 @@ def study(name: str = gin.REQUIRED, description: str = "", baseline_recipe: str 
           metric_from: str = "final", direction: str = "higher", guardrails: Mapping = None,
           resume_from: str = "", resume_variant: str = "", cpus_per_run: int = 1,
           gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, wandb_project: str = "",
-          adaptive_seeds: Mapping = None) -> dict:
+          adaptive_seeds: Mapping = None, resume_setting: bool = False) -> dict:
     """The gin configurable `study`; returns its arguments for `_validate`.
 
     name: the study's name; its results live in RESULTS/<name>/.
@@ -119,6 +121,9 @@ def study(name: str = gin.REQUIRED, description: str = "", baseline_recipe: str 
     resume_from: a previous study's results dir (its chosen variant's checkpoints start this
         study's runs) or a checkpoint dir `.../checkpoints/step_N`.
     resume_variant: take this variant of `resume_from` instead of its chosen one.
+    resume_setting: when resume_from is a study, its chosen variant's bindings join the baseline
+        (before study.baseline_bindings, which win), so a round continues the previous round's
+        setting and not only its weights; read at planning, when that study has run.
     cpus_per_run, gpus_per_run: Ray resources each run holds.
     retries: extra attempts for a run that crashed or was killed (a divergence or a
         configuration error is deterministic and never retried).
@@ -252,6 +257,8 @@ def _validate(args: dict, path: Path) -> Study:
     for key in ("resume_from", "resume_variant", "description", "wandb_project"):
         if not isinstance(args[key], str):
             raise _bad(f"study.{key}", args[key], "must be a string")
+    if not isinstance(args["resume_setting"], bool):
+        raise _bad("study.resume_setting", args["resume_setting"], "must be True or False")
     resume_from = args["resume_from"]
     if resume_from:  # may not exist yet (a previous round still to run): planning checks it
         resume_from = str((Path.cwd() / Path(resume_from).expanduser()).resolve())
@@ -263,7 +270,8 @@ def _validate(args: dict, path: Path) -> Study:
         direction=args["direction"], guardrails=_guardrails(args["guardrails"]),
         resume_from=resume_from, resume_variant=args["resume_variant"], cpus_per_run=cpus,
         gpus_per_run=float(gpus), retries=retries, alpha=args["alpha"], wandb_project=args["wandb_project"],
-        adaptive_seeds=parse_adaptive_seeds(args["adaptive_seeds"], len(_seeds(args["seeds"]))))
+        adaptive_seeds=parse_adaptive_seeds(args["adaptive_seeds"], len(_seeds(args["seeds"]))),
+        resume_setting=args["resume_setting"])
 
 
 def split_cli_bindings(bindings: Sequence[str]) -> Tuple[List[str], List[str]]:

@@ -26,8 +26,8 @@ def add_arguments(parser: ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="last steps read per seed")
     parser.add_argument("--variant", default=None, help="advise on this variant (default: the chosen one)")
     parser.add_argument("--group", action="append", default=[], choices=GROUPS,
-                        help="only rules of this group (repeatable): stability = the guide's round 2, "
-                             "throughput = round 3")
+                        help="only rules of this group (repeatable): kl_and_clip = the guide's round 2, "
+                             "throughput_and_quality = round 3, health = flags")
     parser.add_argument("--rule", action="append", default=[], help="only this rule (repeatable)")
     parser.add_argument("-t", "--threshold", action="append", default=[],
                         help="RULE.PARAMETER=NUMBER overrides a rule's threshold, e.g. kl_high.kl_max=0.2")

@@ -3,8 +3,8 @@
 A rule is a frozen dataclass: its fields are its thresholds and step sizes (defaults: the guide's
 numbers, in /shared/TUNING_GUIDE.md terms; where the guide gives no number the default is ours
 and the field's docstring says so), its class attributes say what it reads and which round of
-the guide it belongs to (`stability`: KL, clipping, learning rates, round 2; `throughput`:
-lengths and batch sizes, round 3; `health`: flags). `check(window)` returns a `Suggestion`
+the guide it belongs to (`kl_and_clip`: round 2; `throughput_and_quality`: round 3; `health`:
+flags, every round). `check(window)` returns a `Suggestion`
 (ONE single-parameter change with its size, the guide's rationale and the numbers that
 triggered it) or None when its condition does not hold or its metrics were not logged: a rule
 never guesses from missing data.
@@ -24,8 +24,10 @@ from scipy import stats
 
 from experiments.advisor.window import Window
 
-STABILITY, THROUGHPUT, HEALTH = "stability", "throughput", "health"
+STABILITY, THROUGHPUT, HEALTH = "kl_and_clip", "throughput_and_quality", "health"
 GROUPS = (STABILITY, THROUGHPUT, HEALTH)
+"""The guide's rounds: 2 (KL and clip: KL, clipping, actor LR) and 3 (throughput and quality: lengths,
+batch sizes, and a reward that slows late: kl_coef down, critic LR up); flags belong to every round."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +176,7 @@ class KLTooLow(Rule):
     """KL near zero while the reward stalls: the KL penalty holds the policy too stiffly."""
 
     name: ClassVar[str] = "kl_low"
+    group: ClassVar[str] = THROUGHPUT  # the guide's round 3: "reward slow -> kl_coef 0.08"
     reads: ClassVar[Tuple[str, ...]] = ("kl_divergence", "reward_mean")
     parameter: ClassVar[str] = "ppo.kl_coef"
     rationale: ClassVar[str] = ("KL below 0.01 with reward stalled: the policy cannot move away from the "
@@ -305,6 +308,7 @@ class FlatReward(Rule):
     """Reward flat for long: the critic learns too slowly to give the actor useful advantages."""
 
     name: ClassVar[str] = "reward_flat"
+    group: ClassVar[str] = THROUGHPUT
     reads: ClassVar[Tuple[str, ...]] = ("reward_mean", "critic/explained_variance")
     parameter: ClassVar[str] = "ppo.critic_learning_rate"
     rationale: ClassVar[str] = ("reward_mean flat for long: the critic learns too slowly; raise its learning "

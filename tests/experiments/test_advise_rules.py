@@ -132,4 +132,4 @@ def test_thresholds_are_parameters():
         build_rules({"kl_hi": {"kl_max": 0.3}})
     with pytest.raises(AdviceError, match="kl_max"):
         build_rules({"kl_high": {"kl_limit": 0.3}})
-    assert {r.group for r in build_rules(groups=["throughput"])} == {"throughput"}
+    assert {r.group for r in build_rules(groups=["throughput_and_quality"])} == {"throughput_and_quality"}
