@@ -184,11 +184,12 @@ def cmd_export(args) -> int:
 def cmd_summary(args) -> int:
     """The final report over all rounds: the path from the baseline to the chosen setting, each
     step with its evidence, ending with the held-out evaluation of the last round's choice."""
+    from experiments.advisor.evidence import advice_lines, heldout_start
     from experiments.study import load_study
 
     lines = ["# Tuning path", ""]
     setting: Dict[str, object] = {}
-    last = None
+    last, start = None, None
     for path in args.studies:
         study = load_study(path, args.binding)
         aggregate = json.loads((Path(args.results) / study.name / "aggregate.json").read_text())
@@ -196,8 +197,12 @@ def cmd_summary(args) -> int:
         chosen = decision["chosen"]
         v = aggregate["variants"][chosen]
         s = v["summary"]
-        lines += [f"## {study.name}: {aggregate.get('description', '')}", "",
-                  f"Decision: **{chosen}**: {decision['reason']}.", "",
+        lines += [f"## {study.name}: {aggregate.get('description', '')}", ""]
+        if study.resume_from and (Path(study.resume_from) / "aggregate.json").is_file():
+            lines += advice_lines(Path(study.resume_from), aggregate)
+        if start is None:
+            start = heldout_start(aggregate, Path(args.results) / study.name, aggregate["metric"])
+        lines += [f"Decision: **{chosen}**: {decision['reason']}.", "",
                   "| variant | change | n | mean | std | diff vs baseline | Holm p | verdict |",
                   "|---|---|---|---|---|---|---|---|"]
         for name, var in aggregate["variants"].items():
@@ -219,6 +224,8 @@ def cmd_summary(args) -> int:
         lines += ["## Held-out evaluation", "",
                   f"Final choice `{chosen}` of {name}: {metric} = {s.get('mean', float('nan')):.4f} "
                   f"+- {s.get('std') or 0:.4f} (n = {s.get('n')}, 95% CI {s.get('ci95')}).", ""]
+        if start is not None:
+            lines += [f"At the start of the first round (the warm start): {metric} = {start:.4f}.", ""]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines))
     print(f"wrote {args.out}")

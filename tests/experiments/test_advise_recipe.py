@@ -85,3 +85,17 @@ def test_advise_keeps_the_top_variants_and_names_bad_input(tmp_path, capsys):
     assert "kl_limit is not a threshold" in capsys.readouterr().err
     with pytest.raises(StudyError):
         load_study(tmp_path / "missing.gin")
+
+
+def test_tuning_path_shows_the_advice_beside_the_round_that_tested_it(tmp_path):
+    from experiments.advisor.evidence import advice_lines
+
+    study_dir = synthetic_study(tmp_path / "results")
+    aggregate = {"variants": {"baseline": {"bindings": [], "verdict": "baseline"},
+                              "kl_coef_up": {"bindings": ["ppo.kl_coef = 0.06"], "verdict": "better"},
+                              "lr_down": {"bindings": ["ppo.actor_learning_rate = 0.0001"], "verdict": "worse"}}}
+    text = "\n".join(advice_lines(study_dir, aggregate))
+    assert "| kl_high | `ppo.kl_coef = 0.06` (from 0.05) | kl_divergence = 0.3" in text
+    assert "| kl_coef_up | better |" in text
+    assert "`ppo.max_response_length = 5` (from 6)" in text and "not tested this round" in text
+    assert "| (none) | `ppo.actor_learning_rate = 0.0001` | no rule proposed it | lr_down | worse |" in text

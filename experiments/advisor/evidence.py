@@ -1,0 +1,60 @@
+"""Markdown for the tuning path: what the advisor saw before each round, and what the round made of it.
+
+The final report (`python -m experiments.pipeline summary`) shows, for every round that resumed
+from a previous one, the rules that fired on the previous round's chosen variant with their
+evidence, next to the variant of this round that tested the change and its verdict. A change
+the advisor proposed that no variant tested, or a variant no rule proposed, is said so: the
+report shows where the path followed the data and where a person chose otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from experiments.advisor.advise import advise
+from experiments.advisor.window import AdviceError, load_window
+from experiments.rundir import read_json, scalar
+
+
+def _fmt(evidence: Dict) -> str:
+    return ", ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in evidence.items()
+                     if v is not None)
+
+
+def advice_lines(previous_dir: Path, aggregate: Dict) -> List[str]:
+    """The advisor's suggestions on `previous_dir`'s chosen variant, matched to this round's variants."""
+    try:
+        window = load_window(previous_dir)
+    except AdviceError as err:
+        return [f"Advisor: not available ({err}).", ""]
+    advice = advise(window)
+    tested = {b: name for name, v in aggregate["variants"].items() for b in v.get("bindings", [])}
+    lines = [f"Advisor on {previous_dir.name}/{window.variant} (last {len(window.steps)} steps, "
+             f"{len(window.seeds)} seeds):", "",
+             "| rule | proposed change | evidence | tested as | verdict |", "|---|---|---|---|---|"]
+    for s in advice.warnings:
+        lines.append(f"| {s.rule} | flag: {s.rationale} | {_fmt(s.evidence)} | - | - |")
+    proposed = set()
+    for s in advice.changes:
+        proposed.add(s.binding)
+        name = tested.get(s.binding)
+        verdict = aggregate["variants"][name].get("verdict", "") if name else "not tested this round"
+        lines.append(f"| {s.rule} | `{s.binding}` (from {s.current!r}) | {_fmt(s.evidence)} | {name or '-'} | {verdict} |")
+    for binding, name in tested.items():
+        if binding not in proposed:
+            lines.append(f"| (none) | `{binding}` | no rule proposed it | {name} | "
+                         f"{aggregate['variants'][name].get('verdict', '')} |")
+    lines += ["", f"Rules silent: {', '.join(advice.silent) or 'none'}.", ""]
+    return lines
+
+
+def heldout_start(aggregate: Dict, study_dir: Path, metric: str) -> Optional[float]:
+    """Mean over the baseline's seeds of `metric` at the start of its runs (summary.json's `initial`)."""
+    values = []
+    for run in aggregate["variants"].get("baseline", {}).get("runs", []):
+        s = read_json(study_dir / run["run_dir"] / "summary.json") or {}
+        v = scalar((s.get("initial") or {}).get(metric))
+        if v is not None:
+            values.append(v)
+    return sum(values) / len(values) if values else None
