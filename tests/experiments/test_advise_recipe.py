@@ -99,3 +99,17 @@ def test_tuning_path_shows_the_advice_beside_the_round_that_tested_it(tmp_path):
     assert "| kl_coef_up | better |" in text
     assert "`ppo.max_response_length = 5` (from 6)" in text and "not tested this round" in text
     assert "| (none) | `ppo.actor_learning_rate = 0.0001` | no rule proposed it | lr_down | worse |" in text
+
+
+def test_resume_setting_carries_the_previous_rounds_chosen_change(tmp_path, write_study):
+    study_dir = synthetic_study(tmp_path / "results")
+    agg = json.loads((study_dir / "aggregate.json").read_text())
+    agg["variants"]["kl_up"] = {**agg["variants"]["baseline"], "bindings": ["ppo.kl_coef = 0.08"]}
+    agg["decision"]["chosen"] = "kl_up"
+    (study_dir / "aggregate.json").write_text(json.dumps(agg))
+    text = (f"study.name = 'next'\nstudy.baseline_bindings = ['ppo.total_steps = 4']\nstudy.variants = {{}}\n"
+            f"study.seeds = 2\nstudy.resume_from = {str(study_dir)!r}\n")
+    inherited = expand(load_study(write_study(text + "study.resume_setting = True\n")), tmp_path / "results")
+    assert inherited[0].bindings[0] == "ppo.kl_coef = 0.08" and "ppo.kl_coef = 0.08" in inherited[0].operative_config
+    plain = expand(load_study(write_study(text, "plain.gin")), tmp_path / "results")
+    assert "ppo.kl_coef = 0.08" not in plain[0].bindings
