@@ -9,11 +9,12 @@ Why these choices (vLLM 0.24.0):
   vocabulary may be larger than its tokenizer's) and the Batch matches the HF backend's exactly.
 - Stopping follows the trainer's tokenizer: `ignore_eos` with `stop_token_ids=[eos]`, as HF
   generate is called, so the model config's own EOS ids do not end a response early.
-- Seeds: by default every request gets its own seed, derived from the call's seed and its index
-  (`derive_seed`), so a response depends on the run seed, step and call, never on batching.
-  vLLM then draws each seeded request's noise in a Python loop (one kernel per request per token),
-  which costs throughput at large batches; `per_request_seeds=False` seeds this process's CUDA
-  generator once per call instead (same call, same tokens; responses then depend on the batch).
+- Seeds: by default this process's CUDA generator, which the in-process engine samples with, is
+  seeded once per call from the call's seed (run seed, step, call): the same call gives the same
+  tokens. `per_request_seeds=True` gives each request its own seed (`derive_seed(seed, index)`);
+  vLLM then draws each seeded request's noise in a Python loop (one kernel per request per
+  token), ~30% of the throughput at 256 requests on an H200, and the tokens still depend on the
+  batch in practice (bf16 kernels differ with the batch size).
 - Memory: with `sleep=True` the engine offloads its weights to CPU and frees its KV cache between
   rollouts (`LLM.sleep(level=1)`); `sync_weights` and `generate` wake it first.
 
@@ -75,7 +76,7 @@ class VLLMRollout:
 
     def __init__(self, tokenizer, device: torch.device, model_dir: str, seed: int, max_model_len: int,
                  return_logprobs: bool = False, gpu_memory_utilization: float = 0.3, sleep: bool = False,
-                 per_request_seeds: bool = True, max_num_seqs: int = 256, dtype: str = "bfloat16",
+                 per_request_seeds: bool = False, max_num_seqs: int = 256, dtype: str = "bfloat16",
                  enforce_eager: bool = False, log=print):
         if torch.device(device).type != "cuda":
             from rlhf.config import ConfigError

@@ -59,7 +59,7 @@ def test_rollout_logprobs_needs_the_vllm_backend():
         PPOConfig(rollout_logprobs=True)
     cfg = PPOConfig(rollout_backend="vllm", rollout_logprobs=True, vllm_sleep=False)
     assert rollout_options(cfg, torch.device("cuda")) == dict(
-        return_logprobs=True, gpu_memory_utilization=0.3, sleep=False, per_request_seeds=True)
+        return_logprobs=True, gpu_memory_utilization=0.3, sleep=False, per_request_seeds=False)
     with pytest.raises(ConfigError, match="vllm_gpu_memory_utilization"):
         PPOConfig(vllm_gpu_memory_utilization=1.5)
 
