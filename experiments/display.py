@@ -114,7 +114,10 @@ class StudyDisplay:
             return 0.0
         if not rates:
             return None
-        return remaining * (sum(rates) / len(rates)) / max(1, running)
+        # Slots: the most runs seen in parallel (a moment between one run's end and the next
+        # one's start must not double the estimate).
+        self.slots = max(getattr(self, "slots", 1), running)
+        return remaining * (sum(rates) / len(rates)) / self.slots
 
     def render(self) -> Group:
         table = Table(title=f"study {self.study_name}", expand=False)
