@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import resource
 import time
 from pathlib import Path
@@ -307,5 +308,8 @@ class PPOTrainer:
             "final_window_steps": ppo.final_window,
             "wall_time_s": time.time() - started,
         }
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        # Written last and atomically: a summary means the final checkpoint is complete.
+        tmp = self.out / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=1))
+        os.replace(tmp, self.out / "summary.json")
         return summary
