@@ -20,8 +20,10 @@ pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available
 
 
 def rank_main(rank, ws, port, model_dir, offload, out):
-    if DEVICE == "cuda":
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # as Ray gives each GPU actor its own device
+    if DEVICE == "cuda" and torch.cuda.device_count() > 1:
+        # CUDA is already initialised in this child (the module's skip check), so
+        # CUDA_VISIBLE_DEVICES would come too late: pick the rank's device as Ray's isolation would.
+        torch.cuda.set_device(rank)
     import torch.distributed as dist
 
     from rlhf.batch import Batch
