@@ -33,10 +33,10 @@ class RankHost:
     def __init__(self, rank: int, world_size: int, device_type: str, threads: int, offload: bool):
         self.rank = rank
         self.world_size = world_size
-        # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES: the rank's GPU is device 0.
-        # Ray gives each GPU rank one visible device (index 0); a caller that placed the process
-        # on another device (torch.cuda.set_device) keeps it.
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES, so the rank's GPU is the current
+        # device (index 0); a caller that placed the process with torch.cuda.set_device keeps it.
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
+                       else torch.device("cpu"))
         if threads:
             torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(True, warn_only=True)
