@@ -195,15 +195,15 @@ def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: st
             exit_code = child.returncode
             streamer.close(exit_code)
         except BaseException:
-            streamer.close(1)
             interrupted = True
-            child.terminate()
+            child.terminate()  # first: the engine must stop now, not after W&B has flushed
             try:
                 child.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
             exit_code = None
+            streamer.close(1)
     seconds = time.monotonic() - start
     stderr_tail = _tail(run_dir / "stderr.log")
     new_stderr = stderr_tail if stderr_start == 0 else stderr_tail.split(banner.strip())[-1].strip()

@@ -100,6 +100,14 @@ class WandbRun:
             _warn(f"log failed: {err}")
             self.run = None
 
+    def update_config(self, values: Dict) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.config.update(values, allow_val_change=True)
+        except Exception as err:  # noqa: BLE001
+            _warn(f"config update failed: {err}")
+
     def set_summary(self, values: Dict) -> None:
         if self.run is None:
             return
@@ -127,6 +135,7 @@ class RunDirStreamer:
         self.wandb_run = wandb_run
         state = self._read_state()
         self.last_step = state.get("last_step", -1) if state.get("run_id") == self._run_id() else -1
+        self.provenance_sent = False
 
     def _run_id(self) -> Optional[str]:
         run = self.wandb_run.run
@@ -142,6 +151,13 @@ class RunDirStreamer:
         """Sends records newer than the last step sent; returns how many were sent."""
         if not self.wandb_run.active:
             return 0
+        if not self.provenance_sent and (self.run_dir / "provenance.json").exists():
+            # The engine writes provenance.json once it has resolved its inputs, after this W&B
+            # run was opened: send it as config when it appears.
+            prov = provenance_config(self.run_dir)
+            if prov.get("data_sha256"):
+                self.wandb_run.update_config({f"provenance.{k}": v for k, v in prov.items()})
+                self.provenance_sent = True
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return 0
