@@ -18,12 +18,13 @@ import torch
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.distributed import fsdp
+from rlhf.distributed.trainable import TrainableShard
 from rlhf.models import load_policy, load_tokenizer
 from rlhf.rollout import SamplingParams, build_rollout, rollout_options
 from rlhf.workers.actor import ActorWorker
 
 
-class ActorRole:
+class ActorRole(TrainableShard):
     def __init__(self, ranks, device: torch.device, ppo: PPOConfig, start_dir: str, tokenizer_dir: str,
                  total_updates: int, autocast_dtype=None):
         self.ranks = ranks
@@ -74,33 +75,15 @@ class ActorRole:
             self.replica.save_pretrained(tmp, safe_serialization=True)
             return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
 
-    def model_state(self) -> Dict[str, torch.Tensor]:
-        return fsdp.full_model_state(self.worker.model, rank0_cpu=True)
-
     def load_model_state(self, state: Dict[str, torch.Tensor], strict: bool):
         self.replica_fresh = False
-        result = fsdp.load_full_model_state(self.worker.model, state, strict)
-        return list(result.missing_keys), list(result.unexpected_keys)
-
-    def optimizer_state(self) -> dict:
-        return fsdp.full_optimizer_state(self.worker.model, self.worker.optimizer)
-
-    def load_optimizer_state(self, state: dict) -> None:
-        fsdp.load_full_optimizer_state(self.worker.model, self.worker.optimizer, state)
-
-    def scheduler_state(self) -> dict:
-        return self.worker.scheduler.state_dict()
-
-    def load_scheduler_state(self, state: dict) -> None:
-        self.worker.scheduler.load_state_dict(state)
+        return super().load_model_state(state, strict)
 
     # ------------------------------------------------------------ colocated offloading
     def offload(self) -> None:
-        fsdp.move_model(self.worker.model, torch.device("cpu"))
-        fsdp.move_optimizer(self.worker.optimizer, torch.device("cpu"))
+        super().offload()
         self.replica.to("cpu")
 
     def onload(self) -> None:
-        fsdp.move_model(self.worker.model, self.device)
-        fsdp.move_optimizer(self.worker.optimizer, self.device)
+        super().onload()
         self.replica.to(self.device)

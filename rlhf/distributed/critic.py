@@ -11,12 +11,13 @@ from rlhf import checkpoint
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.distributed import fsdp
+from rlhf.distributed.trainable import TrainableShard
 from rlhf.models import ValueModel
 from rlhf.rollout import derive_seed
 from rlhf.workers.critic import CriticWorker
 
 
-class CriticRole:
+class CriticRole(TrainableShard):
     def __init__(self, ranks, device: torch.device, ppo: PPOConfig, model_dir: str, random_init: bool,
                  total_updates: int, autocast_dtype=None):
         self.ranks = ranks
@@ -33,30 +34,3 @@ class CriticRole:
 
     def update(self, batch: Batch, shuffle_seed: int) -> Dict[str, float]:
         return self.worker.update(batch, shuffle_seed=shuffle_seed)
-
-    def model_state(self) -> Dict[str, torch.Tensor]:
-        return fsdp.full_model_state(self.worker.model, rank0_cpu=True)
-
-    def load_model_state(self, state: Dict[str, torch.Tensor], strict: bool):
-        result = fsdp.load_full_model_state(self.worker.model, state, strict)
-        return list(result.missing_keys), list(result.unexpected_keys)
-
-    def optimizer_state(self) -> dict:
-        return fsdp.full_optimizer_state(self.worker.model, self.worker.optimizer)
-
-    def load_optimizer_state(self, state: dict) -> None:
-        fsdp.load_full_optimizer_state(self.worker.model, self.worker.optimizer, state)
-
-    def scheduler_state(self) -> dict:
-        return self.worker.scheduler.state_dict()
-
-    def load_scheduler_state(self, state: dict) -> None:
-        self.worker.scheduler.load_state_dict(state)
-
-    def offload(self) -> None:
-        fsdp.move_model(self.worker.model, torch.device("cpu"))
-        fsdp.move_optimizer(self.worker.optimizer, torch.device("cpu"))
-
-    def onload(self) -> None:
-        fsdp.move_model(self.worker.model, self.device)
-        fsdp.move_optimizer(self.worker.optimizer, self.device)

@@ -11,9 +11,8 @@ from rlhf import algos
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.workers.common import (SingleRank, StatAccumulator, build_optimizer, build_scheduler, clip_grad,
-                                 global_stats, minibatch_indices, response_logits)
-
-from rlhf.workers.common import response_logprobs
+                                 global_stats, loss_normalizer, minibatch_indices, response_logits,
+                                 response_logprobs)
 from rlhf.workers.compiled import compile_layers
 
 RATIO_BIN_EDGES = [round(0.05 * i, 2) for i in range(41)]  # 0.0 .. 2.0; ratios above 2 land in the last bin
@@ -58,9 +57,7 @@ class ActorWorker:
         for epoch in range(cfg.ppo_epochs):
             for mb_index in minibatch_indices(len(batch), cfg.mini_batch_size, shuffle_seed + epoch):
                 mini = ranks.share(batch.select(mb_index))
-                mask_all = mini["response_mask"].float()
-                count = mask_all.sum() if cfg.loss_aggregation == "token_mean" else (mask_all.sum(-1) > 0).sum()
-                normalizer = ranks.sum(count).clamp(min=1).item() / ranks.world_size
+                normalizer = loss_normalizer(mini, cfg.loss_aggregation, ranks)
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in mini.split(cfg.micro_batch_size):
                     mask = micro["response_mask"].to(self.device).float()

@@ -65,6 +65,15 @@ def build_scheduler(optimizer, cfg, total_optimizer_steps: int):
                          num_training_steps=max(total_optimizer_steps, 1))
 
 
+def loss_normalizer(mini: Batch, aggregation: str, ranks) -> float:
+    """The mini-batch's token count (token_mean) or non-empty sequence count (seq_mean), summed
+    over ranks and divided by the world size (FSDP averages the ranks' gradients), so that the
+    micro-batch losses of all ranks add up to the one-process mini-batch loss."""
+    mask = mini["response_mask"].float()
+    count = mask.sum() if aggregation == "token_mean" else (mask.sum(-1) > 0).sum()
+    return ranks.sum(count).clamp(min=1).item() / ranks.world_size
+
+
 def minibatch_indices(n: int, mini_batch_size: int, seed: int) -> List[torch.Tensor]:
     """A seeded shuffle of range(n) cut into mini-batches."""
     gen = torch.Generator().manual_seed(seed)
