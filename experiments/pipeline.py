@@ -75,19 +75,19 @@ def cmd_sft(args) -> int:
 def study_params(path: str, bindings: List[str]) -> Dict:
     """A study's resolved settings as nested YAML-able dicts: the baseline's operative config,
     each variant's change, seeds and the decision metric."""
-    from experiments.plan import _changes, _resolve
+    from experiments.plan import config_changes, resolve_config
     from experiments.study import load_study
     from rlhf.config import flat_dict
 
     study = load_study(path, bindings)
-    base_cfg, _ = _resolve(study.baseline_recipe, study.baseline_bindings, "study.baseline_bindings")
+    base_cfg, _ = resolve_config(study.baseline_recipe, study.baseline_bindings, "study.baseline_bindings")
     base = flat_dict(base_cfg)
     flat = {k: v for k, v in base.items() if k != "ppo.seed"}
     variants = {}
     for variant in study.variants:
-        cfg, _ = _resolve(study.baseline_recipe, [*study.baseline_bindings, *variant.bindings],
+        cfg, _ = resolve_config(study.baseline_recipe, [*study.baseline_bindings, *variant.bindings],
                           f"study.variants[{variant.name!r}]")
-        variants[variant.name] = _changes(base, flat_dict(cfg))
+        variants[variant.name] = config_changes(base, flat_dict(cfg))
     return {"study": {"name": study.name, "seeds": list(study.seeds), "metric": study.metric,
                       "direction": study.direction, "resume_from": _relative_to_cwd(study.resume_from)},
             "baseline": _nested(flat), "variants": {k: _nested(v) for k, v in variants.items()}}

@@ -13,10 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -182,27 +179,12 @@ def resumed_setting(study: Study) -> tuple:
     return tuple(previous.get("variants", {}).get(variant, {}).get("bindings", ()))
 
 
-def _resolve(recipe: str, bindings: Sequence[str], where: str):
-    """The engine's resolve(), quietly: gin logs every include search miss at ERROR level.
-
-    gin first probes an include such as 'models/tiny.gin' as a Python package; a plain folder
-    of that name in the current directory (a namespace package) makes the probe crash instead
-    of miss. The current directory is taken off sys.path for the call (the engine's runs start
-    in their run dir, where no such folder exists).
-    """
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.CRITICAL)
-    saved_path = list(sys.path)
-    sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]
+def resolve_config(recipe: str, bindings: Sequence[str], where: str):
+    """The engine's resolve(), its one-line ConfigError reported as a StudyError saying where."""
     try:
         return resolve(recipe, list(bindings))
     except ConfigError as err:
-        first = str(err).strip().splitlines()[0]  # gin appends "In call to configurable ..." lines
-        raise StudyError(f"{where}: {first}") from None
-    finally:
-        sys.path[:] = saved_path
-        root.setLevel(level)
+        raise StudyError(f"{where}: {err}") from None
 
 
 def _without_placement(operative: str) -> str:
@@ -212,7 +194,7 @@ def _without_placement(operative: str) -> str:
     return "\n".join(line for line in operative.splitlines() if not line.strip().startswith(PLACEMENT_BINDINGS))
 
 
-def _changes(base: dict, other: dict) -> dict:
+def config_changes(base: dict, other: dict) -> dict:
     return {k: other[k] for k in sorted(other) if other[k] != base.get(k)}
 
 
@@ -229,7 +211,7 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
     if inherited:
         study = dataclasses.replace(study, baseline_bindings=(*inherited, *study.baseline_bindings))
     start_hashes = {p: checkpoint_hash(p) for p in set(starts.values())}
-    base_cfg, _ = _resolve(study.baseline_recipe, study.baseline_bindings, "study.baseline_bindings")
+    base_cfg, _ = resolve_config(study.baseline_recipe, study.baseline_bindings, "study.baseline_bindings")
     base_flat = flat_dict(base_cfg)
     train, held_out = load_task(base_cfg.task)
     data_hashes = {json.dumps(dataclasses.asdict(base_cfg.task), sort_keys=True):
@@ -237,8 +219,8 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
     specs = []
     for variant in study.all_variants:
         where = f"study.variants[{variant.name!r}]"
-        var_cfg, _ = _resolve(study.baseline_recipe, [*study.baseline_bindings, *variant.bindings], where)
-        changes = _changes(base_flat, flat_dict(var_cfg))
+        var_cfg, _ = resolve_config(study.baseline_recipe, [*study.baseline_bindings, *variant.bindings], where)
+        changes = config_changes(base_flat, flat_dict(var_cfg))
         if variant.name != BASELINE:
             if not changes:
                 raise StudyError(f"{where} = {list(variant.bindings)}: changes nothing from the baseline")
@@ -257,7 +239,7 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
             if init_from:
                 managed.append(f"ppo.init_from = {init_from!r}")
             bindings = (*study.baseline_bindings, *variant.bindings, *managed)
-            cfg, operative = _resolve(study.baseline_recipe, bindings, where)
+            cfg, operative = resolve_config(study.baseline_recipe, bindings, where)
             config_hash = _sha(_without_placement(operative))
             init_hash = start_hashes.get(init_from) if init_from else None
             run_hash = _sha(json.dumps({"config": config_hash, "code": code["engine_sha256"],
