@@ -155,8 +155,16 @@ def _completed(study: Path) -> list:
     return out
 
 
-def _checkpointed(study: Path) -> list:
-    return [d for d in (study / "runs").glob("*/seed*") if list((d / "checkpoints").glob("step_*"))]
+def _checkpoint_steps(run_dir: Path) -> list:
+    return sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+
+
+def _midway(study: Path, latest_at_most: int) -> list:
+    """Unfinished runs whose latest checkpoint is at most `latest_at_most`: such a run still has
+    several steps to go, so a stop that lands now cannot race with its completion."""
+    done = set(_completed(study))
+    return [d for d in (study / "runs").glob("*/seed*")
+            if d not in done and _checkpoint_steps(d) and _checkpoint_steps(d)[-1] <= latest_at_most]
 
 
 def _start(results: Path) -> subprocess.Popen:
@@ -190,24 +198,32 @@ def test_interrupt_and_kill_then_rerun_loses_nothing_and_repeats_nothing(workdir
     results = workdir / "results"
     study = results / "smoke"
 
-    # 1. Ctrl-C once a run has finished and another has a checkpoint: a clean stop.
+    # 1. Ctrl-C once a run has finished and another is early on with a checkpoint: a clean stop.
     proc = _start(results)
-    _wait_for(lambda: len(_completed(study)) >= 1 and len(_checkpointed(study)) >= 2, proc)
+    _wait_for(lambda: len(_completed(study)) >= 1 and _midway(study, latest_at_most=4), proc)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=90) == 130, proc.stdout.read()
     finished_first = {d.name + d.parent.name for d in _completed(study)}
     assert not _engines_writing_to(study)
+    # Unfinished runs with a checkpoint, as the stop left them: each must resume on the rerun.
+    interrupted = {d: len(attempts(d)) for d in _midway(study, latest_at_most=16)}
+    assert interrupted, "the stop landed while a run was early on, so it must have left one unfinished"
 
-    # 2. Rerun, then SIGKILL the manager once another run finished: an abrupt stop.
+    # 2. Rerun, then SIGKILL the manager once a run has saved a checkpoint it did not have
+    #    before and still has steps to go: an abrupt stop. (Every resumed run passes through
+    #    that state; "once another run finished" could be missed by runs in lockstep.)
+    saved_before = {d: _checkpoint_steps(d)[-1] for d in interrupted}
     proc = _start(results)
-    _wait_for(lambda: len(_completed(study)) > len(finished_first) and
-              len(_checkpointed(study)) > len(_completed(study)), proc)
+    _wait_for(lambda: any(_checkpoint_steps(d)[-1] > saved_before.get(d, 0)
+                          for d in _midway(study, latest_at_most=12)), proc)
     proc.kill()
     proc.wait(timeout=30)
     deadline = time.monotonic() + 60
     while _engines_writing_to(study) and time.monotonic() < deadline:
         time.sleep(1)
     assert not _engines_writing_to(study), "an engine outlived its killed manager"
+    for d in _midway(study, latest_at_most=16):
+        interrupted.setdefault(d, len(attempts(d)))
 
     # 3. Rerun to the end.
     out = run_cli("run", "recipes/studies/smoke.gin", "--results", str(results), "--num-cpus", "2",
@@ -215,18 +231,17 @@ def test_interrupt_and_kill_then_rerun_loses_nothing_and_repeats_nothing(workdir
     assert out.returncode == 0, out.stdout + out.stderr
     runs = sorted((study / "runs").glob("*/seed*"))
     assert len(runs) == 4 and len(_completed(study)) == 4
-    resumed = 0
+    for d, tries_before in interrupted.items():
+        assert attempts(d)[tries_before]["resumed"], f"{d} had a checkpoint but started over"
     for d in runs:
         tries = attempts(d)
         # A run may complete just as the interrupt lands (summary written, exit code never seen),
         # so "finished once" is: at most one clean exit, and no attempt after the completing one.
         assert sum(t["exit_code"] == 0 for t in tries) <= 1, f"{d} finished more than once"
         assert tries[-1]["exit_code"] in (0, None), tries[-1]  # None: stopped as it completed
-        resumed += any(t["resumed"] for t in tries)
         assert steps_logged(d) == sorted(set(steps_logged(d))), f"{d}: a step was logged twice"
         assert steps_logged(d)[-1] == 16
         if d.name + d.parent.name in finished_first:
             assert len(tries) == 1, f"{d} finished before the interrupt but ran again"
-    assert resumed >= 1, "an interrupted run with a checkpoint should resume, not start over"
     agg = json.loads((study / "aggregate.json").read_text())
     assert all(v["summary"]["n"] == 2 for v in agg["variants"].values())
