@@ -20,12 +20,12 @@ from typing import Dict, List, Optional, Sequence
 from rlhf.config import PLACEMENT_BINDINGS, ConfigError, flat_dict
 from rlhf.configurable import resolve
 from rlhf.data import dataset_hash, load_task
+from rlhf.provenance import hash_directory
 
 from experiments.study import BASELINE, Study, StudyError, split_binding
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PATHS = ("rlhf",)
-LARGE_FILE = 256 << 20  # files above this are fingerprinted by size, head and tail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,31 +90,6 @@ def code_version() -> dict:
             "dirty": bool((diff and diff.strip()) or (untracked and untracked.strip())) if sha else None,
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,
             "engine_sha256": h.hexdigest()}
-
-
-def _file_digest(path: Path, h) -> None:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        if size <= LARGE_FILE:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        else:
-            h.update(str(size).encode() + f.read(1 << 20))
-            f.seek(-(1 << 20), 2)
-            h.update(f.read())
-
-
-def checkpoint_hash(path: str | Path) -> Optional[str]:
-    """sha256 over a checkpoint dir's files (relative path + content)."""
-    root = Path(path)
-    if not root.is_dir():
-        return None
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            h.update(str(p.relative_to(root)).encode() + b"\0")
-            _file_digest(p, h)
-    return h.hexdigest()
 
 
 def _sha(text: str) -> str:
@@ -210,7 +185,7 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
     inherited = resumed_setting(study)
     if inherited:
         study = dataclasses.replace(study, baseline_bindings=(*inherited, *study.baseline_bindings))
-    start_hashes = {p: checkpoint_hash(p) for p in set(starts.values())}
+    start_hashes = {p: hash_directory(p) for p in set(starts.values())}
     base_cfg, _ = resolve_config(study.baseline_recipe, study.baseline_bindings, "study.baseline_bindings")
     base_flat = flat_dict(base_cfg)
     train, held_out = load_task(base_cfg.task)

@@ -146,8 +146,3 @@ def resolve(recipe: str | os.PathLike | None, bindings: Sequence[str] = ()) -> t
     parse(recipe, bindings)
     cfg = build()
     return cfg, gin.operative_config_str()
-
-
-def binding_line(name: str, value) -> str:
-    """A gin binding line for a python value: binding_line('ppo.kl_coef', 0.1) -> 'ppo.kl_coef = 0.1'."""
-    return f"{name} = {value!r}"

@@ -67,18 +67,33 @@ def hardware() -> Dict:
     return info
 
 
-def hash_directory(path: str | Path, suffixes=(".safetensors", ".json")) -> Optional[str]:
-    """sha256 over the named files of a checkpoint dir (sorted by relative path)."""
+LARGE_FILE = 256 << 20  # files above this are fingerprinted by size, head and tail
+
+
+def _file_digest(path: Path, h) -> None:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size <= LARGE_FILE:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        else:
+            h.update(str(size).encode() + f.read(1 << 20))
+            f.seek(-(1 << 20), 2)
+            h.update(f.read())
+
+
+def hash_directory(path: str | Path) -> Optional[str]:
+    """sha256 over a checkpoint dir's files (relative path + content; files above LARGE_FILE by
+    size, first and last MiB, so a multi-GB checkpoint hashes in milliseconds). The engine's
+    provenance and the manager's run hashes use this one function, so the two can be matched."""
     root = Path(path)
     if not root.is_dir():
         return None
     h = hashlib.sha256()
     for p in sorted(root.rglob("*")):
-        if p.is_file() and p.suffix in suffixes:
-            h.update(str(p.relative_to(root)).encode())
-            with open(p, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
+        if p.is_file():
+            h.update(str(p.relative_to(root)).encode() + b"\0")
+            _file_digest(p, h)
     return h.hexdigest()
 
 

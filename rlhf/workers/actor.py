@@ -9,28 +9,14 @@ import torch
 
 from rlhf import algos
 from rlhf.batch import Batch
-from rlhf.config import PPOConfig
-from rlhf.workers.common import (SingleRank, StatAccumulator, build_optimizer, build_scheduler, clip_grad,
-                                 global_stats, loss_normalizer, minibatch_indices, response_logits,
-                                 response_logprobs)
-from rlhf.workers.compiled import compile_layers
+from rlhf.workers.common import (StatAccumulator, TrainedWorker, clip_grad, global_stats, loss_normalizer,
+                                 minibatch_indices, response_logits, response_logprobs)
 
 RATIO_BIN_EDGES = [round(0.05 * i, 2) for i in range(41)]  # 0.0 .. 2.0; ratios above 2 land in the last bin
 
 
-class ActorWorker:
-    def __init__(self, model: torch.nn.Module, cfg: PPOConfig, device: torch.device, total_optimizer_steps: int,
-                 autocast_dtype=None, ranks=None):
-        self.model = model
-        self.ranks = ranks or SingleRank()
-        self.cfg = cfg
-        self.device = device
-        self.autocast_dtype = autocast_dtype
-        self.fused = cfg.torch_compile and torch.device(device).type == "cuda"
-        if self.fused:
-            compile_layers(model)
-        self.optimizer = build_optimizer(model.parameters(), cfg.actor_learning_rate, cfg)
-        self.scheduler = build_scheduler(self.optimizer, cfg, total_optimizer_steps)
+class ActorWorker(TrainedWorker):
+    learning_rate = "actor_learning_rate"
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

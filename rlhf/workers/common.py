@@ -9,8 +9,9 @@ import torch
 from transformers import get_scheduler
 
 from rlhf.batch import Batch
+from rlhf.config import PPOConfig
 from rlhf.models import position_ids_from_mask
-from rlhf.workers.compiled import logprobs_and_entropy
+from rlhf.workers.compiled import compile_layers, logprobs_and_entropy
 
 
 def sequence_inputs(batch: Batch, device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -63,6 +64,27 @@ def build_scheduler(optimizer, cfg, total_optimizer_steps: int):
     name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[cfg.lr_schedule]
     return get_scheduler(name, optimizer, num_warmup_steps=cfg.lr_warmup_steps,
                          num_training_steps=max(total_optimizer_steps, 1))
+
+
+class TrainedWorker:
+    """What the actor and critic share: the model, the ranks it is sharded over, AdamW with the
+    LR schedule, and on a GPU with `ppo.torch_compile` its decoder layers compiled.
+    A subclass names the learning rate it trains with (`actor_learning_rate`, ...)."""
+
+    learning_rate: str
+
+    def __init__(self, model: torch.nn.Module, cfg: PPOConfig, device: torch.device, total_optimizer_steps: int,
+                 autocast_dtype=None, ranks=None):
+        self.model = model
+        self.ranks = ranks or SingleRank()
+        self.cfg = cfg
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.fused = cfg.torch_compile and torch.device(device).type == "cuda"
+        if self.fused:
+            compile_layers(model)
+        self.optimizer = build_optimizer(model.parameters(), getattr(cfg, self.learning_rate), cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg, total_optimizer_steps)
 
 
 def loss_normalizer(mini: Batch, aggregation: str, ranks) -> float:

@@ -8,24 +8,12 @@ import torch
 
 from rlhf import algos
 from rlhf.batch import Batch
-from rlhf.config import PPOConfig
-from rlhf.workers.common import (SingleRank, StatAccumulator, build_optimizer, build_scheduler, clip_grad,
-                                 global_stats, loss_normalizer, minibatch_indices, sequence_inputs)
-from rlhf.workers.compiled import compile_layers
+from rlhf.workers.common import (StatAccumulator, TrainedWorker, clip_grad, global_stats, loss_normalizer,
+                                 minibatch_indices, sequence_inputs)
 
 
-class CriticWorker:
-    def __init__(self, model: torch.nn.Module, cfg: PPOConfig, device: torch.device, total_optimizer_steps: int,
-                 autocast_dtype=None, ranks=None):
-        self.model = model
-        self.ranks = ranks or SingleRank()
-        self.cfg = cfg
-        self.device = device
-        self.autocast_dtype = autocast_dtype
-        if cfg.torch_compile and torch.device(device).type == "cuda":
-            compile_layers(model)
-        self.optimizer = build_optimizer(model.parameters(), cfg.critic_learning_rate, cfg)
-        self.scheduler = build_scheduler(self.optimizer, cfg, total_optimizer_steps)
+class CriticWorker(TrainedWorker):
+    learning_rate = "critic_learning_rate"
 
     def _values(self, micro: Batch) -> torch.Tensor:
         ids, mask, P = sequence_inputs(micro, self.device)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments.plan import checkpoint_hash, expand
+from experiments.plan import expand
 from experiments.study import BASELINE, StudyError, load_study
+from rlhf.provenance import hash_directory
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,7 +96,7 @@ def test_resume_from_previous_study_uses_chosen_variant_per_seed(write_study, tm
     assert by_seed[1].init_from.endswith("runs/kl/seed1/checkpoints/step_4")
     assert by_seed[5].init_from == by_seed[0].init_from  # a seed the previous study lacked
     assert f"ppo.init_from = {by_seed[0].init_from!r}" in by_seed[0].bindings
-    assert by_seed[0].init_from_hash == checkpoint_hash(by_seed[0].init_from)
+    assert by_seed[0].init_from_hash == hash_directory(by_seed[0].init_from)
     plain = {s.key: s.run_hash for s in expand(load_study(write_study(STUDY)), tmp_path / "r")}
     assert plain["baseline/seed0"] != by_seed[0].run_hash
     with pytest.raises(StudyError, match="resume_variant"):
@@ -142,3 +143,28 @@ def test_baseline_only_study(write_study, tmp_path):
                          "study.variants = {}")
     specs = expand(load_study(write_study(text)), tmp_path)
     assert [s.key for s in specs] == ["baseline/seed0", "baseline/seed1", "baseline/seed2"]
+
+
+def test_checkpoint_hash_follows_content_and_fingerprints_large_files(tmp_path, monkeypatch):
+    import rlhf.provenance as provenance
+    a = tmp_path / "a"
+    (a / "actor").mkdir(parents=True)
+    (a / "actor" / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    (a / "state.json").write_text('{"step": 4}')
+    first = hash_directory(a)
+    assert hash_directory(a) == first and hash_directory(tmp_path / "missing") is None
+    (a / "state.json").write_text('{"step": 5}')
+    assert hash_directory(a) != first
+    # Above LARGE_FILE only size, head and tail count: a change in the middle goes unseen,
+    # a change of size or at either end does not.
+    monkeypatch.setattr(provenance, "LARGE_FILE", 1024)
+    big = a / "actor" / "model.safetensors"
+    big.write_bytes(b"\0" * (3 << 20))
+    before = hash_directory(a)
+    data = bytearray(big.read_bytes())
+    data[3 << 19] = 1
+    big.write_bytes(bytes(data))
+    assert hash_directory(a) == before
+    data[-1] = 1
+    big.write_bytes(bytes(data))
+    assert hash_directory(a) != before

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.metrics import read_metrics
+from rlhf.provenance import hash_directory
 from tests.conftest import REPO, run_train
 
 SHORT = ["-b", "ppo.total_steps = 6", "-b", "ppo.eval_every = 3", "-b", "ppo.save_every = 3",
@@ -108,7 +109,8 @@ def test_init_from_checkpoint_starts_from_its_weights(seed0_run, tmp_path):
     last = read_metrics(seed0_run / "metrics.jsonl")[-1]
     # Same weights, same eval seed salt and step 0 vs step 6: the policy evaluated is the trained one.
     prov = json.loads((tmp_path / "next" / "provenance.json").read_text())
-    assert prov["start_checkpoint"].endswith("step_6/actor") and prov["start_checkpoint_sha256"]
+    assert prov["start_checkpoint"].endswith("step_6/actor")
+    assert prov["start_checkpoint_sha256"] == hash_directory(prov["start_checkpoint"])
     assert first["eval/greedy_accuracy"] == last["eval/greedy_accuracy"]
 
 
