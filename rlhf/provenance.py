@@ -56,6 +56,8 @@ def hardware() -> Dict:
         if torch.cuda.is_available():
             info["cuda"] = torch.version.cuda
             info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            # The device this process trains on; the advisor's memory rule reads it.
+            info["gpu_memory_gb"] = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
             try:
                 smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                      capture_output=True, text=True, timeout=30)

@@ -22,6 +22,7 @@ from rlhf import algos, checkpoint
 from rlhf.batch import Batch
 from rlhf.config import RunConfig
 from rlhf.data import Example, PromptSampler, dataset_hash, load_task
+from rlhf.gpu_monitor import UtilizationMonitor, nvml_reader
 from rlhf.metrics import MetricLogger, read_metrics, window_means
 from rlhf.models import load_tokenizer
 from rlhf.roles import build_roles, generate_calls
@@ -108,6 +109,7 @@ class PPOTrainer:
                                        top_p=self.ppo.top_p, top_k=self.ppo.top_k,
                                        max_prompt_length=self.ppo.max_prompt_length)
         self.step = 0
+        self.gpu_monitor = UtilizationMonitor(nvml_reader(self.device))
 
     # ----------------------------------------------------------------- phases
     def generate(self, examples: List[Example], sampling: SamplingParams, seed_parts: tuple,
@@ -219,6 +221,9 @@ class PPOTrainer:
         record["perf/max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         if self.device.type == "cuda":
             record["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        utilization = self.gpu_monitor.take()
+        if utilization is not None:
+            record["perf/gpu_utilization"] = utilization
         self._check_finite(record)
         return record
 
@@ -287,17 +292,22 @@ class PPOTrainer:
             initial = self.evaluate()
             logger.log({"step": 0, **initial})
         final = None
-        while self.step < ppo.total_steps:
-            self.step += 1
-            record = {"step": self.step, **self.train_step()}
-            if self.step % ppo.eval_every == 0 or self.step == ppo.total_steps:
-                t = time.perf_counter()
-                final = self.evaluate()
-                record.update(final)
-                record["timing_s/eval"] = time.perf_counter() - t
-            logger.log(record)
-            if self.step % ppo.save_every == 0 or self.step == ppo.total_steps:
-                self.save()
+        self.gpu_monitor.start()
+        try:
+            while self.step < ppo.total_steps:
+                self.step += 1
+                self.gpu_monitor.take()  # the step's window starts here (not in the previous eval or save)
+                record = {"step": self.step, **self.train_step()}
+                if self.step % ppo.eval_every == 0 or self.step == ppo.total_steps:
+                    t = time.perf_counter()
+                    final = self.evaluate()
+                    record.update(final)
+                    record["timing_s/eval"] = time.perf_counter() - t
+                logger.log(record)
+                if self.step % ppo.save_every == 0 or self.step == ppo.total_steps:
+                    self.save()
+        finally:
+            self.gpu_monitor.close()
         history = [r for r in read_metrics(self.out / "metrics.jsonl") if r["step"] > 0]
         if final is None:  # resumed after the last step had been written
             final = {k: v for k, v in history[-1].items() if k.startswith("eval/")}

@@ -130,3 +130,13 @@ def test_diverging_run_exits_3(tmp_path):
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "training diverged: non-finite" in proc.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "diverged"
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_run_logs_memory_and_utilization_for_the_advisor(tmp_path):
+    pytest.importorskip("pynvml", reason="GPU utilisation is read through nvidia-ml-py")
+    run_train(["recipes/tiny.gin", "-b", "ppo.device = 'cuda'", "-b", "ppo.total_steps = 3", "-b", "task.eval_size = 32",
+               "--quiet", "--out", tmp_path])
+    steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] > 0]
+    assert all(0.0 <= r["perf/gpu_utilization"] <= 1.0 and r["perf/max_memory_allocated_gb"] > 0 for r in steps)
+    assert json.loads((tmp_path / "provenance.json").read_text())["hardware"]["gpu_memory_gb"] > 1
