@@ -23,8 +23,7 @@ import dataclasses
 import math
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-import numpy as np
-from scipy import stats
+from experiments.stats import difference_ci
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,23 +72,13 @@ def parse_adaptive_seeds(value, initial_seeds: int) -> Optional[AdaptiveSeeds]:
     return AdaptiveSeeds(**cfg)
 
 
-def difference_interval(variant: Sequence[float], baseline: Sequence[float], confidence: float) -> tuple:
-    """Welch's t interval of mean(variant) - mean(baseline); a point when neither varies."""
-    x, y = np.asarray(variant, float), np.asarray(baseline, float)
-    if len(x) < 2 or len(y) < 2:
-        return (-math.inf, math.inf)
-    if np.var(x) == 0 and np.var(y) == 0:
-        d = float(x.mean() - y.mean())
-        return (d, d)
-    ci = stats.ttest_ind(x, y, equal_var=False).confidence_interval(confidence)
-    return (float(ci.low), float(ci.high))
-
-
 def decide_look(values: Mapping[str, Sequence[float]], baseline: Sequence[float], confidence: float) -> Dict:
     """{variant: {'decided', 'interval', 'n'}}: decided when the interval excludes zero."""
     out = {}
     for name, v in values.items():
-        lo, hi = difference_interval(v, baseline, confidence)
+        lo, hi = difference_ci(v, baseline, confidence)
+        if math.isnan(lo):  # fewer than 2 seeds: nothing is excluded yet
+            lo, hi = -math.inf, math.inf
         out[name] = {"decided": bool(lo > 0 or hi < 0), "interval": [lo, hi], "n": len(v)}
     return out
 

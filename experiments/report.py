@@ -61,8 +61,8 @@ def render(agg: Dict, plots: Dict[str, str]) -> str:
     d = agg["decision"]
     lines += [f"**Decision:** `{d['chosen']}`: {d['reason']}.", "",
               f"Metric: {metric}; seeds: {agg['seeds']}; alpha {agg['alpha']:g} (Welch's t-test, "
-              f"Holm-corrected across {max(0, len(agg['variants']) - 1)} variant(s)); 95% percentile "
-              f"bootstrap intervals.", ""]
+              f"Holm-corrected across {max(0, len(agg['variants']) - 1)} variant(s)); a variant's 95% CI: "
+              f"percentile bootstrap; the difference's: Welch's t interval (uncorrected).", ""]
     if d["guardrail_violations"]:
         lines += [f"**Guardrail violations:** {', '.join(d['guardrail_violations'])}.", ""]
     lines += ["## Decision table", "",
