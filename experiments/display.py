@@ -18,7 +18,8 @@ from rich.text import Text
 from experiments.plan import RunSpec
 from experiments.rundir import scalar, tail_metrics
 
-STYLES = {"done": "green", "skipped": "green", "running": "yellow", "queued": "dim",
+DONE_BEFORE = "already done"  # finished by an earlier invocation (same hash): not run again
+STYLES = {"done": "green", DONE_BEFORE: "green", "running": "yellow", "queued": "dim",
           "failed": "red", "retrying": "magenta", "interrupted": "magenta"}
 
 
@@ -58,7 +59,7 @@ class StudyDisplay:
     def set(self, key: str, status: str, note: str = "") -> None:
         if status == "running" and key not in self.started:
             self.started[key] = time.monotonic()
-        if status in ("done", "failed", "skipped"):
+        if status in ("done", "failed", DONE_BEFORE):
             self.finished[key] = time.monotonic()
         changed = self.status.get(key) != status
         self.status[key] = status
@@ -83,7 +84,7 @@ class StudyDisplay:
 
     def counts_line(self) -> str:
         c = self.counts()
-        done = c.get("done", 0) + c.get("skipped", 0)
+        done = c.get("done", 0) + c.get(DONE_BEFORE, 0)
         return (f"{done}/{len(self.status)} done, {c.get('running', 0)} running, "
                 f"{c.get('failed', 0)} failed, {c.get('queued', 0) + c.get('retrying', 0)} queued, "
                 f"ETA {_fmt_seconds(self.eta())}")
@@ -98,7 +99,7 @@ class StudyDisplay:
         rates, remaining, running = [], 0, 0
         for key, status in self.status.items():
             step, total = self._progress(key)
-            if status in ("done", "skipped", "failed"):
+            if status in ("done", DONE_BEFORE, "failed"):
                 if key in self.started and key in self.finished:
                     done_steps = max(1, total - self.first_step.get(key, 0))
                     rates.append((self.finished[key] - self.started[key]) / done_steps)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from experiments.display import StudyDisplay
+from experiments.display import DONE_BEFORE, StudyDisplay
 from experiments.execute import execute, now
 from experiments.plan import REPO_ROOT, RunSpec, latest_checkpoint
 from experiments.rundir import (COMPLETED, DETERMINISTIC_FAILURES, FAILED, INTERRUPTED, STALE,
@@ -157,7 +157,7 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
         for s in specs:
             if actions[s.key] == "skip":
                 st = state(s)
-                display.set(s.key, "skipped" if st == COMPLETED else "failed",
+                display.set(s.key, DONE_BEFORE if st == COMPLETED else "failed",
                             "" if st == COMPLETED else f"not rerun: {last_attempt(s.run_dir).get('error')}")
                 if st == COMPLETED:
                     result.skipped.append(s.key)
