@@ -9,8 +9,7 @@ import torch
 
 from rlhf import algos
 from rlhf.batch import Batch
-from rlhf.workers.common import (StatAccumulator, TrainedWorker, clip_grad, global_stats, loss_normalizer,
-                                 minibatch_indices, response_logits, response_logprobs)
+from rlhf.workers.common import StatAccumulator, TrainedWorker, global_stats, response_logprobs
 
 RATIO_BIN_EDGES = [round(0.05 * i, 2) for i in range(41)]  # 0.0 .. 2.0; ratios above 2 land in the last bin
 
@@ -31,50 +30,39 @@ class ActorWorker(TrainedWorker):
         return torch.cat(logps), torch.cat(ents)
 
     def update(self, batch: Batch, shuffle_seed: int, kl_coef: float) -> Dict[str, object]:
-        """PPO update on the rollout buffer. `batch` carries old_logprobs, advantages, response_mask
-        and, when the KL is a loss term, ref_logprobs. With several ranks, each takes its share of every
-        mini-batch; the loss normalizer is the global one divided by the world size, because FSDP
-        averages the ranks' gradients: the average of the shares is then the one-process gradient."""
+        """PPO update on the rollout buffer (epochs, mini-batches and rank shares as in
+        TrainedWorker.optimize). `batch` carries old_logprobs, advantages, response_mask and, when
+        the KL is a loss term, ref_logprobs."""
         cfg, ranks = self.cfg, self.ranks
-        self.model.train()
         stats = StatAccumulator()
         ratio_counts = torch.zeros(len(RATIO_BIN_EDGES) - 1, dtype=torch.long)
-        grad_norms = []
-        for epoch in range(cfg.ppo_epochs):
-            for mb_index in minibatch_indices(len(batch), cfg.mini_batch_size, shuffle_seed + epoch):
-                mini = ranks.share(batch.select(mb_index))
-                normalizer = loss_normalizer(mini, cfg.loss_aggregation, ranks)
-                self.optimizer.zero_grad(set_to_none=True)
-                for micro in mini.split(cfg.micro_batch_size):
-                    mask = micro["response_mask"].to(self.device).float()
-                    logprobs, entropy = response_logprobs(self.model, micro, self.device, cfg.temperature,
-                                                          self.autocast_dtype, fused=self.fused)
-                    pg_loss, pg_stats = algos.policy_loss(
-                        logprobs, micro["old_logprobs"].to(self.device), micro["advantages"].to(self.device), mask,
-                        cfg.clip_range, cfg.dual_clip, cfg.loss_aggregation, normalizer)
-                    entropy_term = algos.aggregate(entropy, mask, cfg.loss_aggregation, normalizer)
-                    loss = pg_loss - cfg.entropy_coef * entropy_term
-                    if cfg.kl_mode == "loss":
-                        kl = algos.kl_penalty(logprobs, micro["ref_logprobs"].to(self.device), cfg.kl_estimator)
-                        kl_term = algos.aggregate(kl, mask, cfg.loss_aggregation, normalizer)
-                        loss = loss + kl_coef * kl_term
-                        pg_stats["kl_loss"] = algos.masked_mean(kl.detach(), mask)
-                    loss.backward()
-                    weight = float(mask.sum())
-                    pg_stats["entropy"] = algos.masked_mean(entropy.detach(), mask)
-                    pg_stats["pg_loss"] = algos.masked_mean(
-                        -micro["advantages"].to(self.device) * torch.exp(logprobs - micro["old_logprobs"].to(self.device)), mask).detach()
-                    stats.add({k: float(v) for k, v in pg_stats.items()}, weight)
-                    with torch.no_grad():
-                        ratio = torch.exp(logprobs.detach() - micro["old_logprobs"].to(self.device))[mask.bool()]
-                        ratio_counts += torch.histc(ratio.clamp(0, 2).cpu().float(), bins=len(RATIO_BIN_EDGES) - 1,
-                                                    min=0, max=2).long()
-                grad_norms.append(clip_grad(self.model.parameters(), cfg.max_grad_norm))
-                self.optimizer.step()
-                self.scheduler.step()
+
+        def micro_step(micro: Batch, normalizer: float) -> None:
+            mask = micro["response_mask"].to(self.device).float()
+            old_logprobs, advantages = micro["old_logprobs"].to(self.device), micro["advantages"].to(self.device)
+            logprobs, entropy = response_logprobs(self.model, micro, self.device, cfg.temperature,
+                                                  self.autocast_dtype, fused=self.fused)
+            pg_loss, pg_stats = algos.policy_loss(logprobs, old_logprobs, advantages, mask, cfg.clip_range,
+                                                  cfg.dual_clip, cfg.loss_aggregation, normalizer)
+            entropy_term = algos.aggregate(entropy, mask, cfg.loss_aggregation, normalizer)
+            loss = pg_loss - cfg.entropy_coef * entropy_term
+            if cfg.kl_mode == "loss":
+                kl = algos.kl_penalty(logprobs, micro["ref_logprobs"].to(self.device), cfg.kl_estimator)
+                loss = loss + kl_coef * algos.aggregate(kl, mask, cfg.loss_aggregation, normalizer)
+                pg_stats["kl_loss"] = algos.masked_mean(kl.detach(), mask)
+            loss.backward()
+            with torch.no_grad():
+                ratio = torch.exp(logprobs.detach() - old_logprobs)
+                pg_stats["entropy"] = algos.masked_mean(entropy.detach(), mask)
+                pg_stats["pg_loss"] = algos.masked_mean(-advantages * ratio, mask)
+                ratio_counts.add_(torch.histc(ratio[mask.bool()].clamp(0, 2).cpu().float(),
+                                              bins=len(RATIO_BIN_EDGES) - 1, min=0, max=2).long())
+            stats.add({k: float(v) for k, v in pg_stats.items()}, float(mask.sum()))
+
+        grad_norm = self.optimize(batch, shuffle_seed, micro_step)
         ratio_counts = ranks.sum(ratio_counts)
         out = {f"actor/{k}": v for k, v in global_stats(stats, ranks).items()}
-        out["actor/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        out["actor/grad_norm"] = grad_norm
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         out["policy_ratio_hist"] = {"bin_edges": RATIO_BIN_EDGES, "counts": ratio_counts.tolist()}
         return out

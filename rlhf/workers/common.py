@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List
+from typing import Callable, Dict, Iterable, List
 
 import torch
 from transformers import get_scheduler
@@ -85,6 +85,27 @@ class TrainedWorker:
             compile_layers(model)
         self.optimizer = build_optimizer(model.parameters(), getattr(cfg, self.learning_rate), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, total_optimizer_steps)
+
+    def optimize(self, batch: Batch, shuffle_seed: int, micro_step: Callable[[Batch, float], None]) -> float:
+        """`ppo_epochs` x shuffled mini-batches x micro-batches, one clipped optimizer step per
+        mini-batch; `micro_step(micro, normalizer)` computes and back-propagates one micro-batch's
+        loss. With several ranks each takes its share of every mini-batch and the normalizer is
+        the global one divided by the world size: FSDP averages the ranks' gradients, so the
+        average of the shares is the one-process gradient. Returns the mean pre-clip grad norm."""
+        cfg = self.cfg
+        self.model.train()
+        grad_norms = []
+        for epoch in range(cfg.ppo_epochs):
+            for mb_index in minibatch_indices(len(batch), cfg.mini_batch_size, shuffle_seed + epoch):
+                mini = self.ranks.share(batch.select(mb_index))
+                normalizer = loss_normalizer(mini, cfg.loss_aggregation, self.ranks)
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in mini.split(cfg.micro_batch_size):
+                    micro_step(micro, normalizer)
+                grad_norms.append(clip_grad(self.model.parameters(), cfg.max_grad_norm))
+                self.optimizer.step()
+                self.scheduler.step()
+        return sum(grad_norms) / max(len(grad_norms), 1)
 
 
 def loss_normalizer(mini: Batch, aggregation: str, ranks) -> float:

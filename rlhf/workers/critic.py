@@ -8,8 +8,7 @@ import torch
 
 from rlhf import algos
 from rlhf.batch import Batch
-from rlhf.workers.common import (StatAccumulator, TrainedWorker, clip_grad, global_stats, loss_normalizer,
-                                 minibatch_indices, sequence_inputs)
+from rlhf.workers.common import StatAccumulator, TrainedWorker, global_stats, sequence_inputs
 
 
 class CriticWorker(TrainedWorker):
@@ -30,30 +29,23 @@ class CriticWorker(TrainedWorker):
         return torch.cat([self._values(m).cpu() for m in batch.split(self.cfg.micro_batch_size)])
 
     def update(self, batch: Batch, shuffle_seed: int) -> Dict[str, float]:
-        """Value regression on the rollout buffer; shares and normalizers as in ActorWorker.update."""
-        cfg, ranks = self.cfg, self.ranks
-        self.model.train()
+        """Value regression on the rollout buffer (epochs, mini-batches and rank shares as in
+        TrainedWorker.optimize)."""
+        cfg = self.cfg
         stats = StatAccumulator()
-        grad_norms = []
-        for epoch in range(cfg.ppo_epochs):
-            for mb_index in minibatch_indices(len(batch), cfg.mini_batch_size, shuffle_seed + epoch):
-                mini = ranks.share(batch.select(mb_index))
-                normalizer = loss_normalizer(mini, cfg.loss_aggregation, ranks)
-                self.optimizer.zero_grad(set_to_none=True)
-                for micro in mini.split(cfg.micro_batch_size):
-                    mask = micro["response_mask"].to(self.device).float()
-                    values = self._values(micro)
-                    loss, vstats = algos.value_loss(values, micro["values"].to(self.device),
-                                                    micro["returns"].to(self.device), mask, cfg.value_clip_range,
-                                                    cfg.loss_aggregation, normalizer)
-                    loss.backward()
-                    vstats["value_loss"] = algos.masked_mean(
-                        0.5 * (values.detach() - micro["returns"].to(self.device)).square(), mask)
-                    stats.add({k: float(v) for k, v in vstats.items()}, float(mask.sum()))
-                grad_norms.append(clip_grad(self.model.parameters(), cfg.max_grad_norm))
-                self.optimizer.step()
-                self.scheduler.step()
-        out = {f"critic/{k}": v for k, v in global_stats(stats, ranks).items()}
-        out["critic/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+
+        def micro_step(micro: Batch, normalizer: float) -> None:
+            mask = micro["response_mask"].to(self.device).float()
+            returns = micro["returns"].to(self.device)
+            values = self._values(micro)
+            loss, vstats = algos.value_loss(values, micro["values"].to(self.device), returns, mask,
+                                            cfg.value_clip_range, cfg.loss_aggregation, normalizer)
+            loss.backward()
+            vstats["value_loss"] = algos.masked_mean(0.5 * (values.detach() - returns).square(), mask)
+            stats.add({k: float(v) for k, v in vstats.items()}, float(mask.sum()))
+
+        grad_norm = self.optimize(batch, shuffle_seed, micro_step)
+        out = {f"critic/{k}": v for k, v in global_stats(stats, self.ranks).items()}
+        out["critic/grad_norm"] = grad_norm
         out["critic/lr"] = self.scheduler.get_last_lr()[0]
         return out
