@@ -43,7 +43,7 @@ def difference_ci(a: Sequence[float], b: Sequence[float], confidence: float = CO
     """Welch's t interval of mean(a) - mean(b): the test behind `p_value`, so at the same level
     it excludes zero exactly when p < 1 - confidence. (A percentile bootstrap of the difference
     with two or three seeds a group is far narrower than its nominal level: it can exclude zero
-    where the t-test gives p = 0.96.) A point when neither group varies; NaNs below n = 2."""
+    where Welch's p is 0.24.) A point when neither group varies; NaNs below n = 2."""
     x, y = np.asarray(a, float), np.asarray(b, float)
     if len(x) < 2 or len(y) < 2:
         return (math.nan, math.nan)
