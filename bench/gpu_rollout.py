@@ -53,7 +53,7 @@ def part_vllm(args, assets) -> dict:
 
     from rlhf.models import load_policy, load_tokenizer
     from rlhf.rollout import SamplingParams
-    from rlhf.rollout_vllm import VLLMRollout
+    from rlhf.rollout.vllm import VLLMRollout
     from gpu_assets import random_prompts
 
     device = torch.device("cuda")
@@ -155,8 +155,8 @@ def part_vllm_logprobs(args, assets) -> dict:
     from rlhf import algos
     from rlhf.models import load_policy, load_tokenizer
     from rlhf.rollout import SamplingParams
-    from rlhf.rollout_vllm import VLLMRollout
-    from rlhf.workers.common import response_logits
+    from rlhf.rollout.vllm import VLLMRollout
+    from rlhf.roles.common import response_logits
     from gpu_assets import random_prompts
 
     device = torch.device("cuda")
@@ -193,7 +193,8 @@ def part_hf(args, assets, static: bool) -> dict:
     import torch
 
     from rlhf.models import load_policy, load_tokenizer
-    from rlhf.rollout import HFRollout, SamplingParams
+    from rlhf.rollout import SamplingParams
+    from rlhf.rollout.hf import HFRollout
     from gpu_assets import random_prompts
 
     device = torch.device("cuda")

@@ -5,7 +5,7 @@
 Variants (each on a fresh copy of the same random weights, median of timed updates):
 - `lm_step_reference`: the plain LM step the reference figure came from (16 x 512 tokens, full
   logits, cross-entropy, fp32 weights + bf16 autocast, per-tensor AdamW);
-- `actor_*`: the engine's `ActorWorker.update` (PPO loss, a 256-token prompt + 256-token response
+- `actor_*`: the engine's `Actor.update` (PPO loss, a 256-token prompt + 256-token response
   per sequence, mini-batch 64) eager or with `ppo.torch_compile`, fp32 weights + bf16 autocast
   or pure bf16 weights with fp32 master weights (`MasterAdamW` below), micro-batch 16 or 32.
 
@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import traceback
+from types import SimpleNamespace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,7 +98,8 @@ def run_actor_variant(name, base_state, config, device, args, compile_: bool, pu
     from transformers import AutoModelForCausalLM
 
     from rlhf.config import PPOConfig
-    from rlhf.workers.actor import ActorWorker
+    from rlhf.placement.context import DeviceContext
+    from rlhf.roles.actor import Actor
 
     n, P, R = args.batch, args.prompt_len, args.response_len
     cfg = PPOConfig(rollout_micro_batch_size=n, num_rollout_batches=1, mini_batch_size=n, micro_batch_size=micro,
@@ -109,10 +111,11 @@ def run_actor_variant(name, base_state, config, device, args, compile_: bool, pu
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     autocast = torch.bfloat16 if (device.type == "cuda" and not pure_bf16) else None
-    actor = ActorWorker(model, cfg, device, total_optimizer_steps=100, autocast_dtype=autocast)
+    actor = Actor(DeviceContext(device, autocast), cfg, start_dir="", tokenizer_dir="", total_updates=100, model=model,
+                  tokenizer=SimpleNamespace(pad_token_id=0, eos_token_id=1))  # generation is not timed here
     if pure_bf16:
         actor.optimizer = make_master_adamw()(model.parameters(), lr=1e-6, betas=(0.9, 0.95), eps=1e-8)
-        from rlhf.workers.common import build_scheduler
+        from rlhf.roles.common import build_scheduler
         actor.scheduler = build_scheduler(actor.optimizer, cfg, 100)
     batch = ppo_batch(n, P, R, config.vocab_size, seed=1)
     torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None

@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[Dict[str, torch.Tensor], dict]:
-    sd = opt.state_dict()
+def optimizer_to_flat(sd: dict) -> tuple[Dict[str, torch.Tensor], dict]:
+    """An optimizer state dict as safetensors tensors and JSON scalars."""
     tensors, scalars = {}, {}
     for idx, state in sd["state"].items():
         for key, value in state.items():
@@ -39,7 +39,7 @@ def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[Dict[str, torch.Tenso
     return tensors, {"param_groups": groups, "scalars": scalars}
 
 
-def optimizer_from_flat(opt: torch.optim.Optimizer, tensors: Dict[str, torch.Tensor], meta: dict) -> None:
+def optimizer_from_flat(tensors: Dict[str, torch.Tensor], meta: dict) -> dict:
     state: Dict[int, dict] = {}
     for name, value in tensors.items():
         idx, key = name.split(".", 1)
@@ -48,7 +48,7 @@ def optimizer_from_flat(opt: torch.optim.Optimizer, tensors: Dict[str, torch.Ten
         idx, key = name.split(".", 1)
         state.setdefault(int(idx), {})[key] = value
     groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
-    opt.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}
 
 
 def rng_state() -> tuple[Dict[str, torch.Tensor], dict]:
@@ -87,27 +87,31 @@ def latest_checkpoint(ckpt_root: str | Path) -> Optional[Path]:
     return found[-1][1] if found else None
 
 
-def save_checkpoint(ckpt_root: str | Path, step: int, *, actor_model, tokenizer, critic_model, actor_opt,
-                    critic_opt, actor_sched, critic_sched, trainer_state: dict, keep: int) -> Path:
+def save_checkpoint(ckpt_root: str | Path, step: int, *, actor, critic, tokenizer, trainer_state: dict,
+                    keep: int) -> Path:
+    """`actor` / `critic` (None without a critic): trained roles, in this process or proxies of Ray
+    ranks (rlhf/roles/__init__.py `TrainedState`); their states arrive in the one-process layout."""
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
     tmp = root / f".tmp_step_{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    actor_model.save_pretrained(str(tmp / "actor"), safe_serialization=True)
+    (tmp / "actor").mkdir()
+    for name, data in actor.model_files().items():
+        (tmp / "actor" / name).write_bytes(data)
     tokenizer.save_pretrained(str(tmp / "actor"))
     state = {"step": step, "trainer": trainer_state}
-    if critic_model is not None:
-        save_file({k: v.detach().cpu().contiguous() for k, v in critic_model.state_dict().items()},
+    if critic is not None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in critic.model_state().items()},
                   str(tmp / "critic.safetensors"))
-    for name, opt, sched in (("actor", actor_opt, actor_sched), ("critic", critic_opt, critic_sched)):
-        if opt is None:
+    for name, role in (("actor", actor), ("critic", critic)):
+        if role is None:
             continue
-        tensors, meta = optimizer_to_flat(opt)
+        tensors, meta = optimizer_to_flat(role.optimizer_state())
         save_file(tensors, str(tmp / f"{name}_optim.safetensors"))
         state[f"{name}_optim"] = meta
-        state[f"{name}_scheduler"] = {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
+        state[f"{name}_scheduler"] = {k: v for k, v in role.scheduler_state().items() if k != "lr_lambdas"}
     rng_tensors, rng_meta = rng_state()
     save_file(rng_tensors, str(tmp / "rng.safetensors"))
     state["rng"] = rng_meta
@@ -129,25 +133,29 @@ def load_weights(module: torch.nn.Module, path: str | Path) -> None:
     module.load_state_dict(load_file(str(path)), strict=True)
 
 
-def restore_training(ckpt: str | Path, *, actor_model, critic_model, actor_opt, critic_opt, actor_sched,
-                     critic_sched) -> dict:
-    """Loads every piece of a checkpoint into live objects; returns the trainer state."""
+def restore_training(ckpt: str | Path, *, actor, critic) -> dict:
+    """Loads every piece of a checkpoint into the trained roles; returns the trainer state."""
     ckpt = Path(ckpt)
     state = load_state(ckpt)
     actor_file = ckpt / "actor" / "model.safetensors"
     actor_sd = load_file(str(actor_file))
-    missing, unexpected = actor_model.load_state_dict(actor_sd, strict=False)
+    missing, unexpected = actor.load_model_state(actor_sd, strict=False)
     # Tied weights may be stored once; anything else missing is an error.
     if unexpected or [m for m in missing if "lm_head" not in m]:
         raise RuntimeError(f"checkpoint {actor_file} does not match the actor: missing {missing}, unexpected {unexpected}")
-    if critic_model is not None:
-        load_weights(critic_model, ckpt / "critic.safetensors")
-    for name, opt, sched in (("actor", actor_opt, actor_sched), ("critic", critic_opt, critic_sched)):
-        if opt is None:
+    if critic is not None:
+        critic_file = ckpt / "critic.safetensors"
+        missing, unexpected = critic.load_model_state(load_file(str(critic_file)), strict=False)
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint {critic_file} does not match the critic: missing {missing}, "
+                               f"unexpected {unexpected}")
+    for name, role in (("actor", actor), ("critic", critic)):
+        if role is None:
             continue
-        optimizer_from_flat(opt, load_file(str(ckpt / f"{name}_optim.safetensors")), state[f"{name}_optim"])
-        sched_state = sched.state_dict()
+        role.load_optimizer_state(optimizer_from_flat(load_file(str(ckpt / f"{name}_optim.safetensors")),
+                                                      state[f"{name}_optim"]))
+        sched_state = role.scheduler_state()
         sched_state.update(state[f"{name}_scheduler"])
-        sched.load_state_dict(sched_state)
+        role.load_scheduler_state(sched_state)
     restore_rng(load_file(str(ckpt / "rng.safetensors")), state["rng"])
     return state["trainer"]

@@ -83,9 +83,11 @@ class PPOConfig:
     vllm_gpu_memory_utilization: float = 0.3
     """Fraction of the GPU's memory the vLLM engine may take (weights, activations, KV cache);
     the trainer's models and optimizer states share the rest."""
-    vllm_sleep: bool = True
+    vllm_sleep: object = "auto"
     """vLLM: offload the engine's weights and free its KV cache between rollouts (sleep mode),
-    so the update phases get that memory; it wakes before the next weight sync."""
+    so the update phases get that memory; it wakes before the next weight sync. 'auto' sleeps only
+    when the roles do not fit on the device beside the awake engine (rlhf/placement/memory.py;
+    the decision is logged): sleeping and waking cost ~0.2 s a step."""
     vllm_per_request_seeds: bool = False
     """vLLM: True gives every request its own seed (derived from seed, step, call, index); False
     seeds the engine's sampler once per call. Both repeat a call's tokens exactly for the same
@@ -113,6 +115,10 @@ class PPOConfig:
     micro_batch_size: int = 16
     """Sequences per forward/backward (on each rank, capped at its share mini_batch_size / world_size);
     gradients accumulate over the rest of the mini-batch."""
+    forward_micro_batch_size: int = 0
+    """Sequences per forward-only pass (old log-probs, reference log-probs, values): these keep no
+    activations for a backward, so they can take larger batches than training (verl's
+    `log_prob_micro_batch_size`). 0: the same as micro_batch_size."""
 
     # --- losses ---
     clip_range: float = 0.2
@@ -177,10 +183,12 @@ class PPOConfig:
     ('local' at world_size 1, 'colocated' above)."""
     cpus_per_rank: float = 1.0
     """Logical Ray CPUs in each placement-group bundle (one bundle per rank; on GPU it also holds one GPU)."""
-    offload_idle_models: bool = True
-    """Colocated placement on GPU: move the models (and optimizer states) of the roles not at work
-    to CPU between phases, so one role at a time holds GPU memory. False keeps them all resident:
-    faster when they fit."""
+    offload_idle_models: object = "auto"
+    """Colocated placement on GPU: True moves the models (and optimizer states) of the roles not at
+    work to pinned CPU memory between phases, so one role at a time holds GPU memory; False keeps
+    them all resident; 'auto' keeps them resident when they fit together with room for
+    activations (decided from their sizes and the device's free memory, logged and recorded in
+    provenance), and offloads otherwise."""
 
     def __post_init__(self) -> None:
         s = "ppo"
@@ -191,7 +199,7 @@ class PPOConfig:
                      "max_prompt_length", "max_response_length", "ppo_epochs", "mini_batch_size",
                      "micro_batch_size", "kl_horizon", "eval_samples_per_prompt"):
             _positive_int(s, name, getattr(self, name))
-        for name in ("keep_checkpoints", "top_k", "lr_warmup_steps", "torch_threads"):
+        for name in ("keep_checkpoints", "top_k", "lr_warmup_steps", "torch_threads", "forward_micro_batch_size"):
             _positive_int(s, name, getattr(self, name), minimum=0)
         _number(s, "temperature", self.temperature, 0.0, 100.0, lo_open=True)
         _number(s, "eval_temperature", self.eval_temperature, 0.0, 100.0)
@@ -223,12 +231,13 @@ class PPOConfig:
         _positive_int(s, "world_size", self.world_size)
         _choice(s, "placement", self.placement, ("auto", "local", "colocated", "split"))
         _number(s, "cpus_per_rank", self.cpus_per_rank, 0.0, 1024.0, lo_open=True)
-        _check(isinstance(self.offload_idle_models, bool), "ppo.offload_idle_models", self.offload_idle_models,
-               "must be True or False")
+        for name in ("offload_idle_models", "vllm_sleep"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool) or value == "auto", f"ppo.{name}", value, "must be 'auto', True or False")
         _number(s, "vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, 0.0, 1.0,
                 lo_open=True, hi_open=True)
         for name in ("adaptive_kl", "whiten_advantages", "grpo_normalize_std", "rollout_logprobs",
-                     "vllm_sleep", "vllm_per_request_seeds", "torch_compile"):
+                     "vllm_per_request_seeds", "torch_compile"):
             _check(isinstance(getattr(self, name), bool), f"ppo.{name}", getattr(self, name),
                    "must be True or False")
         _check(isinstance(self.init_from, str), "ppo.init_from", self.init_from, "must be a path string")
@@ -257,6 +266,11 @@ class PPOConfig:
     def rollout_batch_size(self) -> int:
         """Sequences in one iteration's rollout buffer."""
         return self.rollout_micro_batch_size * self.num_rollout_batches * self.samples_per_prompt
+
+    @property
+    def forward_batch_size(self) -> int:
+        """Sequences per forward-only pass (`forward_micro_batch_size`, default micro_batch_size)."""
+        return self.forward_micro_batch_size or self.micro_batch_size
 
     @property
     def grad_accumulation_steps(self) -> int:

@@ -74,3 +74,40 @@ class UtilizationMonitor:
         if self._thread is not None:
             self._thread.join(timeout=2 * self._interval + 1)
             self._thread = None
+
+
+class DeviceMonitor:
+    """What the advisor's GPU rules read, for one process's device: peak memory allocated since
+    the last `take()` and the mean utilisation over that window. On CPU `take()` returns {}."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.utilization = UtilizationMonitor(nvml_reader(self.device))
+
+    def start(self) -> "DeviceMonitor":
+        self.utilization.start()
+        return self
+
+    def take(self) -> dict:
+        if self.device.type != "cuda":
+            return {}
+        out = {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(self.device) / 2**30}
+        utilization = self.utilization.take()
+        if utilization is not None:
+            out["perf/gpu_utilization"] = utilization
+        return out
+
+    def close(self) -> None:
+        self.utilization.close()
+
+
+def merge_device_reports(reports: list) -> dict:
+    """Over several processes: the largest peak memory and the mean utilisation."""
+    out = {}
+    memory = [r["perf/max_memory_allocated_gb"] for r in reports if "perf/max_memory_allocated_gb" in r]
+    if memory:
+        out["perf/max_memory_allocated_gb"] = max(memory)
+    util = [r["perf/gpu_utilization"] for r in reports if "perf/gpu_utilization" in r]
+    if util:
+        out["perf/gpu_utilization"] = sum(util) / len(util)
+    return out

@@ -22,10 +22,9 @@ from rlhf import algos, checkpoint
 from rlhf.batch import Batch
 from rlhf.config import RunConfig
 from rlhf.data import Example, PromptSampler, dataset_hash, load_task
-from rlhf.gpu_monitor import UtilizationMonitor, nvml_reader
 from rlhf.metrics import MetricLogger, read_metrics, window_means
 from rlhf.models import load_tokenizer
-from rlhf.roles import build_roles, generate_calls
+from rlhf.placement import build_roles
 from rlhf.rollout import SamplingParams, decode_responses, derive_seed, rollout_logprob_gap
 from rlhf.tiny import prepare_tiny
 
@@ -100,8 +99,8 @@ class PPOTrainer:
         roles = build_roles(cfg, model_dir=self.model_dir, tokenizer_dir=self.tokenizer_dir, tokenizer=self.tokenizer,
                             start_dir=start_dir, device=self.device, autocast_dtype=self.autocast_dtype,
                             ray_address=ray_address, log=log)
-        self.actor, self.critic, self.reference = roles.actor, roles.critic, roles.reference
-        self.reward, self.rollout = roles.reward, roles.rollout
+        self.roles = roles
+        self.actor, self.critic, self.reference, self.reward = roles.actor, roles.critic, roles.reference, roles.reward
         self.placement, self.close = roles.placement, roles.close
         self.kl_ctl = (algos.AdaptiveKLController(self.ppo.kl_coef, self.ppo.kl_target, self.ppo.kl_horizon)
                        if self.ppo.adaptive_kl else algos.FixedKLController(self.ppo.kl_coef))
@@ -109,7 +108,6 @@ class PPOTrainer:
                                        top_p=self.ppo.top_p, top_k=self.ppo.top_k,
                                        max_prompt_length=self.ppo.max_prompt_length)
         self.step = 0
-        self.gpu_monitor = UtilizationMonitor(nvml_reader(self.device))
 
     # ----------------------------------------------------------------- phases
     def generate(self, examples: List[Example], sampling: SamplingParams, seed_parts: tuple,
@@ -122,7 +120,7 @@ class PPOTrainer:
             if repeated:
                 calls_made.append(repeated)
                 requests.append(([ex.prompt for ex in repeated], derive_seed(*seed_parts, call)))
-        parts = generate_calls(self.rollout, requests, sampling)
+        parts = self.actor.generate(requests, sampling)
         for out, repeated in zip(parts, calls_made):
             out["prompts"] = [ex.prompt for ex in repeated]
             out["answers"] = [ex.answer for ex in repeated]
@@ -169,9 +167,8 @@ class PPOTrainer:
             prompts = self.sampler.next(ppo.rollout_micro_batch_size * ppo.num_rollout_batches)
             batch = self.generate(prompts, self.sampling, (ppo.seed, step), ppo.samples_per_prompt,
                                   ppo.num_rollout_batches)
-        if hasattr(self.rollout, "release_memory"):
-            with timer("rollout_release"):  # vLLM sleep mode: frees its KV cache and weights until the next sync
-                self.rollout.release_memory()
+        with timer("rollout_release"):  # vLLM sleep mode: frees its KV cache and weights until the next sync
+            self.actor.release_memory()
         with timer("reward"):
             for key, value in self.reward.score(batch).items():
                 batch[key] = value
@@ -194,7 +191,7 @@ class PPOTrainer:
             record.update(self.actor.update(batch, shuffle_seed=derive_seed(ppo.seed, step, 3),
                                             kl_coef=self.kl_ctl.value))
         with timer("sync_weights"):
-            self.rollout.sync_weights(self.actor.model)
+            self.actor.sync_weights()
         self.kl_ctl.update(record["kl_divergence"], len(batch))
 
         mask = batch["response_mask"].float()
@@ -219,11 +216,7 @@ class PPOTrainer:
         record["perf/tokens_per_s"] = tokens / step_time
         record["perf/generated_tokens_per_s"] = float(mask.sum()) / max(timer.times["generate"], 1e-9)
         record["perf/max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        if self.device.type == "cuda":
-            record["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        utilization = self.gpu_monitor.take()
-        if utilization is not None:
-            record["perf/gpu_utilization"] = utilization
+        record.update(self.roles.device_report())  # on every placement: the processes holding the roles
         self._check_finite(record)
         return record
 
@@ -260,25 +253,17 @@ class PPOTrainer:
 
     # ----------------------------------------------------------------- checkpoints
     def save(self) -> Path:
-        critic = self.critic
         return checkpoint.save_checkpoint(
-            self.out / "checkpoints", self.step, actor_model=self.actor.model, tokenizer=self.tokenizer,
-            critic_model=critic.model if critic else None, actor_opt=self.actor.optimizer,
-            critic_opt=critic.optimizer if critic else None, actor_sched=self.actor.scheduler,
-            critic_sched=critic.scheduler if critic else None,
+            self.out / "checkpoints", self.step, actor=self.actor, critic=self.critic, tokenizer=self.tokenizer,
             trainer_state={"sampler": self.sampler.state_dict(), "kl_controller": self.kl_ctl.state_dict()},
             keep=self.ppo.keep_checkpoints)
 
     def restore(self, ckpt: Path) -> None:
-        critic = self.critic
-        state = checkpoint.restore_training(
-            ckpt, actor_model=self.actor.model, critic_model=critic.model if critic else None,
-            actor_opt=self.actor.optimizer, critic_opt=critic.optimizer if critic else None,
-            actor_sched=self.actor.scheduler, critic_sched=critic.scheduler if critic else None)
+        state = checkpoint.restore_training(ckpt, actor=self.actor, critic=self.critic)
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.step = checkpoint.load_state(ckpt)["step"]
-        self.rollout.sync_weights(self.actor.model)
+        self.actor.sync_weights()
 
     # ----------------------------------------------------------------- run
     def run(self, logger: MetricLogger, resume_from: Path | None = None) -> Dict:
@@ -292,22 +277,19 @@ class PPOTrainer:
             initial = self.evaluate()
             logger.log({"step": 0, **initial})
         final = None
-        self.gpu_monitor.start()
-        try:
-            while self.step < ppo.total_steps:
-                self.step += 1
-                self.gpu_monitor.take()  # the step's window starts here (not in the previous eval or save)
-                record = {"step": self.step, **self.train_step()}
-                if self.step % ppo.eval_every == 0 or self.step == ppo.total_steps:
-                    t = time.perf_counter()
-                    final = self.evaluate()
-                    record.update(final)
-                    record["timing_s/eval"] = time.perf_counter() - t
-                logger.log(record)
-                if self.step % ppo.save_every == 0 or self.step == ppo.total_steps:
-                    self.save()
-        finally:
-            self.gpu_monitor.close()
+        self.roles.device_report()  # the first step's window starts here, not at start-up
+        while self.step < ppo.total_steps:
+            self.step += 1
+            record = {"step": self.step, **self.train_step()}
+            if self.step % ppo.eval_every == 0 or self.step == ppo.total_steps:
+                t = time.perf_counter()
+                final = self.evaluate()
+                record.update(final)
+                record["timing_s/eval"] = time.perf_counter() - t
+            logger.log(record)
+            if self.step % ppo.save_every == 0 or self.step == ppo.total_steps:
+                self.save()
+            self.roles.device_report()  # the next step's window starts here (not in eval or save)
         history = [r for r in read_metrics(self.out / "metrics.jsonl") if r["step"] > 0]
         if final is None:  # resumed after the last step had been written
             final = {k: v for k, v in history[-1].items() if k.startswith("eval/")}

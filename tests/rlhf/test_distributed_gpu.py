@@ -28,17 +28,21 @@ def rank_main(rank, ws, port, model_dir, offload, out):
 
     from rlhf.batch import Batch
     from rlhf.config import PPOConfig
-    from rlhf.distributed.host import RankHost
+    from rlhf.placement.host import RankHost
+    from rlhf.roles import RoleSpec
     from rlhf.rollout import SamplingParams
 
     ppo = PPOConfig(rollout_micro_batch_size=16, num_rollout_batches=2, mini_batch_size=16, micro_batch_size=8,
                     device=DEVICE, actor_learning_rate=1e-3, critic_learning_rate=1e-3, max_response_length=8,
                     world_size=ws, placement="colocated")
-    host = RankHost(rank, ws, DEVICE, 1 if DEVICE == "cpu" else 4, offload)
+    host = RankHost(rank, ws, DEVICE, 1 if DEVICE == "cpu" else 4, bf16=False)
     host.init_world("127.0.0.1", port)
-    host.add_role("actor", ppo=ppo, start_dir=model_dir, tokenizer_dir=model_dir, total_updates=4)
-    host.add_role("critic", ppo=ppo, model_dir=model_dir, random_init=False, total_updates=4)
-    host.add_role("reference", ppo=ppo, model_dir=model_dir)
+    host.set_offload(offload)
+    host.add_role(RoleSpec("actor", "rlhf.roles.actor:Actor",
+                           dict(ppo=ppo, start_dir=model_dir, tokenizer_dir=model_dir, total_updates=4)))
+    host.add_role(RoleSpec("critic", "rlhf.roles.critic:Critic",
+                           dict(ppo=ppo, model_dir=model_dir, random_init=False, total_updates=4)))
+    host.add_role(RoleSpec("reference", "rlhf.roles.reference:Reference", dict(ppo=ppo, model_dir=model_dir)))
     sampling = SamplingParams(max_new_tokens=8, temperature=1.0, max_prompt_length=8)
     prompts = [f"{i}+{i % 7}=" for i in range(32)]
     # Every rank generates both calls here, so every rank holds the whole buffer.

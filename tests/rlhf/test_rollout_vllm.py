@@ -11,8 +11,8 @@ import torch
 
 from rlhf.batch import Batch
 from rlhf.config import ConfigError, PPOConfig
-from rlhf.rollout import SamplingParams, derive_seed, rollout_logprob_gap, rollout_options
-from rlhf.rollout_vllm import VLLMRollout, batch_from_token_lists, sampled_logprobs
+from rlhf.rollout import SamplingParams, backend_class, derive_seed, rollout_logprob_gap
+from rlhf.rollout.vllm import VLLMRollout, batch_from_token_lists, sampled_logprobs
 
 EOS, PAD = 2, 0
 
@@ -54,12 +54,18 @@ def test_logprob_gap_is_the_masked_mean_absolute_difference():
     assert rollout_logprob_gap(batch) is None
 
 
-def test_rollout_logprobs_needs_the_vllm_backend():
+def test_rollout_logprobs_needs_the_vllm_backend(monkeypatch):
     with pytest.raises(ConfigError, match="ppo.rollout_logprobs"):
         PPOConfig(rollout_logprobs=True)
     cfg = PPOConfig(rollout_backend="vllm", rollout_logprobs=True, vllm_sleep=False)
-    assert rollout_options(cfg, torch.device("cuda")) == dict(
-        return_logprobs=True, gpu_memory_utilization=0.3, sleep=False, per_request_seeds=False)
+    built = {}
+    monkeypatch.setattr(VLLMRollout, "__init__", lambda self, **kwargs: built.update(kwargs))
+    assert backend_class("vllm") is VLLMRollout
+    VLLMRollout.from_config(cfg, model=None, tokenizer=None, device=torch.device("cuda"), model_dir="m")
+    assert {k: built[k] for k in ("return_logprobs", "gpu_memory_utilization", "sleep", "per_request_seeds",
+                                  "max_model_len", "seed", "model_dir")} == dict(
+        return_logprobs=True, gpu_memory_utilization=0.3, sleep=False, per_request_seeds=False,
+        max_model_len=cfg.max_prompt_length + cfg.max_response_length, seed=cfg.seed, model_dir="m")
     with pytest.raises(ConfigError, match="vllm_gpu_memory_utilization"):
         PPOConfig(vllm_gpu_memory_utilization=1.5)
 

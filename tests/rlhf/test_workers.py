@@ -9,9 +9,12 @@ import torch
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig, TinyModelConfig
 from rlhf.models import ValueModel
+from rlhf.placement.context import DeviceContext
+from rlhf.roles.actor import Actor
+from rlhf.roles.critic import Critic
 from rlhf.tiny import build_char_tokenizer, build_tiny_model
-from rlhf.workers.actor import ActorWorker
-from rlhf.workers.critic import CriticWorker
+
+CPU = DeviceContext(torch.device("cpu"))
 
 
 def make_batch(tok, n=16, P=5, R=4, seed=0):
@@ -51,7 +54,8 @@ def test_actor_micro_batches_equal_one_batch(parts, aggregation, kl_mode):
         cfg = PPOConfig(rollout_micro_batch_size=16, num_rollout_batches=1, mini_batch_size=8, micro_batch_size=micro,
                         ppo_epochs=2, actor_learning_rate=1e-2, loss_aggregation=aggregation, kl_mode=kl_mode,
                         entropy_coef=0.01, max_grad_norm=0.5)
-        worker = ActorWorker(copy.deepcopy(model), cfg, torch.device("cpu"), total_optimizer_steps=4)
+        worker = Actor(CPU, cfg, start_dir="", tokenizer_dir="", total_updates=4, model=copy.deepcopy(model),
+                       tokenizer=tok)
         stats = worker.update(batch, shuffle_seed=3, kl_coef=0.1)
         results.append((torch.cat([p.detach().flatten() for p in worker.model.parameters()]), stats))
     base_params, base_stats = results[0]
@@ -75,7 +79,7 @@ def test_critic_micro_batches_equal_one_batch(parts):
         torch.manual_seed(0)
         torch.nn.init.normal_(critic.value_head.weight)
         torch.nn.init.zeros_(critic.value_head.bias)
-        worker = CriticWorker(critic, cfg, torch.device("cpu"), total_optimizer_steps=2)
+        worker = Critic(CPU, cfg, model_dir="", random_init=False, total_updates=2, model=critic)
         stats = worker.update(batch, shuffle_seed=5)
         results.append((torch.cat([p.detach().flatten() for p in worker.model.parameters()]), stats))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-9, atol=1e-10)

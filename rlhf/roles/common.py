@@ -1,4 +1,6 @@
-"""Helpers shared by the model-holding roles: the sequence forward, optimizers, schedules."""
+"""What the model-holding roles share: the `Role` base, the sequence forward, optimizers,
+schedules, and `TrainedRole` (the actor's and critic's model, optimizer, LR schedule,
+optimisation loop and checkpoint state)."""
 
 from __future__ import annotations
 
@@ -6,12 +8,35 @@ import math
 from typing import Callable, Dict, Iterable, List
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.models import position_ids_from_mask
-from rlhf.workers.compiled import compile_layers, logprobs_and_entropy
+from rlhf.roles.compiled import compile_layers, logprobs_and_entropy
+from rlhf.roles.dispatch import ALL, dispatch
+
+
+class Role:
+    """One role of the PPO loop, written once for every placement. `ctx` (rlhf/placement/context.py)
+    says where it runs: its device, its ranks, bf16 autocast, and how models are placed (moved,
+    or sharded with FSDP2) and their full states gathered. Methods a placement may call carry a
+    `@dispatch` declaration (rlhf/roles/dispatch.py)."""
+
+    name: str = ""
+    on_device: bool = True
+    """False for roles without a model (the rule reward): they run in the controller's process."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.device = ctx.device
+        self.autocast_dtype = ctx.autocast_dtype
+        self.ranks = ctx.ranks
+
+    def device_state(self) -> tuple[list, list]:
+        """(modules, optimizers) that live on the device: what offloading moves between phases."""
+        return [], []
 
 
 def sequence_inputs(batch: Batch, device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -54,7 +79,7 @@ def response_logprobs(model, batch: Batch, device, temperature: float = 1.0, aut
 def build_optimizer(params: Iterable[torch.nn.Parameter], lr: float, cfg) -> torch.optim.Optimizer:
     """AdamW; on a GPU its fused kernel (one launch for all parameters instead of ~10 per tensor)."""
     params = list(params)
-    on_gpu = bool(params) and all(p.device.type == "cuda" and not hasattr(p, "device_mesh") for p in params)
+    on_gpu = bool(params) and all(p.device.type == "cuda" and not isinstance(p, DTensor) for p in params)
     fast = dict(fused=True) if on_gpu else dict(foreach=False)
     return torch.optim.AdamW(params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                              weight_decay=cfg.weight_decay, **fast)
@@ -66,25 +91,26 @@ def build_scheduler(optimizer, cfg, total_optimizer_steps: int):
                          num_training_steps=max(total_optimizer_steps, 1))
 
 
-class TrainedWorker:
-    """What the actor and critic share: the model, the ranks it is sharded over, AdamW with the
-    LR schedule, and on a GPU with `ppo.torch_compile` its decoder layers compiled.
+class TrainedRole(Role):
+    """What the actor and critic share: the model (placed by the context), AdamW with the LR
+    schedule, on a GPU with `ppo.torch_compile` its decoder layers compiled, the optimisation
+    loop, and the checkpoint state in the single-process layout whatever the placement.
     A subclass names the learning rate it trains with (`actor_learning_rate`, ...)."""
 
     learning_rate: str
 
-    def __init__(self, model: torch.nn.Module, cfg: PPOConfig, device: torch.device, total_optimizer_steps: int,
-                 autocast_dtype=None, ranks=None):
-        self.model = model
-        self.ranks = ranks or SingleRank()
+    def __init__(self, ctx, model: torch.nn.Module, cfg: PPOConfig, total_optimizer_steps: int):
+        super().__init__(ctx)
         self.cfg = cfg
-        self.device = device
-        self.autocast_dtype = autocast_dtype
-        self.fused = cfg.torch_compile and torch.device(device).type == "cuda"
+        self.model = ctx.place(model)
+        self.fused = cfg.torch_compile and self.device.type == "cuda"
         if self.fused:
-            compile_layers(model)
-        self.optimizer = build_optimizer(model.parameters(), getattr(cfg, self.learning_rate), cfg)
+            compile_layers(self.model)
+        self.optimizer = build_optimizer(self.model.parameters(), getattr(cfg, self.learning_rate), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, total_optimizer_steps)
+
+    def device_state(self) -> tuple[list, list]:
+        return [self.model], [self.optimizer]
 
     def optimize(self, batch: Batch, shuffle_seed: int, micro_step: Callable[[Batch, float], None]) -> float:
         """`ppo_epochs` x shuffled mini-batches x micro-batches, one clipped optimizer step per
@@ -106,6 +132,34 @@ class TrainedWorker:
                 self.optimizer.step()
                 self.scheduler.step()
         return sum(grad_norms) / max(len(grad_norms), 1)
+
+    # ------------------------------------------------ checkpoint state (every rank calls these)
+    @dispatch(ALL)
+    def model_state(self) -> Dict[str, torch.Tensor]:
+        """The full (unsharded) model state on CPU, keyed like the one-process model ({} off rank 0)."""
+        return self.ctx.full_model_state(self.model, rank0_cpu=True)
+
+    @dispatch(ALL)
+    def load_model_state(self, state: Dict[str, torch.Tensor], strict: bool = True) -> tuple[list, list]:
+        """Loads a full state; returns (missing, unexpected) keys."""
+        return self.ctx.load_model_state(self.model, state, strict)
+
+    @dispatch(ALL)
+    def optimizer_state(self) -> dict:
+        """The optimizer state in the one-process layout (parameter indices in `model.parameters()` order)."""
+        return self.ctx.optimizer_state(self.model, self.optimizer)
+
+    @dispatch(ALL)
+    def load_optimizer_state(self, state: dict) -> None:
+        self.ctx.load_optimizer_state(self.model, self.optimizer, state)
+
+    @dispatch(ALL)
+    def scheduler_state(self) -> dict:
+        return self.scheduler.state_dict()
+
+    @dispatch(ALL)
+    def load_scheduler_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state)
 
 
 def loss_normalizer(mini: Batch, aggregation: str, ranks) -> float:
@@ -141,23 +195,6 @@ class StatAccumulator:
         return {k: self.sums[k] / self.weights[k] if self.weights[k] else math.nan for k in self.sums}
 
 
-class SingleRank:
-    """The ranks a worker shares each mini-batch with, when there is only itself.
-
-    A worker takes `share(mini_batch)` (its rows of a mini-batch) and sums what must be global
-    (loss normalizers, statistics, histograms) with `sum`. `rlhf/distributed/ranks.py` has the
-    version for a group of ranks over torch.distributed; these are its identities.
-    """
-
-    world_size = 1
-
-    def share(self, batch: Batch) -> Batch:
-        return batch
-
-    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-
 def global_stats(stats: StatAccumulator, ranks) -> Dict[str, float]:
     """Token-weighted means over every rank's micro-batches."""
     if ranks.world_size == 1:
@@ -178,6 +215,6 @@ def clip_grad(params, max_norm: float) -> float:
         total = torch.nn.utils.clip_grad_norm_(params, max_norm)
     else:
         total = torch.norm(torch.stack([p.grad.detach().norm() for p in params]))
-    if hasattr(total, "full_tensor"):  # a DTensor: reduce the partial norms over the ranks
+    if isinstance(total, DTensor):  # sharded gradients: reduce the partial norms over the ranks
         total = total.full_tensor()
     return float(total)

@@ -1,26 +1,23 @@
 """The Ray actor of one rank: it joins its group's torch.distributed world and hosts roles.
 
-In colocated placement one host per bundle holds the actor, critic and reference ranks (one
-process, one CUDA context, one world per rank index); in split placement each role has hosts of
-its own. `call(role, method, ...)` runs a role's method; in colocated placement on GPU the
-other roles' models are first moved to CPU, so only the role at work holds device memory.
+In colocated placement one host per bundle holds the rank of every model role (one process, one
+CUDA context, one world per rank index); in split placement each role has hosts of its own.
+`call(role, method, ...)` runs a role's method. With offloading on (rlhf/placement/memory.py
+decides), the other roles' device state is first moved to pinned host memory, so only the role
+at work holds device memory.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 
-ROLE_CLASSES = {
-    "actor": ("rlhf.distributed.actor", "ActorRole"),
-    "critic": ("rlhf.distributed.critic", "CriticRole"),
-    "reference": ("rlhf.distributed.reference", "ReferenceRole"),
-    "reward": ("rlhf.workers.reward", "RewardWorker"),
-}
+from rlhf.placement import memory
+from rlhf.placement.context import ProcessGroupRanks, context_for
 
 
 def free_port() -> int:
@@ -30,7 +27,7 @@ def free_port() -> int:
 
 
 class RankHost:
-    def __init__(self, rank: int, world_size: int, device_type: str, threads: int, offload: bool):
+    def __init__(self, rank: int, world_size: int, device_type: str, threads: int, bf16: bool):
         self.rank = rank
         self.world_size = world_size
         # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES, so the rank's GPU is the current
@@ -42,10 +39,12 @@ class RankHost:
         torch.use_deterministic_algorithms(True, warn_only=True)
         import transformers
         transformers.utils.logging.disable_progress_bar()
-        self.offload = offload and device_type == "cuda"
+        self.autocast_dtype = torch.bfloat16 if bf16 and device_type == "cuda" else None
         self.roles: Dict[str, object] = {}
-        self.active = None  # the role whose model is on the device (colocated offloading)
+        self.offloader: Optional[memory.Offloader] = None
         self.ranks = None
+        from rlhf.gpu_monitor import DeviceMonitor
+        self.monitor = DeviceMonitor(self.device).start()
 
     def where(self) -> dict:
         """Where this rank runs, and a free port (used when it is rank 0 of its world)."""
@@ -53,11 +52,11 @@ class RankHost:
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "host": socket.gethostname(),
                 "ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "port": free_port(),
-                "devices": os.environ.get("CUDA_VISIBLE_DEVICES", "") if self.device.type == "cuda" else "cpu"}
+                "devices": os.environ.get("CUDA_VISIBLE_DEVICES", "") if self.device.type == "cuda" else "cpu",
+                **memory.device_memory(self.device)}
 
     def init_world(self, master_addr: str, master_port: int) -> None:
         """Joins the world of this rank index (blocks until every rank has joined)."""
-        from rlhf.distributed.ranks import ProcessGroupRanks
         backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -65,31 +64,32 @@ class RankHost:
                                 world_size=self.world_size)
         self.ranks = ProcessGroupRanks(self.rank, self.world_size, self.device)
 
-    def add_role(self, name: str, **kwargs) -> None:
-        import importlib
-        module, cls = ROLE_CLASSES[name]
-        role_cls = getattr(importlib.import_module(module), cls)
-        if name == "reward":  # a rule function: no model, no ranks
-            self.roles[name] = role_cls(**kwargs)
-            return
-        self.roles[name] = role_cls(self.ranks, self.device, **kwargs)
-        self._activate(name)  # the role built last is on the device; the others go to CPU
+    def add_role(self, spec) -> dict:
+        """Builds a role (a `RoleSpec`) on this rank; returns the bytes its device state takes."""
+        ctx = context_for(self.device, self.autocast_dtype, self.ranks)
+        role = spec.role_class()(ctx, **spec.kwargs)
+        self.roles[spec.name] = role
+        if self.offloader is not None:
+            self.offloader.activate(spec.name)  # the role built last is on the device
+        return {"role": spec.name, "bytes": memory.state_bytes(role)}
 
-    def _activate(self, role: str) -> None:
-        if not self.offload or not hasattr(self.roles[role], "onload"):
-            return
-        for name, other in self.roles.items():
-            if name != role and hasattr(other, "offload"):
-                other.offload()
-        self.roles[role].onload()
-        self.active = role
-        torch.cuda.empty_cache()
+    def set_offload(self, enabled: bool) -> None:
+        """Offload idle roles between phases from now on (or keep every role resident)."""
+        if enabled and self.device.type == "cuda":
+            self.offloader = memory.Offloader(self.roles, self.device)
+        elif self.offloader is not None:
+            self.offloader.restore_all()
+            self.offloader = None
 
     def call(self, role: str, method: str, *args, **kwargs):
-        if self.active != role:
-            self._activate(role)
+        if self.offloader is not None:
+            self.offloader.activate(role)
         return getattr(self.roles[role], method)(*args, **kwargs)
 
+    def device_report(self) -> dict:
+        return self.monitor.take()
+
     def shutdown(self) -> None:
+        self.monitor.close()
         if dist.is_initialized():
             dist.destroy_process_group()

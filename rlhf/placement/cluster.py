@@ -79,11 +79,11 @@ def rank_env() -> dict:
     return env
 
 
-def start_hosts(pg, bundles: List[int], ppo: PPOConfig, device: str, offload: bool) -> list:
+def start_hosts(pg, bundles: List[int], ppo: PPOConfig, device: str) -> list:
     """One host actor per bundle index in `bundles` (rank r on bundles[r]), joined into one world."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    from rlhf.distributed.host import RankHost
+    from rlhf.placement.host import RankHost
     remote = ray.remote(RankHost)
     threads = ppo.torch_threads or max(1, int(ppo.cpus_per_rank))
     hosts = []
@@ -92,7 +92,7 @@ def start_hosts(pg, bundles: List[int], ppo: PPOConfig, device: str, offload: bo
         hosts.append(remote.options(
             num_cpus=ppo.cpus_per_rank, num_gpus=1 if device == "cuda" else 0, scheduling_strategy=strategy,
             runtime_env={"env_vars": rank_env()}, max_concurrency=1,
-        ).remote(rank, ppo.world_size, device, threads, offload))
+        ).remote(rank, ppo.world_size, device, threads, ppo.dtype == "bfloat16"))
     where = ray.get([h.where.remote() for h in hosts])
     master = where[0]
     ray.get([h.init_world.remote(master["ip"], master["port"]) for h in hosts])

@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Dict
 
 import torch
 
-from rlhf import algos
+from rlhf import algos, checkpoint
 from rlhf.batch import Batch
-from rlhf.workers.common import StatAccumulator, TrainedWorker, global_stats, sequence_inputs
+from rlhf.config import PPOConfig
+from rlhf.models import ValueModel
+from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, sequence_inputs
+from rlhf.roles.dispatch import ALL, ROWS, dispatch
+from rlhf.rollout import derive_seed
 
 
-class CriticWorker(TrainedWorker):
+class Critic(TrainedRole):
+    name = "critic"
     learning_rate = "critic_learning_rate"
+
+    def __init__(self, ctx, ppo: PPOConfig, model_dir: str, random_init: bool, total_updates: int,
+                 model: torch.nn.Module | None = None):
+        """The policy's backbone with a value head; the same seed gives the same head on every
+        placement. `ppo.init_from` with a critic restores its weights. `model`: already built."""
+        if model is None:
+            model = ValueModel.from_policy_checkpoint(model_dir, seed=derive_seed(ppo.seed, 1), random_init=random_init)
+            if ppo.init_from and (Path(ppo.init_from) / "critic.safetensors").is_file():
+                checkpoint.load_weights(model, Path(ppo.init_from) / "critic.safetensors")
+        super().__init__(ctx, model, ppo, total_updates)
 
     def _values(self, micro: Batch) -> torch.Tensor:
         ids, mask, P = sequence_inputs(micro, self.device)
@@ -22,12 +38,14 @@ class CriticWorker(TrainedWorker):
             values = self.model(ids, mask)
         return values[:, P - 1:P - 1 + R].float()
 
+    @dispatch(ROWS)
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """V(prompt + response[:t]) for every response position t, [B, R]."""
         self.model.eval()
-        return torch.cat([self._values(m).cpu() for m in batch.split(self.cfg.micro_batch_size)])
+        return torch.cat([self._values(m).cpu() for m in batch.split(self.cfg.forward_batch_size)])
 
+    @dispatch(ALL)
     def update(self, batch: Batch, shuffle_seed: int) -> Dict[str, float]:
         """Value regression on the rollout buffer (epochs, mini-batches and rank shares as in
         TrainedWorker.optimize)."""

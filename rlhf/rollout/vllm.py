@@ -23,6 +23,7 @@ vLLM is imported only here, and only when the backend is built: it is an optiona
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import List, Mapping, Optional, Sequence
 import torch
 
 from rlhf.batch import Batch
-from rlhf.rollout import SamplingParams, derive_seed, encode_prompts
+from rlhf.rollout.base import SamplingParams, derive_seed, encode_prompts
 
 
 def batch_from_token_lists(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -71,8 +72,28 @@ def sampled_logprobs(token_ids: Sequence[int], position_logprobs) -> List[float]
     return [float(position_logprobs[t][tok].logprob) for t, tok in enumerate(token_ids)]
 
 
+@contextlib.contextmanager
+def without_deterministic_algorithms():
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
 class VLLMRollout:
-    """The `RolloutBackend` interface (see rlhf/rollout.py) over an in-process `vllm.LLM`."""
+    """The `RolloutBackend` interface (see rlhf/rollout/base.py) over an in-process `vllm.LLM`."""
+
+    shares_module = False
+
+    @classmethod
+    def from_config(cls, ppo, *, model, tokenizer, device, model_dir: str, log=print) -> "VLLMRollout":
+        return cls(tokenizer=tokenizer, device=device, model_dir=model_dir, seed=ppo.seed,
+                   max_model_len=ppo.max_prompt_length + ppo.max_response_length,
+                   return_logprobs=ppo.rollout_logprobs, gpu_memory_utilization=ppo.vllm_gpu_memory_utilization,
+                   sleep=ppo.vllm_sleep, per_request_seeds=ppo.vllm_per_request_seeds, log=log)
 
     def __init__(self, tokenizer, device: torch.device, model_dir: str, seed: int, max_model_len: int,
                  return_logprobs: bool = False, gpu_memory_utilization: float = 0.3, sleep: bool = False,
@@ -96,7 +117,8 @@ class VLLMRollout:
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.return_logprobs = return_logprobs
-        self.sleep_between_rollouts = sleep
+        self.sleep_mode = sleep is not False  # 'auto' builds a sleep-capable engine; the placement decides
+        self.sleep_between_rollouts = bool(sleep)
         self.per_request_seeds = per_request_seeds
         self.asleep = False
         self.timings: dict = {}
@@ -104,20 +126,16 @@ class VLLMRollout:
         has_tok_dir = bool(tok_dir) and Path(tok_dir).is_dir()
         t0 = time.perf_counter()
         # The trainer asks for deterministic algorithms (warn only); that also puts Inductor in a
-        # deterministic mode which refuses the kernel benchmarking vLLM's start-up compilation does.
-        # The engine is compiled and its graphs captured here, once, so the flag is lifted meanwhile.
-        deterministic = torch.are_deterministic_algorithms_enabled()
-        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-        torch.use_deterministic_algorithms(False)
-        try:
+        # deterministic mode which refuses the kernel benchmarking vLLM's start-up compilation does,
+        # and routes the sampler's eager ops to slower kernels. The flag is lifted while the engine
+        # is built and while it generates (the seeded sampler repeats its tokens either way).
+        with without_deterministic_algorithms():
             self.llm = vllm.LLM(
                 model=str(model_dir), tokenizer=tok_dir if has_tok_dir else None, skip_tokenizer_init=not has_tok_dir,
                 dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs, enable_sleep_mode=sleep, enforce_eager=enforce_eager,
+                max_num_seqs=max_num_seqs, enable_sleep_mode=self.sleep_mode, enforce_eager=enforce_eager,
                 # Trainer log-probs divide logits by the temperature; vLLM's raw log-probs would not.
                 logprobs_mode="processed_logprobs" if return_logprobs else "raw_logprobs")
-        finally:
-            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         self.timings["engine_start_s"] = time.perf_counter() - t0
         log(f"vLLM {vllm.__version__} engine ready in {self.timings['engine_start_s']:.1f} s")
 
@@ -130,6 +148,11 @@ class VLLMRollout:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+    def set_sleep(self, enabled: bool) -> None:
+        self.sleep_between_rollouts = bool(enabled) and self.sleep_mode
+        if not self.sleep_between_rollouts:
+            self._wake()
 
     def release_memory(self) -> None:
         """Frees the KV cache and offloads the weights to CPU until the next sync or rollout."""
@@ -173,14 +196,15 @@ class VLLMRollout:
             requests.append({"prompt_token_ids": tokens})
         # A fresh prefix cache per call: the schedule, hence the tokens, depend on this call alone.
         self.llm.reset_prefix_cache()
-        if self.per_request_seeds and not sampling.greedy:
-            params = [self._sampling_params(sampling, derive_seed(seed, i)) for i in range(len(requests))]
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
-        else:
-            params = self._sampling_params(sampling, None)
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                torch.manual_seed(seed)  # also seeds this process's CUDA generator, which the engine samples with
+        with without_deterministic_algorithms():
+            if self.per_request_seeds and not sampling.greedy:
+                params = [self._sampling_params(sampling, derive_seed(seed, i)) for i in range(len(requests))]
                 outputs = self.llm.generate(requests, params, use_tqdm=False)
+            else:
+                params = self._sampling_params(sampling, None)
+                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                    torch.manual_seed(seed)  # also seeds this process's CUDA generator, which the engine samples with
+                    outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions = [out.outputs[0] for out in outputs]
         responses = [list(c.token_ids) for c in completions]
         logprobs = ([sampled_logprobs(r, c.logprobs) for r, c in zip(responses, completions)]

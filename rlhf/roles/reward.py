@@ -1,4 +1,5 @@
-"""The reward role: a registered rule function applied to decoded responses."""
+"""The rule reward: a registered rule function applied to decoded responses. It holds no model,
+so every placement runs it in the controller's process."""
 
 from __future__ import annotations
 
@@ -7,13 +8,20 @@ import torch
 from rlhf.batch import Batch
 from rlhf.config import TaskConfig
 from rlhf.rewards import REWARD_FUNCTIONS
+from rlhf.roles.common import Role
+from rlhf.roles.dispatch import ROWS, dispatch
 
 
-class RewardWorker:
-    def __init__(self, task: TaskConfig):
+class RuleReward(Role):
+    name = "reward"
+    on_device = False
+
+    def __init__(self, ctx, task: TaskConfig):
+        super().__init__(ctx)
         self.fn = REWARD_FUNCTIONS[task.reward_fn]
         self.params = dict(format_reward=task.format_reward, missing_eos_penalty=task.missing_eos_penalty)
 
+    @dispatch(ROWS)
     def score(self, batch: Batch) -> dict:
         """Scores [B] (float), correct [B] and well_formed [B] (bool) from `responses`, `answers`, `finished`."""
         results = [self.fn(r, a, bool(f), **self.params)

@@ -1,0 +1,55 @@
+"""Placement is a strategy that takes any role (rlhf/roles/): the same `RoleSpec`s are built
+
+    in this process  (`ppo.placement = 'local'`, rlhf/placement/local.py), or
+    on Ray ranks     (`'colocated'`: every role's rank r shares one process; `'split'`: each role
+                      has processes of its own; rlhf/placement/ray_roles.py), sharded with FSDP2
+                      over gloo (CPU) or NCCL (GPU) when there is more than one rank.
+
+Roles without a model (the rule reward) run in the controller's process in every placement.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from rlhf.config import RunConfig
+from rlhf.placement.context import DeviceContext
+from rlhf.roles import RoleSpec, Roles
+
+
+def role_specs(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, start_dir: Path, tokenizer=None,
+               log=print) -> List[RoleSpec]:
+    """The run's device roles in build order (actor, reference, critic: the single-process seeding order)."""
+    ppo = cfg.ppo
+    updates_per_step = ppo.ppo_epochs * (ppo.rollout_batch_size // ppo.mini_batch_size)
+    total_updates = ppo.total_steps * updates_per_step
+    specs = [
+        RoleSpec("actor", "rlhf.roles.actor:Actor",
+                 dict(ppo=ppo, start_dir=str(start_dir), tokenizer_dir=str(tokenizer_dir), total_updates=total_updates),
+                 extra=dict(tokenizer=tokenizer, log=log) if tokenizer is not None else {}),
+        RoleSpec("reference", "rlhf.roles.reference:Reference", dict(ppo=ppo, model_dir=str(model_dir))),
+    ]
+    if ppo.adv_estimator == "gae":
+        specs.append(RoleSpec("critic", "rlhf.roles.critic:Critic",
+                              dict(ppo=ppo, model_dir=str(model_dir), random_init=cfg.model.critic_init == "random",
+                                   total_updates=total_updates)))
+    return specs
+
+
+def build_roles(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, tokenizer, start_dir: Path,
+                device: torch.device, autocast_dtype, ray_address: Optional[str] = None, log=print) -> Roles:
+    from rlhf.roles.reward import RuleReward
+    controller = DeviceContext(torch.device("cpu"))
+    controller_roles = {"reward": RuleReward(controller, cfg.task)}
+    if cfg.ppo.resolved_placement == "local":
+        from rlhf.placement.local import build_local_roles
+        specs = role_specs(cfg, model_dir=model_dir, tokenizer_dir=tokenizer_dir, start_dir=start_dir,
+                           tokenizer=tokenizer, log=log)
+        return build_local_roles(specs, device=device, autocast_dtype=autocast_dtype,
+                                 controller_roles=controller_roles, log=log)
+    from rlhf.placement.ray_roles import build_ray_roles
+    specs = role_specs(cfg, model_dir=model_dir, tokenizer_dir=tokenizer_dir, start_dir=start_dir)
+    return build_ray_roles(cfg, specs, controller_roles=controller_roles, ray_address=ray_address, log=log)

@@ -1,0 +1,90 @@
+"""Roles on Ray ranks: reserve the run's placement group, start the hosts (shared by every role in
+colocated placement, one set per role in split placement), build each role from its spec on its
+hosts, and hand the trainer a proxy per role (rlhf/placement/proxy.py)."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from rlhf.config import RunConfig
+from rlhf.gpu_monitor import merge_device_reports
+from rlhf.roles import RoleSpec, Roles
+
+
+def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, controller_roles: dict,
+                    ray_address: Optional[str], log=print) -> Roles:
+    import ray
+
+    from rlhf.placement import cluster, memory
+    from rlhf.placement.proxy import RoleProxy
+
+    ppo = cfg.ppo
+    cluster.connect(ray_address)
+    device = cluster.device_type(ppo)
+    names = [s.name for s in specs]
+    bundles = cluster.plan_bundles(ppo, names, device)
+    num_bundles = 1 + max(max(b) for b in bundles.values())
+    pg = cluster.reserve(ppo, num_bundles, device)
+    colocated = ppo.resolved_placement == "colocated"
+    log(f"placing {len(names)} roles x {ppo.world_size} ranks ({ppo.resolved_placement}, {device}) "
+        f"on {num_bundles} bundles")
+
+    hosts, where = {}, {}
+    if colocated:
+        shared, shared_where = cluster.start_hosts(pg, bundles[names[0]], ppo, device)
+        for name in names:
+            hosts[name], where[name] = shared, shared_where
+        # Build with offloading on, so the roles never have to fit together while they are built.
+        ray.get([h.set_offload.remote(device == "cuda") for h in shared])
+    else:
+        for name in names:
+            hosts[name], where[name] = cluster.start_hosts(pg, bundles[name], ppo, device)
+
+    built = {}
+    pending = []
+    for spec in specs:  # roles on different hosts build in parallel
+        pending.append((spec.name, [h.add_role.remote(spec) for h in hosts[spec.name]]))
+        if colocated:  # one process per rank: its roles build one after another anyway
+            built[spec.name] = ray.get(pending[-1][1])
+    for name, refs in pending:
+        built.setdefault(name, ray.get(refs))
+
+    plan = None
+    if device == "cuda":
+        actor_hosts = hosts["actor"]
+        info = ray.get(actor_hosts[0].where.remote())
+        # The actor's process: in colocated placement every role, in split placement the actor alone.
+        local_names = names if colocated else ["actor"]
+        role_bytes = {name: built[name][0]["bytes"] for name in local_names}
+        plan = memory.plan_memory(ppo.offload_idle_models, ppo.vllm_sleep, role_bytes,
+                                  available=int((info["device_free_gb"] + info["allocated_gb"]) * memory.GIB),
+                                  total=int(info["device_total_gb"] * memory.GIB), can_offload=colocated)
+        if colocated:
+            ray.get([h.set_offload.remote(plan["offload"]) for h in shared])
+        log(memory.describe(plan))
+
+    every = list({id(h): h for hs in hosts.values() for h in hs}.values())
+
+    def device_report() -> dict:
+        return merge_device_reports(ray.get([h.device_report.remote() for h in every]))
+
+    def close() -> None:
+        try:
+            ray.get([h.shutdown.remote() for h in every], timeout=60)
+        except Exception:  # a rank that already died has nothing left to shut down
+            pass
+        for h in every:
+            ray.kill(h)
+        ray.util.remove_placement_group(pg)
+
+    proxies = {spec.name: RoleProxy(spec.name, spec.role_class(), hosts[spec.name]) for spec in specs}
+    if plan is not None:
+        proxies["actor"].set_rollout_sleep(plan["rollout_sleep"])
+    record = {"placement": ppo.resolved_placement, "world_size": ppo.world_size, "device": device,
+              "roles": {name: where[name] for name in names},
+              "role_bytes": {name: [b["bytes"] for b in built[name]] for name in names}}
+    if plan is not None:
+        record["memory"] = plan
+    roles = {**controller_roles, **proxies}
+    return Roles(actor=roles["actor"], critic=roles.get("critic"), reference=roles["reference"],
+                 reward=roles["reward"], placement=record, device_report=device_report, close=close)

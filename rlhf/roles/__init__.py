@@ -1,0 +1,96 @@
+"""The PPO loop's roles, one class each, written once for every placement:
+
+    actor.Actor           the trained policy and its rollout engine
+    critic.Critic         the value model (GAE only)
+    reference.Reference   the frozen starting policy
+    reward.RuleReward     the task's rule, in the controller's process
+
+A role receives a context (rlhf/placement/context.py) saying where it runs and declares on each
+method how a call is spread over ranks (rlhf/roles/dispatch.py). `rlhf/placement/` builds the
+roles in this process or on Ray ranks from the same `RoleSpec`s; the trainer sees the `Roles`
+below either way, typed by the protocols here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from rlhf.batch import Batch
+from rlhf.rollout import SamplingParams
+
+
+class TrainedState(Protocol):
+    """Checkpoint state of a trained role, in the one-process layout (rlhf/checkpoint.py)."""
+
+    def model_state(self) -> Dict[str, torch.Tensor]: ...
+
+    def load_model_state(self, state: Dict[str, torch.Tensor], strict: bool = True) -> tuple[list, list]: ...
+
+    def optimizer_state(self) -> dict: ...
+
+    def load_optimizer_state(self, state: dict) -> None: ...
+
+    def scheduler_state(self) -> dict: ...
+
+    def load_scheduler_state(self, state: dict) -> None: ...
+
+
+class ActorRole(TrainedState, Protocol):
+    def compute_logprobs(self, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+    def update(self, batch: Batch, shuffle_seed: int, kl_coef: float) -> Dict[str, object]: ...
+
+    def generate(self, requests: Sequence[Tuple[List[str], int]], sampling: SamplingParams) -> List[Batch]: ...
+
+    def release_memory(self) -> None: ...
+
+    def sync_weights(self) -> None: ...
+
+    def model_files(self) -> Dict[str, bytes]: ...
+
+
+class CriticRole(TrainedState, Protocol):
+    def compute_values(self, batch: Batch) -> torch.Tensor: ...
+
+    def update(self, batch: Batch, shuffle_seed: int) -> Dict[str, float]: ...
+
+
+class ReferenceRole(Protocol):
+    def compute_logprobs(self, batch: Batch) -> torch.Tensor: ...
+
+
+class RewardRole(Protocol):
+    def score(self, batch: Batch) -> Dict[str, torch.Tensor]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSpec:
+    """What builds one role anywhere: its class ("module:Class") and picklable keyword arguments.
+    `extra` holds what only an in-process build can take (already-built models, tokenizers)."""
+
+    name: str
+    cls: str
+    kwargs: dict
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def role_class(self) -> type:
+        import importlib
+        module, name = self.cls.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+@dataclasses.dataclass
+class Roles:
+    actor: ActorRole
+    critic: Optional[CriticRole]
+    reference: ReferenceRole
+    reward: RewardRole
+    placement: dict
+    """Where each role runs (recorded in provenance.json)."""
+    device_report: Callable[[], Dict[str, float]] = lambda: {}
+    """Device memory and utilisation since the last call, over every process holding a role
+    (`perf/max_memory_allocated_gb`, `perf/gpu_utilization`; {} on CPU)."""
+    close: Callable[[], None] = lambda: None

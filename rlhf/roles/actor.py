@@ -1,0 +1,155 @@
+"""The actor: the policy being trained, and the engine that samples its rollouts.
+
+It recomputes old log-probs, runs the clipped PPO update over `ppo_epochs` x mini-batches (each
+accumulated over micro-batches), generates with the run's rollout backend and keeps that
+backend's weights in step with the trained ones (`sync_weights`).
+
+Generation with the HF backend on a sharded policy runs on a full replica, not on the shards:
+HF generate stops early when every sequence has ended, so ranks would run different numbers of
+forward passes and the sharded model's all-gathers would wait on each other forever. The replica
+is refreshed from the shards after every update, as a vLLM engine is. Unsharded (one process,
+or one rank), the HF backend generates with the trained module itself.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from rlhf import algos
+from rlhf.batch import Batch
+from rlhf.config import PPOConfig
+from rlhf.models import load_policy, load_tokenizer
+from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, response_logprobs
+from rlhf.roles.dispatch import ALL, CALLS, ROWS, dispatch
+from rlhf.rollout import SamplingParams, backend_class
+
+RATIO_BIN_EDGES = [round(0.05 * i, 2) for i in range(41)]  # 0.0 .. 2.0; ratios above 2 land in the last bin
+
+
+class Actor(TrainedRole):
+    name = "actor"
+    learning_rate = "actor_learning_rate"
+
+    def __init__(self, ctx, ppo: PPOConfig, start_dir: str, tokenizer_dir: str, total_updates: int, log=print,
+                 model: torch.nn.Module | None = None, tokenizer=None):
+        """`model` / `tokenizer`: already built (in one process); by default loaded from the directories."""
+        torch.manual_seed(ppo.seed)
+        super().__init__(ctx, model if model is not None else load_policy(start_dir), ppo, total_updates)
+        backend = backend_class(ppo.rollout_backend)
+        self.replica = None
+        if backend.shares_module and ctx.sharded:
+            self.replica = load_policy(start_dir).to(self.device).eval().requires_grad_(False)
+        self.replica_fresh = True
+        self.rollout = backend.from_config(ppo, model=self.replica if self.replica is not None else self.model,
+                                           tokenizer=tokenizer or load_tokenizer(tokenizer_dir), device=self.device,
+                                           model_dir=str(start_dir), log=log)
+
+    def device_state(self) -> tuple[list, list]:
+        modules, optimizers = super().device_state()
+        return modules + ([self.replica] if self.replica is not None else []), optimizers
+
+    @dispatch(ROWS)
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the sampled response tokens and per-token entropy, [B, R] each."""
+        self.model.eval()
+        logps, ents = [], []
+        for micro in batch.split(self.cfg.forward_batch_size):
+            logprobs, entropy = response_logprobs(self.model, micro, self.device, self.cfg.temperature,
+                                                  self.autocast_dtype, fused=self.fused)
+            logps.append(logprobs.cpu())
+            ents.append(entropy.cpu())
+        return torch.cat(logps), torch.cat(ents)
+
+    @dispatch(ALL)
+    def update(self, batch: Batch, shuffle_seed: int, kl_coef: float) -> Dict[str, object]:
+        """PPO update on the rollout buffer (epochs, mini-batches and rank shares as in
+        TrainedWorker.optimize). `batch` carries old_logprobs, advantages, response_mask and, when
+        the KL is a loss term, ref_logprobs."""
+        cfg, ranks = self.cfg, self.ranks
+        self.replica_fresh = False
+        stats = StatAccumulator()
+        ratio_counts = torch.zeros(len(RATIO_BIN_EDGES) - 1, dtype=torch.long)
+
+        def micro_step(micro: Batch, normalizer: float) -> None:
+            mask = micro["response_mask"].to(self.device).float()
+            old_logprobs, advantages = micro["old_logprobs"].to(self.device), micro["advantages"].to(self.device)
+            logprobs, entropy = response_logprobs(self.model, micro, self.device, cfg.temperature,
+                                                  self.autocast_dtype, fused=self.fused)
+            pg_loss, pg_stats = algos.policy_loss(logprobs, old_logprobs, advantages, mask, cfg.clip_range,
+                                                  cfg.dual_clip, cfg.loss_aggregation, normalizer)
+            entropy_term = algos.aggregate(entropy, mask, cfg.loss_aggregation, normalizer)
+            loss = pg_loss - cfg.entropy_coef * entropy_term
+            if cfg.kl_mode == "loss":
+                kl = algos.kl_penalty(logprobs, micro["ref_logprobs"].to(self.device), cfg.kl_estimator)
+                loss = loss + kl_coef * algos.aggregate(kl, mask, cfg.loss_aggregation, normalizer)
+                pg_stats["kl_loss"] = algos.masked_mean(kl.detach(), mask)
+            loss.backward()
+            with torch.no_grad():
+                ratio = torch.exp(logprobs.detach() - old_logprobs)
+                pg_stats["entropy"] = algos.masked_mean(entropy.detach(), mask)
+                pg_stats["pg_loss"] = algos.masked_mean(-advantages * ratio, mask)
+                ratio_counts.add_(torch.histc(ratio[mask.bool()].clamp(0, 2).cpu().float(),
+                                              bins=len(RATIO_BIN_EDGES) - 1, min=0, max=2).long())
+            stats.add({k: float(v) for k, v in pg_stats.items()}, float(mask.sum()))
+
+        grad_norm = self.optimize(batch, shuffle_seed, micro_step)
+        ratio_counts = ranks.sum(ratio_counts)
+        out = {f"actor/{k}": v for k, v in global_stats(stats, ranks).items()}
+        out["actor/grad_norm"] = grad_norm
+        out["actor/lr"] = self.scheduler.get_last_lr()[0]
+        out["policy_ratio_hist"] = {"bin_edges": RATIO_BIN_EDGES, "counts": ratio_counts.tolist()}
+        return out
+
+    # ------------------------------------------------------------ rollouts
+    @dispatch(CALLS)
+    def generate(self, requests: Sequence[Tuple[List[str], int]], sampling: SamplingParams) -> List[Batch]:
+        """One generation call per (prompts, seed): the seed is the call's, not the rank's, so which
+        rank runs a call does not change what it samples."""
+        return [self.rollout.generate(prompts, sampling, seed) for prompts, seed in requests]
+
+    @dispatch(ALL)
+    def release_memory(self) -> None:
+        """Lets the backend free what it holds until the next sync (vLLM: sleep mode)."""
+        self.rollout.release_memory()
+
+    @dispatch(ALL)
+    def set_rollout_sleep(self, enabled: bool) -> None:
+        """Whether the backend frees its memory between rollouts (the placement's memory plan)."""
+        self.rollout.set_sleep(enabled)
+
+    @dispatch(ALL)
+    def sync_weights(self) -> None:
+        """Brings the rollout backend up to the trained weights (gathering them, a collective, when sharded)."""
+        if self.rollout.shares_module and self.replica is None:
+            return
+        if self.replica is not None:
+            if not self.replica_fresh:
+                self.replica.load_state_dict(self.ctx.full_model_state(self.model, rank0_cpu=False))
+            self.rollout.sync_weights(self.replica)
+        else:
+            self.rollout.sync_weights(self.ctx.full_model_state(self.model, rank0_cpu=False) if self.ctx.sharded
+                                      else self.model)
+        self.replica_fresh = True
+
+    # ------------------------------------------------------------ checkpoints (every rank calls these)
+    @dispatch(ALL)
+    def model_files(self) -> Dict[str, bytes]:
+        """The policy as an HF checkpoint (`save_pretrained`'s files), from rank 0; {} elsewhere.
+        Bytes, so the controller writes them wherever this rank runs."""
+        state = self.ctx.full_model_state(self.model, rank0_cpu=True) if self.ctx.sharded else None
+        if not self.ctx.is_rank0:
+            return {}
+        template = self.replica if self.replica is not None else self.model
+        with tempfile.TemporaryDirectory() as tmp:
+            template.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+
+    @dispatch(ALL)
+    def load_model_state(self, state: Dict[str, torch.Tensor], strict: bool = True) -> tuple[list, list]:
+        self.replica_fresh = False
+        return super().load_model_state(state, strict)

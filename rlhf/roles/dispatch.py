@@ -1,0 +1,86 @@
+"""How a role's method is spread over the ranks of its group, declared once on the method.
+
+    @dispatch(ROWS)   the first argument is a `Batch`; rank r gets the r-th contiguous share of
+                      its rows, and the results (a tensor, or a tuple or dict of tensors) are
+                      concatenated back in row order. Forward-only phases (log-probs, values).
+    @dispatch(ALL)    every rank gets the same arguments (a `Batch` travels once through Ray's
+                      object store) and runs the call; rank 0's result is returned. Anything
+                      with a collective inside (updates, weight gathers, checkpoint state).
+    @dispatch(CALLS)  the first argument is a list of independent requests; request i runs on
+                      rank i mod world_size and the results come back in request order.
+                      Generation: each request carries its own seed, so which rank runs it does
+                      not change what it samples.
+
+In one process a role's methods are called directly and the declaration is not consulted. The
+Ray placement builds each role's proxy from these declarations (`rlhf/placement/ray.py`), so a
+new role method is written once, on the role.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from typing import Any, Callable, Dict, List, Sequence
+
+import torch
+
+from rlhf.batch import Batch
+
+
+class Dispatch(enum.Enum):
+    ROWS = "rows"
+    ALL = "all"
+    CALLS = "calls"
+
+
+ROWS, ALL, CALLS = Dispatch.ROWS, Dispatch.ALL, Dispatch.CALLS
+
+
+def dispatch(mode: Dispatch) -> Callable:
+    """Marks a role method as callable through a placement, with how its call is spread."""
+    if not isinstance(mode, Dispatch):
+        raise TypeError(f"dispatch mode must be one of {[m.name for m in Dispatch]}, got {mode!r}")
+
+    def mark(fn: Callable) -> Callable:
+        fn.__dispatch__ = mode
+        return fn
+
+    return mark
+
+
+def dispatched_methods(cls: type) -> Dict[str, Dispatch]:
+    """Name -> mode of every method of `cls` (and its bases) declared with `@dispatch`."""
+    return {name: fn.__dispatch__ for name, fn in inspect.getmembers(cls, callable)
+            if isinstance(getattr(fn, "__dispatch__", None), Dispatch)}
+
+
+def even_shares(n: int, world_size: int, what: str) -> List[range]:
+    """Contiguous equal row ranges, one per rank. Sharded models need every rank to run the same
+    number of forward passes, so uneven shares are an error rather than a slow path."""
+    if n % world_size:
+        raise ValueError(f"{what}: {n} rows cannot be split evenly over ppo.world_size = {world_size}")
+    per = n // world_size
+    return [range(r * per, (r + 1) * per) for r in range(world_size)]
+
+
+def split_rows(batch: Batch, world_size: int, what: str) -> List[Batch]:
+    return [batch.select(rows) for rows in even_shares(len(batch), world_size, what)]
+
+
+def gather_rows(parts: Sequence[Any]) -> Any:
+    """Concatenates per-rank results along the batch dimension, keeping their structure."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(parts))
+    if isinstance(first, tuple):
+        return tuple(gather_rows([p[i] for p in parts]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: gather_rows([p[k] for p in parts]) for k in first}
+    if isinstance(first, list):
+        return [x for p in parts for x in p]
+    raise TypeError(f"cannot gather rows of a {type(first).__name__}")
+
+
+def calls_per_rank(n: int, world_size: int) -> List[List[int]]:
+    """Request indices of each rank: request i on rank i mod world_size."""
+    return [list(range(r, n, world_size)) for r in range(world_size)]

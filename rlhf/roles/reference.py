@@ -1,0 +1,39 @@
+"""The reference policy: the frozen starting policy that the KL penalty measures against."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf.batch import Batch
+from rlhf.config import PPOConfig
+from rlhf.models import load_policy
+from rlhf.roles.common import Role, response_logprobs
+from rlhf.roles.compiled import compile_layers
+from rlhf.roles.dispatch import ROWS, dispatch
+
+
+class Reference(Role):
+    name = "reference"
+
+    def __init__(self, ctx, ppo: PPOConfig, model_dir: str, model: torch.nn.Module | None = None):
+        super().__init__(ctx)
+        model = model if model is not None else load_policy(model_dir)
+        self.model = ctx.place(model).eval().requires_grad_(False)
+        self.temperature = ppo.temperature
+        self.micro_batch_size = ppo.forward_batch_size
+        self.fused = ppo.torch_compile and self.device.type == "cuda"  # as the actor's forward
+        if self.fused:
+            compile_layers(self.model)
+
+    def device_state(self) -> tuple[list, list]:
+        return [self.model], []
+
+    @dispatch(ROWS)
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        out = []
+        for micro in batch.split(self.micro_batch_size):
+            logprobs, _ = response_logprobs(self.model, micro, self.device, self.temperature, self.autocast_dtype,
+                                            with_entropy=False, fused=self.fused)
+            out.append(logprobs.cpu())
+        return torch.cat(out)

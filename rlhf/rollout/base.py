@@ -1,0 +1,103 @@
+"""The rollout interface every backend implements, and what backends share.
+
+`RolloutBackend.generate(prompts, sampling, seed)` returns a `Batch` with left-padded
+`prompt_ids`/`prompt_mask` [B, P], right-padded `response_ids`/`response_mask` [B, R]
+(R = max_new_tokens; the mask covers tokens up to and including EOS) and `finished` [B]
+(False when the response hit R without EOS); a backend may add `rollout_logprobs` [B, R] (its
+sampling log-probs, 0 past the mask). `sync_weights(model)` loads the trainer's new weights (an
+HF-named module or state dict); the HF backend shares the actor's module, so it has nothing to
+copy. `release_memory()` lets a backend free what it holds between rollouts (vLLM: sleep mode).
+Backends are registered by name in `rlhf/rollout/__init__.py` and built with `from_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Mapping, Optional, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from rlhf.batch import Batch
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_prompt_length: int = 1024
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def derive_seed(*parts: int) -> int:
+    """A well-mixed 31-bit seed from integers (run seed, step, call index, ...)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_length: int):
+    """Left-padded prompt ids and mask; prompts longer than the limit keep their last tokens."""
+    ids = [tokenizer(p, add_special_tokens=True)["input_ids"][-max_prompt_length:] for p in prompts]
+    width = max(len(x) for x in ids)
+    out = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, x in enumerate(ids):
+        if x:
+            out[i, width - len(x):] = torch.tensor(x)
+            mask[i, width - len(x):] = 1
+    return out, mask
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int):
+    """Mask of tokens up to and including the first EOS, and whether an EOS was produced."""
+    is_eos = response_ids == eos_token_id
+    finished = is_eos.any(-1)
+    # Tokens after the first EOS: the count of EOS strictly before position t is > 0.
+    eos_before = is_eos.long().cumsum(-1) - is_eos.long()
+    mask = (eos_before == 0).long()
+    return mask, finished
+
+
+class RolloutBackend(Protocol):
+    """What the actor role asks of its generation engine."""
+
+    shares_module: bool
+    """True when the backend generates with the trainer's own module (nothing to copy on sync)."""
+
+    @classmethod
+    def from_config(cls, ppo, *, model: Optional[torch.nn.Module], tokenizer, device: torch.device,
+                    model_dir: str, log=print) -> "RolloutBackend": ...
+
+    def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> Batch: ...
+
+    def sync_weights(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None: ...
+
+    def release_memory(self) -> None: ...
+
+    def set_sleep(self, enabled: bool) -> None:
+        """Whether `release_memory` frees anything (a backend without a sleep mode ignores it)."""
+
+
+def decode_responses(tokenizer, batch: Batch) -> List[str]:
+    """Response text without the EOS and padding."""
+    out = []
+    for ids, mask in zip(batch["response_ids"], batch["response_mask"]):
+        toks = ids[mask.bool()].tolist()
+        if toks and toks[-1] == tokenizer.eos_token_id:
+            toks = toks[:-1]
+        out.append(tokenizer.decode(toks, skip_special_tokens=True))
+    return out
+
+
+def rollout_logprob_gap(batch: Batch) -> float | None:
+    """Mean |rollout log-prob - trainer old log-prob| over response tokens, or None when the
+    backend returned no sampling log-probs (`ppo.rollout_logprobs`)."""
+    if "rollout_logprobs" not in batch or "old_logprobs" not in batch:
+        return None
+    mask = batch["response_mask"].float()
+    gap = (batch["rollout_logprobs"].float() - batch["old_logprobs"].float()).abs() * mask
+    return float(gap.sum() / mask.sum().clamp(min=1))
