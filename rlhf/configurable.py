@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 
 import gin
 
-from rlhf.config import (ConfigError, ModelConfig, PPOConfig, RunConfig, SFTConfig, TaskConfig,
+from rlhf.config import (ConfigError, ModelConfig, PPOConfig, RewardConfig, RunConfig, SFTConfig, TaskConfig,
                          TinyModelConfig)
 
 SCOPES = {
@@ -25,6 +25,7 @@ SCOPES = {
     "task": TaskConfig,
     "sft": SFTConfig,
     "tiny_model": TinyModelConfig,
+    "reward": RewardConfig,
 }
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
