@@ -443,8 +443,54 @@ class RunConfig:
     tiny_model: TinyModelConfig
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
 
+    def __post_init__(self) -> None:
+        # Cross-scope rules: each names the binding to change.
+        if self.model.name_or_path == "tiny":
+            _check(self.task.name == "arithmetic", "task.name", self.task.name,
+                   "model.name_or_path = 'tiny' is warm-started on the arithmetic task only; use task.name = "
+                   "'arithmetic', or build a warm start on your data (python -m experiments sft) and "
+                   "point model.name_or_path at it")
+        if self.ppo.init_from:
+            from pathlib import Path
+            _check((Path(self.ppo.init_from) / "actor" / "config.json").is_file(), "ppo.init_from",
+                   self.ppo.init_from, "not a checkpoint dir (a run's checkpoints/step_N, holding actor/config.json)")
+        limit, source = model_position_limit(self)
+        need = self.ppo.max_prompt_length + self.ppo.max_response_length
+        if limit is not None and need > limit:
+            raise ConfigError(
+                f"ppo.max_prompt_length + ppo.max_response_length = {self.ppo.max_prompt_length} + "
+                f"{self.ppo.max_response_length} = {need} is invalid: exceeds the model's position limit "
+                f"({source} = {limit}); lower ppo.max_prompt_length or ppo.max_response_length")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+TINY_MAX_POSITIONS = 256
+"""max_position_embeddings of the embedded default (rlhf/tiny.py)."""
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def model_position_limit(cfg: "RunConfig") -> tuple:
+    """(the policy's longest sequence, where that number comes from), or (None, None) when its
+    config does not say; read from the start checkpoint's config.json without loading the model."""
+    import json
+    from pathlib import Path
+    if cfg.ppo.init_from:
+        path = Path(cfg.ppo.init_from) / "actor" / "config.json"
+    elif cfg.model.name_or_path == "tiny":
+        return TINY_MAX_POSITIONS, "the tiny default's max_position_embeddings"
+    else:
+        path = Path(cfg.model.name_or_path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None, None
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    for key in POSITION_KEYS:
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return config[key], f"{key} in {path}"
+    return None, None
 
 
 def flat_dict(cfg: RunConfig) -> dict:
