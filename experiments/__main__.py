@@ -1,4 +1,4 @@
-"""Entry point: `python -m experiments run|plan|status|report STUDY.gin`."""
+"""Entry point: `python -m experiments SUBCOMMAND ...` (see experiments/cli.py)."""
 
 import sys
 

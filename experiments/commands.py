@@ -7,6 +7,7 @@ binding, 130 interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import time
@@ -53,6 +54,16 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM stops a study like Ctrl-C: runs are stopped in order and recorded as interrupted."""
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def cmd_run(args: Namespace, console: Console) -> int:
     """Runs what the plan needs on Ray, then writes the report."""
     from experiments.report import write_report
@@ -60,17 +71,15 @@ def cmd_run(args: Namespace, console: Console) -> int:
     if study.adaptive_seeds is not None:  # one launch per look: experiments/adaptive_run.py
         from experiments.adaptive_run import run_adaptive
         return run_adaptive(study, args, console)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     t0 = time.monotonic()
     try:
-        result = launch(study, specs, Path(args.results), ray_address=args.ray_address, num_cpus=args.num_cpus,
-                        num_gpus=args.num_gpus, cache_dir=args.cache_dir, rerun_failed=args.rerun_failed,
-                        argv=args.argv)
+        with sigterm_as_interrupt():
+            result = launch(study, specs, Path(args.results), ray_address=args.ray_address, num_cpus=args.num_cpus,
+                            num_gpus=args.num_gpus, cache_dir=args.cache_dir, rerun_failed=args.rerun_failed,
+                            argv=args.argv)
     except StudyBusy as err:
         console.print(f"error: {err}", highlight=False)
         return EXIT_CONFIG
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     console.print(f"{study.name}: {len(result.completed)} completed, {len(result.skipped)} already done, "
                   f"{len(result.failed)} failed in {time.monotonic() - t0:.0f}s", highlight=False)
     for key, error in result.failed.items():
@@ -86,9 +95,15 @@ def cmd_run(args: Namespace, console: Console) -> int:
                               [s.run_hash for s in specs])
     except Exception as err:  # noqa: BLE001 - W&B must never fail a study
         console.print(f"warning: W&B aggregate: {err}", highlight=False)
-    console.print(f"decision: {agg['decision']['chosen']} ({agg['decision']['reason']}); "
-                  f"report: {study_dir(study, args.results) / 'report.md'}", highlight=False, soft_wrap=True)
-    return EXIT_RUNS_FAILED if result.failed else EXIT_OK
+    console.print(f"{decision_line(agg)}; report: {study_dir(study, args.results) / 'report.md'}",
+                  highlight=False, soft_wrap=True)
+    return EXIT_RUNS_FAILED if result.failed or agg.decision.chosen is None else EXIT_OK
+
+
+def decision_line(agg) -> str:
+    """'decision: X (why)', or the reason there is none (no run completed, the metric never logged)."""
+    d = agg.decision
+    return f"decision: {d.chosen} ({d.reason})" if d.chosen else d.reason
 
 
 def cmd_status(args: Namespace, console: Console) -> int:
@@ -120,15 +135,13 @@ def cmd_report(args: Namespace, console: Console) -> int:
     from experiments.report import write_report
     study = load_study(args.study, args.bindings)
     agg = write_report(study, study_dir(study, args.results))
-    for name, v in agg["variants"].items():
-        s = v["summary"]
-        mean = f"{s['mean']:.4g}" if s["mean"] is not None else "–"
-        console.print(f"  {name}: n={s['n']} mean={mean} -> {v['verdict']}"
-                      f"{' (underpowered)' if v.get('underpowered') else ''}"
-                      f"{'' if v['guardrails_ok'] else ' [guardrail violated]'}", highlight=False)
-    console.print(f"decision: {agg['decision']['chosen']}; report: {study_dir(study, args.results) / 'report.md'}",
-                  highlight=False)
-    return EXIT_OK
+    for name, v in agg.variants.items():
+        mean = f"{v.summary.mean:.4g}" if v.summary.mean is not None else "–"
+        console.print(f"  {name}: n={v.summary.n} mean={mean} -> {v.verdict}"
+                      f"{' (underpowered)' if v.underpowered else ''}{' (fragile)' if v.fragile else ''}"
+                      f"{'' if v.guardrails_ok else ' [guardrail violated]'}", highlight=False)
+    console.print(f"{decision_line(agg)}; report: {study_dir(study, args.results) / 'report.md'}", highlight=False)
+    return EXIT_OK if agg.decision.chosen is not None else EXIT_RUNS_FAILED
 
 
 def add_run_arguments(parser: ArgumentParser) -> None:

@@ -25,6 +25,7 @@ from experiments.rundir import (COMPLETED, DETERMINISTIC_FAILURES, FAILED, INTER
                                 clear_engine_outputs, last_attempt, read_record, state, supersede,
                                 write_json, RECORD)
 from experiments.study import Study, StudyError
+from rlhf import numerics
 
 LOCK = ".lock"
 
@@ -137,8 +138,10 @@ def manager_fields(results_dir: Path, argv: Optional[List[str]]) -> dict:
 def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address: Optional[str] = None,
            num_cpus: Optional[int] = None, num_gpus: Optional[float] = None, cache_dir: Optional[str] = None,
            rerun_failed: bool = False, argv: Optional[List[str]] = None,
-           display: Optional[StudyDisplay] = None) -> LaunchResult:
+           display: Optional[StudyDisplay] = None, recorded: Optional[List[RunSpec]] = None) -> LaunchResult:
     """Runs every run the plan needs; returns which completed, were skipped or failed.
+
+    `plan.json` records `recorded` (default: `specs`): an adaptive study records every look's runs.
 
     Ctrl-C (or SIGTERM turned into KeyboardInterrupt by the CLI) cancels the Ray tasks, whose
     children are stopped and recorded as interrupted; the next `run` resumes them.
@@ -151,7 +154,7 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
     display = display or StudyDisplay(study.name, specs)
     with StudyLock(study_path):
         write_json(study_path / "plan.json", {"study": study.name, "study_file": study.path,
-                                               "runs": [s.to_json() for s in specs]})
+                                               "runs": [s.to_json() for s in (recorded or specs)]})
         actions = {s.key: decide(s, rerun_failed) for s in specs}
         todo = [s for s in specs if actions[s.key] != "skip"]
         for s in specs:
@@ -173,6 +176,7 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
             manager["wandb_project"] = study.wandb_project or study.name
             manager["wandb_dir"] = str(Path(results_dir).resolve() / "wandb")
             task = ray.remote(execute)
+            numerics_env = numerics.forwarded_env()
             attempts = {s.key: 0 for s in todo}
             refs: Dict[object, RunSpec] = {}
 
@@ -183,6 +187,8 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
                 local = spec.placement == "local"
                 options = dict(num_cpus=spec.cpus if local else 0, num_gpus=spec.gpus if local else 0,
                                max_retries=0, name=f"{study.name}:{spec.key}")
+                if numerics_env:  # the user's CPU numerics settings reach workers on any node
+                    options["runtime_env"] = {"env_vars": numerics_env}
                 ref = task.options(**options).remote(spec.to_json(), resume, attempts[spec.key],
                                                      manager, cache_dir)
                 refs[ref] = spec

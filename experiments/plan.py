@@ -22,6 +22,7 @@ from rlhf.configurable import resolve
 from rlhf.data import dataset_hash, load_task
 from rlhf.provenance import hash_directory
 
+from experiments.results import StudyAggregate
 from experiments.study import BASELINE, Study, StudyError, split_binding
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -121,21 +122,13 @@ def resume_checkpoints(study: Study) -> Dict[int, str]:
                          f"first, or give a checkpoint dir")
     if (root / "model.safetensors").exists() or root.name.startswith("step_"):
         return {s: str(root) for s in study.seeds}
-    aggregate = root / "aggregate.json"
-    if not aggregate.is_file():
-        raise StudyError(f"study.resume_from = {study.resume_from!r}: no aggregate.json there; run "
-                         f"`python -m experiments report` on that study first, or give a checkpoint dir")
-    previous = json.loads(aggregate.read_text())
-    variant = study.resume_variant or previous.get("decision", {}).get("chosen")
-    runs = previous.get("variants", {}).get(variant, {}).get("runs")
-    if not runs:
-        raise StudyError(f"study.resume_variant = {variant!r} is not a variant of {study.resume_from}; "
-                         f"allowed: {', '.join(previous.get('variants', {}))}")
+    previous = _previous_aggregate(study)
+    variant = _resumed_variant(study, previous)
     by_seed = {}
-    for run in runs:
-        ckpt = latest_checkpoint(root / run["run_dir"]) if run.get("status") == "completed" else None
+    for run in previous.variants[variant].runs:
+        ckpt = latest_checkpoint(root / run.run_dir) if run.status == "completed" else None
         if ckpt is not None:
-            by_seed[run["seed"]] = str(ckpt)
+            by_seed[run.seed] = str(ckpt)
     if not by_seed:
         raise StudyError(f"study.resume_from: variant {variant!r} of {study.resume_from} has no completed "
                          f"run with a checkpoint")
@@ -149,9 +142,31 @@ def resumed_setting(study: Study) -> tuple:
     root = Path(study.resume_from) if study.resume_from else None
     if not study.resume_setting or root is None or not (root / "aggregate.json").is_file():
         return ()
-    previous = json.loads((root / "aggregate.json").read_text())
-    variant = study.resume_variant or previous.get("decision", {}).get("chosen")
-    return tuple(previous.get("variants", {}).get(variant, {}).get("bindings", ()))
+    previous = _previous_aggregate(study)
+    return tuple(previous.variants[_resumed_variant(study, previous)].bindings)
+
+
+def _previous_aggregate(study: Study) -> StudyAggregate:
+    """The aggregate of the study `study.resume_from` names, or a StudyError saying what to do."""
+    path = Path(study.resume_from) / "aggregate.json"
+    if not path.is_file():
+        raise StudyError(f"study.resume_from = {study.resume_from!r}: no aggregate.json there; run "
+                         f"`python -m experiments report` on that study first, or give a checkpoint dir")
+    try:
+        return StudyAggregate.load(path)
+    except ValueError as err:
+        raise StudyError(f"study.resume_from: {err}") from None
+
+
+def _resumed_variant(study: Study, previous: StudyAggregate) -> str:
+    variant = study.resume_variant or previous.decision.chosen
+    if variant is None:
+        raise StudyError(f"study.resume_from = {study.resume_from!r}: that study decided nothing "
+                         f"({previous.decision.reason}); set study.resume_variant or rerun it")
+    if variant not in previous.variants:
+        raise StudyError(f"study.resume_variant = {variant!r} is not a variant of {study.resume_from}; "
+                         f"allowed: {', '.join(previous.variants)}")
+    return variant
 
 
 def resolve_config(recipe: str, bindings: Sequence[str], where: str):

@@ -2,7 +2,8 @@
 
 Reads the launched plan and the run dirs (via `collect`), aggregates (`aggregate`), then
 writes RESULTS/<study>/aggregate.json, report.md and plots/*.png. Rendering is a pure function
-of the aggregate dict, so a report can be re-rendered from aggregate.json alone.
+of the typed aggregate (`results.StudyAggregate`), so a report can be re-rendered from
+aggregate.json alone.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from experiments.aggregate import aggregate
 from experiments.collect import RunResult, collect, load_plan
 from experiments.plan import RunSpec
 from experiments.plots import plot_study
-from experiments.rundir import read_json, write_json
-from experiments.study import BASELINE, Study
+from experiments.results import StudyAggregate, VariantResult
+from experiments.rundir import read_json
+from experiments.study import Study
 
 
 def _fmt(x, digits: int = 4) -> str:
@@ -32,78 +34,120 @@ def _ci(pair) -> str:
     return f"[{_fmt(pair[0])}, {_fmt(pair[1])}]"
 
 
+def hardware_fingerprint(provenance: Dict) -> str:
+    """The machine a run ran on, as one comparable string: the engine's fingerprint (CPU model,
+    ISA flags, GPU) when it has one, else the hardware fields of its provenance."""
+    try:
+        from rlhf.provenance import hardware_fingerprint as engine_fingerprint
+    except ImportError:
+        engine_fingerprint = None
+    if engine_fingerprint is not None:
+        return engine_fingerprint(provenance)
+    hw = provenance.get("hardware") or {}
+    keys = ("cpu_model", "cpu", "isa_flags", "gpus")
+    return "; ".join(f"{k}={hw[k]}" for k in keys if hw.get(k) not in (None, "", []))
+
+
 def provenance_summary(specs: Sequence[RunSpec]) -> Dict:
-    """What the runs ran on, from the first run dir with an engine provenance.json."""
+    """What the runs ran on: code, data and start checkpoints from the plan; versions and hardware
+    from the first run dir with an engine provenance.json; `hardware_mixed` ({fingerprint: runs})
+    when the runs' machines differ."""
     out: Dict = {}
     if specs:
         out["code_version"] = specs[0].code_version
         out["data_sha256"] = sorted({s.data_hash for s in specs})
         out["init_from"] = sorted({s.init_from for s in specs if s.init_from})
         out["recipe"] = specs[0].recipe
+    machines: Dict[str, List[str]] = {}
     for s in specs:
         prov = read_json(Path(s.run_dir) / "provenance.json")
-        if prov and "versions" in prov:
+        if not prov or "versions" not in prov:
+            continue
+        machines.setdefault(hardware_fingerprint(prov), []).append(s.key)
+        if "versions" not in out:
             out["versions"] = prov.get("versions")
             hw = prov.get("hardware") or {}
             out["hardware"] = {k: hw.get(k) for k in ("hostname", "platform", "cpu", "cpu_count", "cuda", "gpus",
                                                       "driver") if hw.get(k) is not None}
             out["manager_command"] = (prov.get("manager") or {}).get("manager_command")
-            break
+    if len(machines) > 1:
+        out["hardware_mixed"] = machines
     return out
 
 
-def render(agg: Dict, plots: Dict[str, str]) -> str:
-    """report.md text from an aggregate dict and the plots written."""
-    metric = f"{agg['metric_from']} {agg['metric']} ({agg['direction']} is better)"
-    lines = [f"# Study `{agg['study']}`", ""]
-    if agg.get("description"):
-        lines += [agg["description"], ""]
-    d = agg["decision"]
-    lines += [f"**Decision:** `{d['chosen']}`: {d['reason']}.", "",
-              f"Metric: {metric}; seeds: {agg['seeds']}; alpha {agg['alpha']:g} (Welch's t-test, "
-              f"Holm-corrected across {max(0, len(agg['variants']) - 1)} variant(s)); a variant's 95% CI: "
+def _verdict_text(v: VariantResult) -> str:
+    text = v.verdict + (" (underpowered)" if v.underpowered else "")
+    if v.fragile:
+        text += " (fragile)"
+    if not v.guardrails_ok:
+        text += " ⚠ guardrail"
+    return text
+
+
+def render(agg: StudyAggregate) -> str:
+    """report.md text from a study aggregate (its plots included)."""
+    metric = f"{agg.metric_from} {agg.metric} ({agg.direction} is better)"
+    lines = [f"# Study `{agg.study}`", ""]
+    if agg.description:
+        lines += [agg.description, ""]
+    d = agg.decision
+    decision = f"`{d.chosen}`: {d.reason}" if d.chosen else d.reason
+    lines += [f"**Decision:** {decision}.", "",
+              f"Metric: {metric}; seeds: {list(agg.seeds)}; alpha {agg.alpha:g} (Welch's t-test, "
+              f"Holm-corrected across {max(0, len(agg.variants) - 1)} variant(s)); a variant's 95% CI: "
               f"percentile bootstrap; the difference's: Welch's t interval (uncorrected).", ""]
-    if d["guardrail_violations"]:
-        lines += [f"**Guardrail violations:** {', '.join(d['guardrail_violations'])}.", ""]
+    if d.guardrail_violations:
+        lines += [f"**Guardrail violations:** {', '.join(d.guardrail_violations)}.", ""]
+    fragile = agg.fragile_variants
+    if fragile:
+        lines += [f"**Fragile verdicts:** {', '.join(fragile)}: the verdict changes when one seed is left out "
+                  f"(see the explanations); more seeds would settle it.", ""]
+    mixed = (agg.provenance or {}).get("hardware_mixed")
+    if mixed:
+        lines += [f"**Runs from different hardware:** {len(mixed)} machines ("
+                  + "; ".join(f"{fp}: {', '.join(runs)}" for fp, runs in mixed.items())
+                  + "). CPU numerics can differ across machines: compare variants run on the same one.", ""]
     lines += ["## Decision table", "",
               "| variant | change | n | mean | std | SE | median | IQM | 95% CI | difference [95% CI] | "
               "p (Holm) | Hedges' g | P(improve) | MDE | seeds needed | verdict |",
               "|" + "---|" * 16]
-    for name, v in agg["variants"].items():
-        s, c = v["summary"], v.get("comparison") or {}
-        change = "; ".join(v["bindings"]) or "–"
-        if v.get("coupled"):
+    for name, v in agg.variants.items():
+        s, c = v.summary, v.comparison
+        change = "; ".join(v.bindings) or "–"
+        if v.coupled:
             change += " (coupled)"
-        verdict = v["verdict"] + (" (underpowered)" if v.get("underpowered") else "")
-        if not v["guardrails_ok"]:
-            verdict += " ⚠ guardrail"
-        diff = f"{_fmt(c.get('difference'))} {_ci(c.get('difference_ci95'))}" if c else "–"
-        lines.append(f"| {name} | `{change}` | {s['n']}/{len(v['runs'])} | {_fmt(s['mean'])} | {_fmt(s['std'])} | "
-                     f"{_fmt(s['se'])} | {_fmt(s['median'])} | {_fmt(s['iqm'])} | {_ci(s['ci95'])} | {diff} | "
-                     f"{_fmt(c.get('p_value_holm'))} | {_fmt(c.get('hedges_g'), 3)} | "
-                     f"{_fmt(c.get('prob_improvement'), 3)} | {_fmt(c.get('min_detectable_effect'))} | "
-                     f"{_fmt(c.get('seeds_needed'))} | {verdict} |")
+        diff = f"{_fmt(c.difference)} {_ci(c.difference_ci95)}" if c else "–"
+        lines.append(f"| {name} | `{change}` | {s.n}/{len(v.runs)} | {_fmt(s.mean)} | {_fmt(s.std)} | "
+                     f"{_fmt(s.se)} | {_fmt(s.median)} | {_fmt(s.iqm)} | {_ci(s.ci95)} | {diff} | "
+                     f"{_fmt(c.p_value_holm if c else None)} | {_fmt(c.hedges_g if c else None, 3)} | "
+                     f"{_fmt(c.prob_improvement if c else None, 3)} | "
+                     f"{_fmt(c.min_detectable_effect if c else None)} | "
+                     f"{_fmt(c.seeds_needed if c else None)} | {_verdict_text(v)} |")
     lines += [""]
-    for name, v in agg["variants"].items():
-        if v.get("explanation"):
-            lines.append(f"- `{name}`: {v['verdict']}: {v['explanation']}.")
+    for name, v in agg.variants.items():
+        if v.explanation:
+            line = f"- `{name}`: {v.verdict}: {v.explanation}"
+            if v.fragile:
+                loo = ", ".join(f"without seed {s}: {x}" for s, x in v.robustness.leave_one_out.items())
+                line += f"; fragile ({loo})"
+            lines.append(line + ".")
     lines += ["", "## Per-seed values", "", "| variant | seed | status | value | steps | error |", "|---|---|---|---|---|---|"]
-    for name, v in agg["variants"].items():
-        for r in v["runs"]:
-            lines.append(f"| {name} | {r['seed']} | {r['status']} | {_fmt(r['value'])} | {_fmt(r['steps'])} | "
-                         f"{(r['error'] or '').replace('|', '/')[:160]} |")
-    if agg["guardrails"]:
+    for name, v in agg.variants.items():
+        for r in v.runs:
+            lines.append(f"| {name} | {r.seed} | {r.status} | {_fmt(r.value)} | {_fmt(r.steps)} | "
+                         f"{(r.error or '').replace('|', '/')[:160]} |")
+    if agg.guardrails:
         lines += ["", "## Guardrails (final-window values)", "",
                   "| variant | guardrail | per-seed values | violated seeds |", "|---|---|---|---|"]
-        for name, v in agg["variants"].items():
-            for metric, g in v["guardrails"].items():
-                vals = ", ".join(f"{k}: {_fmt(x)}" for k, x in g["values"].items()) or "–"
-                bad = ", ".join(map(str, g["violated_seeds"])) or "none"
-                lines.append(f"| {name} | {g['bound']} | {vals} | {'⚠ ' if not g['ok'] else ''}{bad} |")
-    if plots:
+        for name, v in agg.variants.items():
+            for g in v.guardrails.values():
+                vals = ", ".join(f"{k}: {_fmt(x)}" for k, x in g.values.items()) or "–"
+                bad = ", ".join(map(str, g.violated_seeds)) or "none"
+                lines.append(f"| {name} | {g.bound} | {vals} | {'⚠ ' if not g.ok else ''}{bad} |")
+    if agg.plots:
         lines += ["", "## Curves (mean ± std over seeds)", ""]
-        lines += [f"![{stem}]({path})" for stem, path in plots.items()]
-    prov = agg.get("provenance") or {}
+        lines += [f"![{stem}]({path})" for stem, path in agg.plots.items()]
+    prov = agg.provenance or {}
     if prov:
         code = prov.get("code_version") or {}
         lines += ["", "## Provenance", "",
@@ -119,16 +163,82 @@ def render(agg: Dict, plots: Dict[str, str]) -> str:
         if prov.get("manager_command"):
             lines.append("- command: `" + " ".join(prov["manager_command"]) + "`")
         lines.append("- each run dir holds config.gin, provenance.json (full), metrics.jsonl, summary.json")
+    if agg.adaptive:
+        lines.append(render_adaptive(agg.adaptive))
     return "\n".join(lines) + "\n"
 
 
-def write_report(study: Study, study_dir: Path, specs: Optional[List[RunSpec]] = None) -> Dict:
+def render_adaptive(adaptive: dict) -> str:
+    """The report section: seeds used per variant and why it stopped, runs saved."""
+    lines = ["", "## Adaptive seeds", "",
+             f"Seeds were added to undecided variants from {adaptive['min_seeds']} up to {adaptive['max_seeds']} "
+             f"(Welch interval of the difference at {adaptive['confidence']:.4g} confidence).", "",
+             "| variant | seeds | stopped | interval of the difference |", "|---|---|---|---|"]
+    for name, d in adaptive["variants"].items():
+        lines.append(f"| {name} | {d['n']} | {d['stopped']} at look {d['look']} | "
+                     f"[{d['interval'][0]:.4g}, {d['interval'][1]:.4g}] |")
+    used, fixed = adaptive["runs_used"], adaptive["runs_fixed"]
+    lines += ["", f"Runs used: {used} of {fixed} for a fixed design ({1 - used / fixed:.0%} saved).", ""]
+    return "\n".join(lines)
+
+
+def write_report(study: Study, study_dir: Path, specs: Optional[List[RunSpec]] = None,
+                 adaptive: Optional[Dict] = None) -> StudyAggregate:
     """Collects, aggregates and writes aggregate.json, report.md and plots; returns the aggregate."""
     specs = specs if specs is not None else load_plan(study_dir)
     results: List[RunResult] = collect(specs, study)
-    agg = aggregate(study, results, provenance_summary(specs))
     plots = plot_study(study.name, results, study_dir / "plots")
-    agg["plots"] = plots
-    write_json(study_dir / "aggregate.json", agg)
-    (study_dir / "report.md").write_text(render(agg, plots))
+    agg = aggregate(study, results, provenance_summary(specs), plots=plots, adaptive=adaptive)
+    agg.save(study_dir / "aggregate.json")
+    (study_dir / "report.md").write_text(render(agg))
     return agg
+
+
+def render_summary(rounds: Sequence[tuple], results_dir: Path) -> str:
+    """The tuning path over several rounds (`python -m experiments summary`): per round the
+    advisor's evidence (when it resumed from a previous round), the decision table and the setting
+    it leaves; then the held-out evaluation of the last round's choice against the warm start.
+    `rounds`: (Study, StudyAggregate) pairs in round order."""
+    from experiments.advisor.evidence import advice_lines, heldout_start
+
+    lines = ["# Tuning path", ""]
+    setting: Dict[str, object] = {}
+    last, start = None, None
+    fmt = lambda x: "" if x is None else f"{x:.4g}"  # noqa: E731
+    for study, agg in rounds:
+        decision = agg.decision
+        lines += [f"## {study.name}: {agg.description}", ""]
+        if study.resume_from and (Path(study.resume_from) / "aggregate.json").is_file():
+            lines += advice_lines(Path(study.resume_from), agg)
+        if start is None:
+            start = heldout_start(agg, Path(results_dir) / study.name, agg.metric)
+        lines += [f"Decision: **{decision.chosen}**: {decision.reason}." if decision.chosen
+                  else f"Decision: none: {decision.reason}.", "",
+                  "| variant | change | n | mean | std | diff vs baseline | Holm p | verdict |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, var in agg.variants.items():
+            cmp = var.comparison
+            verdict = var.verdict + (" (fragile)" if var.fragile else "")
+            lines.append(f"| {name} | {'; '.join(var.bindings) or '-'} | {var.summary.n} | "
+                         f"{fmt(var.summary.mean)} | {fmt(var.summary.std)} | "
+                         f"{fmt(cmp.difference if cmp else None)} | {fmt(cmp.p_value_holm if cmp else None)} | "
+                         f"{verdict} |")
+        if decision.guardrail_violations:
+            lines.append(f"\nGuardrail violations: {list(decision.guardrail_violations)}")
+        chosen = agg.chosen
+        for binding in chosen.bindings if chosen else ():
+            key, _, value = binding.partition("=")
+            setting[key.strip()] = value.strip()
+        lines += ["", f"Setting after {study.name}: " + (", ".join(f"`{k} = {v}`" for k, v in setting.items())
+                                                        or "the baseline's"), ""]
+        last = (study.name, decision.chosen, chosen, agg.metric)
+    if last and last[2] is not None:
+        name, chosen_name, chosen, metric = last
+        s = chosen.summary
+        mean = s.mean if s.mean is not None else float("nan")
+        lines += ["## Held-out evaluation", "",
+                  f"Final choice `{chosen_name}` of {name}: {metric} = {mean:.4f} "
+                  f"+- {s.std or 0:.4f} (n = {s.n}, 95% CI {list(s.ci95)}).", ""]
+        if start is not None:
+            lines += [f"At the start of the first round (the warm start): {metric} = {start:.4f}.", ""]
+    return "\n".join(lines)

@@ -6,20 +6,31 @@ same seeds for every variant, a decision metric with its direction, guardrails, 
 previous round to resume from, and the resources each run needs.
 
 Study files bind only `study.*`; the engine's own bindings live in `study.baseline_bindings`,
-so the recipe the engine runs stays an ordinary engine recipe. Everything is validated here,
-before any planning or compute, with errors that name the binding and what is allowed.
+so the recipe the engine runs stays an ordinary engine recipe. A study file is read with gin's
+own parser (its statements, includes resolved like the engine's), never by registering a
+configurable: `study()` lists what may be bound and its defaults, and `Study`, a frozen
+dataclass like the engine's configs, validates itself, before any planning or compute, with
+errors that name the binding and what is allowed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import re
+import tokenize
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
-import gin
+from gin import config_parser
+from gin.config import ParserDelegate
 
-from rlhf.configurable import RECIPES_DIR
+from rlhf.config import ConfigError
+from rlhf.configurable import RECIPES_DIR, find_recipe, iter_statements
+from rlhf.metrics import METRICS, NAMESPACES, is_known_metric
+
+EVAL_PREFIX = "eval/"
 
 from experiments.adaptive import AdaptiveSeeds, parse_adaptive_seeds
 
@@ -35,7 +46,7 @@ MANAGED_BINDINGS = ("ppo.seed", "ppo.init_from", "ppo.torch_threads")
 """Set by the manager per run; a study may not bind them (seeds come from `study.seeds`)."""
 METRIC_SOURCES = ("final", "final_window")
 DIRECTIONS = ("higher", "lower")
-BASELINE = "baseline"
+from experiments.results import BASELINE  # noqa: E402  (one definition: the results name the baseline)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,29 +105,80 @@ class Study:
     resume_setting: bool = False
     """Also take the resumed variant's bindings into the baseline (planning reads them)."""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not NAME_RE.match(self.name):
+            raise _bad("study.name", self.name, f"must match {NAME_RE.pattern} (it names the results folder)")
+        _choice("metric_from", self.metric_from, METRIC_SOURCES)
+        _choice("direction", self.direction, DIRECTIONS)
+        if not isinstance(self.metric, str) or not self.metric:
+            raise _bad("study.metric", self.metric, "must be a metric name such as 'eval/accuracy'")
+        if self.metric_from == "final" and not self.metric.startswith(EVAL_PREFIX):
+            raise _bad("study.metric", self.metric, f"summary.json's final evaluation holds only held-out "
+                                                    f"'{EVAL_PREFIX}...' metrics, e.g. 'eval/accuracy' (or set "
+                                                    f"study.metric_from = 'final_window')")
+        if not is_known_metric(self.metric):
+            raise _bad("study.metric", self.metric, f"no run logs it; {_KNOWN}")
+        for g in self.guardrails:
+            if not is_known_metric(g.metric):
+                raise StudyError(f"study.guardrails[{g.metric!r}] is invalid: no run logs {g.metric!r}; {_KNOWN}")
+        _integer("cpus_per_run", self.cpus_per_run, 1)
+        _integer("retries", self.retries, 0)
+        if not _is_number(self.gpus_per_run) or self.gpus_per_run < 0:
+            raise _bad("study.gpus_per_run", self.gpus_per_run, "must be a number >= 0 (fractions share a GPU)")
+        if not isinstance(self.alpha, float) or not 0 < self.alpha < 1:
+            raise _bad("study.alpha", self.alpha, "must be a number in (0, 1)")
+        for key in ("resume_from", "resume_variant", "description", "wandb_project"):
+            if not isinstance(getattr(self, key), str):
+                raise _bad(f"study.{key}", getattr(self, key), "must be a string")
+        if not isinstance(self.resume_setting, bool):
+            raise _bad("study.resume_setting", self.resume_setting, "must be True or False")
+
     @property
     def all_variants(self) -> Tuple[Variant, ...]:
         """The baseline first, then the declared variants."""
         return (Variant(BASELINE, ()),) + self.variants
 
 
-def study(name: str = gin.REQUIRED, description: str = "", baseline_recipe: str = "tiny.gin",
-          baseline_bindings: Sequence[str] = (), variants: Mapping = gin.REQUIRED,
+_KNOWN = (f"the engine logs {', '.join(METRICS)} and metrics under {', '.join(n + '...' for n in NAMESPACES)} "
+          f"(rlhf/metrics.py)")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(key: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise _bad(f"study.{key}", value, f"must be an integer >= {minimum}")
+
+
+def _choice(key: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise _bad(f"study.{key}", value, f"must be one of {allowed}")
+
+
+REQUIRED = object()
+
+
+def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "tiny.gin",
+          baseline_bindings: Sequence[str] = (), variants: Mapping = REQUIRED,
           coupled: Sequence[str] = (), seeds=3, metric: str = "eval/accuracy",
           metric_from: str = "final", direction: str = "higher", guardrails: Mapping = None,
           resume_from: str = "", resume_variant: str = "", cpus_per_run: int = 1,
           gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, wandb_project: str = "",
           adaptive_seeds: Mapping = None, resume_setting: bool = False) -> dict:
-    """The gin configurable `study`; returns its arguments for `_validate`.
+    """What a study file binds (`study.<parameter> = value`), with its defaults; returns them.
 
-    name: the study's name; its results live in RESULTS/<name>/.
-    baseline_recipe: an engine recipe, found next to the study file, under recipes/, or from cwd.
+    name: the study's name; its results live in RESULTS/<name>/. Required.
+    baseline_recipe: an engine recipe, found like the engine finds recipes
+        (`rlhf.configurable.find_recipe`: the working directory, next to the study file, recipes/).
     baseline_bindings: engine bindings applied on top of the recipe for every run.
     variants: {name: 'scope.param = value'} (one binding), or a list of bindings for a variant
-        named in `coupled`; {} runs the baseline alone (a first round).
+        named in `coupled`; {} runs the baseline alone (a first round). Required.
     seeds: a count N (seeds 0..N-1) or a list of seeds; the same for every variant.
     metric, metric_from, direction: the decision metric, read from summary.json's `final`
-        (held-out evaluation at the end) or `final_window` (mean over the last steps).
+        (held-out evaluation at the end: an `eval/...` metric) or `final_window` (mean over the
+        last steps: any metric the engine logs, `rlhf.metrics.METRICS`).
     guardrails: {metric: {'min': x, 'max': y}} checked on each run's final_window metrics.
     resume_from: a previous study's results dir (its chosen variant's checkpoints start this
         study's runs) or a checkpoint dir `.../checkpoints/step_N`.
@@ -135,7 +197,7 @@ def study(name: str = gin.REQUIRED, description: str = "", baseline_recipe: str 
     return dict(locals())
 
 
-gin.external_configurable(study, "study", module="experiments")
+STUDY_PARAMETERS = tuple(inspect.signature(study).parameters)
 
 
 def _bad(binding: str, value, allowed: str) -> StudyError:
@@ -217,20 +279,12 @@ def _guardrails(value) -> Tuple[Guardrail, ...]:
     return tuple(out)
 
 
-def find_recipe(recipe: str, study_path: Path) -> Path:
-    """Looks for an engine recipe next to the study, under recipes/, then from cwd."""
-    for base in (study_path.parent, RECIPES_DIR, Path.cwd()):
-        candidate = (base / recipe).resolve()
-        if candidate.is_file():
-            return candidate
-    raise _bad("study.baseline_recipe", recipe,
-               f"no such file next to {study_path.name}, under {RECIPES_DIR} or in the current directory")
-
-
 def _validate(args: dict, path: Path) -> Study:
-    name = args["name"]
-    if not isinstance(name, str) or not NAME_RE.match(name):
-        raise _bad("study.name", name, f"must match {NAME_RE.pattern} (it names the results folder)")
+    """The declared arguments normalised (seeds, variants, guardrails, paths) into a Study, which
+    validates the rest itself."""
+    for key in ("name", "variants"):
+        if args[key] is REQUIRED:
+            raise StudyError(f"study.{key} is required: {path.name} does not bind it")
     bindings = args["baseline_bindings"]
     if isinstance(bindings, str) or not isinstance(bindings, (list, tuple)):
         raise _bad("study.baseline_bindings", bindings, "must be a list of 'scope.param = value' strings")
@@ -239,38 +293,25 @@ def _validate(args: dict, path: Path) -> Study:
     coupled = args["coupled"]
     if isinstance(coupled, str) or not isinstance(coupled, (list, tuple)):
         raise _bad("study.coupled", coupled, "must be a list of variant names")
-    if args["metric_from"] not in METRIC_SOURCES:
-        raise _bad("study.metric_from", args["metric_from"], f"must be one of {METRIC_SOURCES}")
-    if args["direction"] not in DIRECTIONS:
-        raise _bad("study.direction", args["direction"], f"must be one of {DIRECTIONS}")
-    if not isinstance(args["metric"], str) or not args["metric"]:
-        raise _bad("study.metric", args["metric"], "must be a metric name such as 'eval/accuracy'")
-    cpus, gpus, retries = args["cpus_per_run"], args["gpus_per_run"], args["retries"]
-    if not isinstance(cpus, int) or isinstance(cpus, bool) or cpus < 1:
-        raise _bad("study.cpus_per_run", cpus, "must be an integer >= 1")
-    if not isinstance(gpus, (int, float)) or isinstance(gpus, bool) or gpus < 0:
-        raise _bad("study.gpus_per_run", gpus, "must be a number >= 0 (fractions share a GPU)")
-    if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
-        raise _bad("study.retries", retries, "must be an integer >= 0")
-    if not isinstance(args["alpha"], float) or not 0 < args["alpha"] < 1:
-        raise _bad("study.alpha", args["alpha"], "must be a number in (0, 1)")
-    for key in ("resume_from", "resume_variant", "description", "wandb_project"):
-        if not isinstance(args[key], str):
-            raise _bad(f"study.{key}", args[key], "must be a string")
-    if not isinstance(args["resume_setting"], bool):
-        raise _bad("study.resume_setting", args["resume_setting"], "must be True or False")
+    if not isinstance(args["baseline_recipe"], str):
+        raise _bad("study.baseline_recipe", args["baseline_recipe"], "must be a recipe file name")
+    recipe = find_recipe(args["baseline_recipe"], path)
+    if recipe is None:
+        raise _bad("study.baseline_recipe", args["baseline_recipe"],
+                   f"no such file in the current directory, next to {path.name} or under {RECIPES_DIR}")
     resume_from = args["resume_from"]
-    if resume_from:  # may not exist yet (a previous round still to run): planning checks it
+    if resume_from and isinstance(resume_from, str):  # may not exist yet (a previous round to run): planning checks it
         resume_from = str((Path.cwd() / Path(resume_from).expanduser()).resolve())
+    seeds = _seeds(args["seeds"])
     return Study(
-        name=name, path=str(path), description=args["description"],
-        baseline_recipe=str(find_recipe(args["baseline_recipe"], path)),
+        name=args["name"], path=str(path), description=args["description"], baseline_recipe=str(recipe),
         baseline_bindings=tuple(bindings), variants=_variants(args["variants"], coupled),
-        seeds=_seeds(args["seeds"]), metric=args["metric"], metric_from=args["metric_from"],
+        seeds=seeds, metric=args["metric"], metric_from=args["metric_from"],
         direction=args["direction"], guardrails=_guardrails(args["guardrails"]),
-        resume_from=resume_from, resume_variant=args["resume_variant"], cpus_per_run=cpus,
-        gpus_per_run=float(gpus), retries=retries, alpha=args["alpha"], wandb_project=args["wandb_project"],
-        adaptive_seeds=parse_adaptive_seeds(args["adaptive_seeds"], len(_seeds(args["seeds"]))),
+        resume_from=resume_from, resume_variant=args["resume_variant"], cpus_per_run=args["cpus_per_run"],
+        gpus_per_run=float(args["gpus_per_run"]) if _is_number(args["gpus_per_run"]) else args["gpus_per_run"],
+        retries=args["retries"], alpha=args["alpha"], wandb_project=args["wandb_project"],
+        adaptive_seeds=parse_adaptive_seeds(args["adaptive_seeds"], len(seeds)),
         resume_setting=args["resume_setting"])
 
 
@@ -295,25 +336,45 @@ def load_study(path: str | Path, bindings: Sequence[str] = ()) -> Study:
     study_level, engine = split_cli_bindings(bindings)
     for line in engine:
         _engine_binding(line, "-b")
-    gin.clear_config()
-    search_paths = list(gin.config._LOCATION_PREFIXES)  # gin has no API to remove a search path
-    for p in (path.resolve().parent, RECIPES_DIR, Path.cwd()):
-        gin.add_config_file_search_path(str(p))
+    args = study()
     try:
-        gin.parse_config_files_and_bindings([str(path)], study_level, finalize_config=False)
-        stray = sorted(f"{sel.rsplit('.', 1)[-1]}.{param}" for (_, sel), params in gin.config._CONFIG.items()
-                       if sel.rsplit(".", 1)[-1] != "study" for param in params)
-        if stray:
-            raise StudyError(f"{path.name} binds {', '.join(stray)}: a study file binds only study.*; "
-                             f"put engine bindings in study.baseline_bindings")
-        args = gin.get_configurable("study")()
-    except StudyError:
-        raise
-    except (ValueError, SyntaxError, IOError, KeyError, TypeError, RuntimeError) as err:
+        statements = [(path.name, s) for _, s in iter_statements(path)]
+        for line in study_level:
+            statements += [("-b", s) for s in config_parser.ConfigParser(line, ParserDelegate(skip_unknown=True))]
+    except ConfigError as err:  # an include cycle
+        raise StudyError(f"{path.name}: {err}") from None
+    except (ValueError, SyntaxError, TypeError, KeyError, tokenize.TokenError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise StudyError(f"{path.name}: {first}") from None
-    finally:
-        gin.clear_config()
-        gin.config._LOCATION_PREFIXES[:] = search_paths
-    args["baseline_bindings"] = list(args["baseline_bindings"]) + engine
+        raise StudyError(f"{path.name}: cannot parse: {first}") from None
+    stray = []
+    for where, s in statements:
+        if not isinstance(s, config_parser.BindingStatement):
+            raise StudyError(f"{where}: a study file holds study.* bindings (and includes), not "
+                             f"{type(s).__name__.replace('Statement', '').lower()} statements")
+        name = f"{s.selector}.{s.arg_name}"
+        if s.selector != "study" or s.scope:
+            stray.append(name)
+            continue
+        if s.arg_name not in STUDY_PARAMETERS:
+            close = difflib.get_close_matches(s.arg_name, STUDY_PARAMETERS, n=1)
+            hint = f"; did you mean study.{close[0]}?" if close else ""
+            raise StudyError(f"{name} ({where}) is not a study binding{hint} Allowed: "
+                             f"study.{{{', '.join(STUDY_PARAMETERS)}}}")
+        if _has_reference(s.value):
+            raise StudyError(f"{name} ({where}) = {s.value!r}: a study binds plain values (no macros or "
+                             f"@references)")
+        args[s.arg_name] = s.value
+    if stray:
+        raise StudyError(f"{path.name} binds {', '.join(sorted(stray))}: a study file binds only study.*; "
+                         f"put engine bindings in study.baseline_bindings")
+    args["baseline_bindings"] = list(args["baseline_bindings"]) + engine \
+        if isinstance(args["baseline_bindings"], (list, tuple)) else args["baseline_bindings"]
     return _validate(args, path.resolve())
+
+
+def _has_reference(value) -> bool:
+    if isinstance(value, (list, tuple, set)):
+        return any(_has_reference(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_reference(k) or _has_reference(v) for k, v in value.items())
+    return not isinstance(value, (str, int, float, bool, type(None)))

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
+from experiments.results import StudyAggregate
+
 STATE_FILE = "wandb.json"
 
 
@@ -244,19 +246,19 @@ def log_study_aggregate(*, project: str, study: str, study_hash: str, columns: L
 
 AGGREGATE_COLUMNS = ["variant", "change", "n", "mean", "std", "se", "ci95_low", "ci95_high", "difference",
                      "difference_ci95_low", "difference_ci95_high", "p_value_holm", "hedges_g", "prob_improvement",
-                     "verdict", "underpowered", "guardrails_ok"]
+                     "verdict", "underpowered", "fragile", "guardrails_ok"]
 
 
-def aggregate_rows(aggregate: Dict) -> List[List]:
-    """One table row per variant from aggregate.json."""
+def aggregate_rows(aggregate: StudyAggregate) -> List[List]:
+    """One table row per variant."""
     rows = []
-    for name, v in aggregate["variants"].items():
-        s, c = v.get("summary", {}), v.get("comparison") or {}
-        ci, dci = s.get("ci95") or [None, None], c.get("difference_ci95") or [None, None]
-        rows.append([name, "; ".join(v.get("bindings", [])) or "baseline", s.get("n"), s.get("mean"), s.get("std"),
-                     s.get("se"), ci[0], ci[1], c.get("difference"), dci[0], dci[1], c.get("p_value_holm"),
-                     c.get("hedges_g"), c.get("prob_improvement"), v.get("verdict") or "reference",
-                     bool(v.get("underpowered")), bool(v.get("guardrails_ok", True))])
+    for name, v in aggregate.variants.items():
+        s, c = v.summary, v.comparison
+        rows.append([name, "; ".join(v.bindings) or "baseline", s.n, s.mean, s.std, s.se, s.ci95[0], s.ci95[1],
+                     c.difference if c else None, c.difference_ci95[0] if c else None,
+                     c.difference_ci95[1] if c else None, c.p_value_holm if c else None, c.hedges_g if c else None,
+                     c.prob_improvement if c else None, v.verdict if c else "reference", v.underpowered,
+                     v.fragile, v.guardrails_ok])
     return rows
 
 
@@ -265,12 +267,12 @@ def log_aggregate_dir(study_dir: str | Path, project: str, run_hashes: Iterable[
     import hashlib
 
     study_dir = Path(study_dir)
-    aggregate = json.loads((study_dir / "aggregate.json").read_text())
+    aggregate = StudyAggregate.load(study_dir / "aggregate.json")
     study_hash = hashlib.sha256("".join(sorted(run_hashes)).encode()).hexdigest()
-    summary = {f"{name}.mean": v.get("summary", {}).get("mean") for name, v in aggregate["variants"].items()}
-    summary.update({f"{name}.verdict": v.get("verdict") for name, v in aggregate["variants"].items() if v.get("verdict")})
-    summary["chosen"] = aggregate.get("decision", {}).get("chosen")
-    log_study_aggregate(project=project, study=aggregate["study"], study_hash=study_hash, columns=AGGREGATE_COLUMNS,
+    summary = {f"{name}.mean": v.summary.mean for name, v in aggregate.variants.items()}
+    summary.update({f"{name}.verdict": v.verdict for name, v in aggregate.variants.items() if v.comparison})
+    summary["chosen"] = aggregate.decision.chosen
+    log_study_aggregate(project=project, study=aggregate.study, study_hash=study_hash, columns=AGGREGATE_COLUMNS,
                         rows=aggregate_rows(aggregate), summary=summary,
                         images=sorted((study_dir / "plots").glob("*.png")),
                         directory=str(study_dir.parent / "wandb"))

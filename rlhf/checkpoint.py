@@ -6,24 +6,31 @@ Layout of `checkpoints/step_N/`:
   actor_optim.safetensors, critic_optim.safetensors   optimizer tensors
   rng.safetensors   torch CPU (and CUDA) generator states
   state.json        step, optimizer param groups and scalars, schedulers, sampler, KL controller, python RNG
+  manifest.json     size and sha256 of every other file, written last
 A checkpoint is written to a temporary folder and renamed into place, so a kill never leaves a
-half-written `step_N`.
+half-written `step_N`. A checkpoint damaged later (a truncated copy, a full disk, bit rot) fails
+`verify_checkpoint` against its manifest; `latest_checkpoint` then skips it, saying why, and
+returns the newest intact one, and a resume moves the damaged ones aside (`corrupt-step_N`) so
+no retry trusts them again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
+CORRUPT_PREFIX = "corrupt-"
 
 
 def optimizer_to_flat(sd: dict) -> tuple[Dict[str, torch.Tensor], dict]:
@@ -82,9 +89,93 @@ def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(ckpt_root: str | Path) -> Optional[Path]:
-    found = list_checkpoints(ckpt_root)
-    return found[-1][1] if found else None
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(ckpt: str | Path) -> dict:
+    """Records the size and sha256 of every file of a checkpoint dir in its manifest.json."""
+    root = Path(ckpt)
+    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    manifest = {"format": 1, "files": files}
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def verify_checkpoint(ckpt: str | Path, full: bool = True) -> Optional[str]:
+    """None when the checkpoint is intact, else why not (one line). Checks every file of the
+    manifest: present, of the recorded size and (`full`) of the recorded sha256; sizes alone catch
+    a truncated or partly copied file in a few stat calls. A checkpoint written before manifests
+    existed is checked by reading its JSON and its safetensors headers."""
+    root = Path(ckpt)
+    if not (root / "state.json").is_file():
+        return "no state.json"
+    manifest_path = root / MANIFEST
+    if not manifest_path.is_file():
+        return _verify_legacy(root)
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"unreadable {MANIFEST} ({type(err).__name__})"
+    for rel, meta in files.items():
+        path = root / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        size = path.stat().st_size
+        if size != meta["size"]:
+            return f"{rel} has {size} bytes, the manifest says {meta['size']}"
+    if full:
+        for rel, meta in files.items():
+            if _sha256(root / rel) != meta["sha256"]:
+                return f"{rel} does not match its sha256 in the manifest"
+    return None
+
+
+def _verify_legacy(root: Path) -> Optional[str]:
+    from safetensors import SafetensorError, safe_open
+    try:
+        json.loads((root / "state.json").read_text())
+    except ValueError:
+        return "state.json is not valid JSON"
+    for path in sorted(root.rglob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except (SafetensorError, OSError, ValueError) as err:
+            return f"{path.relative_to(root)} is unreadable ({str(err).splitlines()[0][:120]})"
+    return None
+
+
+def latest_checkpoint(ckpt_root: str | Path, full: bool = True,
+                      log: Optional[Callable[[str], None]] = None,
+                      skipped: Optional[list] = None) -> Optional[Path]:
+    """The newest intact `step_N` under `ckpt_root`, or None. A damaged one is skipped, logged
+    (`log`) with the reason, and appended to `skipped` as (path, reason). `full=False` checks the
+    manifest's sizes only (fast enough to ask for every run of a study)."""
+    for _, path in reversed(list_checkpoints(ckpt_root)):
+        reason = verify_checkpoint(path, full=full)
+        if reason is None:
+            return path
+        if log is not None:
+            log(f"checkpoint {path} is damaged ({reason}): skipped")
+        if skipped is not None:
+            skipped.append((path, reason))
+    return None
+
+
+def quarantine(ckpt: str | Path) -> Path:
+    """Moves a damaged checkpoint aside (`corrupt-step_N`): no later lookup or retry trusts it,
+    and it stays on disk to be looked at."""
+    ckpt = Path(ckpt)
+    target = ckpt.with_name(CORRUPT_PREFIX + ckpt.name)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(ckpt, target)
+    return target
 
 
 def save_checkpoint(ckpt_root: str | Path, step: int, *, actor, critic, tokenizer, trainer_state: dict,
@@ -116,6 +207,7 @@ def save_checkpoint(ckpt_root: str | Path, step: int, *, actor, critic, tokenize
     save_file(rng_tensors, str(tmp / "rng.safetensors"))
     state["rng"] = rng_meta
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    write_manifest(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     if keep > 0:

@@ -345,9 +345,29 @@ class TaskConfig:
     """Subtracted from the reward of a response cut at max_response_length without EOS."""
     format_reward: float = 0.1
     """Added for a well-formed answer (a number followed by EOS), right or wrong."""
+    format: str = "auto"
+    """Rows of train_path / eval_path: 'plain' (prompt_key / answer_key), 'verl' (data_source,
+    prompt as chat messages, reward_model.ground_truth, extra_info), or 'auto' (from the columns)."""
+    chat_template: str = "auto"
+    """'auto' (the policy tokenizer's chat template with the generation prompt when it has one, else
+    the raw text), 'none' (raw text), or the path of a Jinja chat template file."""
+    system_prompt: str = ""
+    """Prepended as a system message when the conversation has none."""
+    instruction_suffix: str = ""
+    """Appended to the last user message (e.g. 'Let's think step by step and output the final answer
+    after "####".')."""
 
     def __post_init__(self) -> None:
         _choice("task", "name", self.name, ("arithmetic", "file"))
+        _choice("task", "format", self.format, ("auto", "plain", "verl"))
+        _check(isinstance(self.chat_template, str) and bool(self.chat_template), "task.chat_template",
+               self.chat_template, "must be 'auto', 'none' or the path of a Jinja chat template file")
+        if self.chat_template not in ("auto", "none"):
+            from pathlib import Path
+            _check(Path(self.chat_template).is_file(), "task.chat_template", self.chat_template,
+                   "no such template file (use 'auto', 'none' or the path of a Jinja chat template)")
+        for name in ("system_prompt", "instruction_suffix"):
+            _check(isinstance(getattr(self, name), str), f"task.{name}", getattr(self, name), "must be a string")
         _positive_int("task", "eval_size", self.eval_size)
         _number("task", "eval_fraction", self.eval_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
         _positive_int("task", "max_operand", self.max_operand)
@@ -358,6 +378,55 @@ class TaskConfig:
                    "must name a JSONL or parquet file when task.name = 'file'")
         from rlhf.rewards import REWARD_FUNCTIONS  # local import: rewards imports nothing from here
         _choice("task", "reward_fn", self.reward_fn, tuple(sorted(REWARD_FUNCTIONS)))
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """What the policy is trained on (gin name: `reward`): the task's rule, a reward model, or both.
+
+    The missing-EOS penalty (task.missing_eos_penalty) is subtracted on top of every kind. Whenever
+    the task has ground truth, rule correctness is logged as gold accuracy beside the model's score."""
+
+    kind: str = "rule"
+    """'rule' (task.reward_fn), 'model' (a reward model's score) or 'combined'
+    (rule_weight x rule + model_weight x model score)."""
+    model_path: str = ""
+    """A local AutoModelForSequenceClassification checkpoint with num_labels = 1 (kind 'model' or
+    'combined'), e.g. one written by `python -m rlhf.reward_model`."""
+    tokenizer_path: str = ""
+    """The reward model's tokenizer dir; empty means model_path."""
+    chat_template: str = "auto"
+    """How the reward model reads a conversation: 'auto' (its tokenizer's chat template when it has
+    one, else raw prompt + response text), 'none', or a Jinja template file."""
+    rule_weight: float = 1.0
+    model_weight: float = 1.0
+    """Weights of the two terms when kind = 'combined'."""
+    normalize: str = "none"
+    """The model score: 'none', 'batch' (whiten over each rollout batch) or 'running' (running
+    mean / std over all rollouts so far, kept in checkpoints)."""
+    clip: float = 0.0
+    """Clip the (normalised) model score to [-clip, clip]; 0 disables."""
+    micro_batch_size: int = 32
+    """Sequences per reward-model forward."""
+
+    def __post_init__(self) -> None:
+        _choice("reward", "kind", self.kind, ("rule", "model", "combined"))
+        _choice("reward", "normalize", self.normalize, ("none", "batch", "running"))
+        _number("reward", "rule_weight", self.rule_weight, -100.0, 100.0)
+        _number("reward", "model_weight", self.model_weight, -100.0, 100.0)
+        _number("reward", "clip", self.clip, 0.0, 1e6)
+        _positive_int("reward", "micro_batch_size", self.micro_batch_size)
+        for name in ("model_path", "tokenizer_path", "chat_template"):
+            _check(isinstance(getattr(self, name), str), f"reward.{name}", getattr(self, name), "must be a string")
+        if self.kind != "rule":
+            _check(bool(self.model_path), "reward.model_path", self.model_path,
+                   f"must name a reward-model checkpoint dir when reward.kind = {self.kind!r}")
+        _check(bool(self.chat_template), "reward.chat_template", self.chat_template,
+               "must be 'auto', 'none' or the path of a Jinja chat template file")
+
+    @property
+    def uses_model(self) -> bool:
+        return self.kind in ("model", "combined")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,9 +455,56 @@ class RunConfig:
     task: TaskConfig
     sft: SFTConfig
     tiny_model: TinyModelConfig
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+
+    def __post_init__(self) -> None:
+        # Cross-scope rules: each names the binding to change.
+        if self.model.name_or_path == "tiny":
+            _check(self.task.name == "arithmetic", "task.name", self.task.name,
+                   "model.name_or_path = 'tiny' is warm-started on the arithmetic task only; use task.name = "
+                   "'arithmetic', or build a warm start on your data (python -m experiments sft) and "
+                   "point model.name_or_path at it")
+        if self.ppo.init_from:
+            from pathlib import Path
+            _check((Path(self.ppo.init_from) / "actor" / "config.json").is_file(), "ppo.init_from",
+                   self.ppo.init_from, "not a checkpoint dir (a run's checkpoints/step_N, holding actor/config.json)")
+        limit, source = model_position_limit(self)
+        need = self.ppo.max_prompt_length + self.ppo.max_response_length
+        if limit is not None and need > limit:
+            raise ConfigError(
+                f"ppo.max_prompt_length + ppo.max_response_length = {self.ppo.max_prompt_length} + "
+                f"{self.ppo.max_response_length} = {need} is invalid: exceeds the model's position limit "
+                f"({source} = {limit}); lower ppo.max_prompt_length or ppo.max_response_length")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+TINY_MAX_POSITIONS = 256
+"""max_position_embeddings of the embedded default (rlhf/tiny.py)."""
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def model_position_limit(cfg: "RunConfig") -> tuple:
+    """(the policy's longest sequence, where that number comes from), or (None, None) when its
+    config does not say; read from the start checkpoint's config.json without loading the model."""
+    import json
+    from pathlib import Path
+    if cfg.ppo.init_from:
+        path = Path(cfg.ppo.init_from) / "actor" / "config.json"
+    elif cfg.model.name_or_path == "tiny":
+        return TINY_MAX_POSITIONS, "the tiny default's max_position_embeddings"
+    else:
+        path = Path(cfg.model.name_or_path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None, None
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    for key in POSITION_KEYS:
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return config[key], f"{key} in {path}"
+    return None, None
 
 
 def flat_dict(cfg: RunConfig) -> dict:

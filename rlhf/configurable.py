@@ -11,12 +11,13 @@ import difflib
 import logging
 import os
 import re
+import tokenize
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import gin
 
-from rlhf.config import (ConfigError, ModelConfig, PPOConfig, RunConfig, SFTConfig, TaskConfig,
+from rlhf.config import (ConfigError, ModelConfig, PPOConfig, RewardConfig, RunConfig, SFTConfig, TaskConfig,
                          TinyModelConfig)
 
 SCOPES = {
@@ -25,6 +26,7 @@ SCOPES = {
     "task": TaskConfig,
     "sft": SFTConfig,
     "tiny_model": TinyModelConfig,
+    "reward": RewardConfig,
 }
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -103,9 +105,42 @@ def _explain_gin_error(err: Exception) -> str:
                 f"Allowed scopes: {', '.join(SCOPES)}")
     if isinstance(err, SyntaxError):
         line = getattr(getattr(err, "args", [None, None])[1] if len(err.args) > 1 else None,
-                       "line_content", "")
-        return f"cannot parse binding{where}: {first} {line!r}".strip()
+                       "line_content", "") or ""
+        m = re.match(r"\s*(\w+)\.(\w+)\s*=\s*(.*?)\s*$", line)
+        if m and first.startswith("malformed node or string"):  # a bare word where a value goes
+            scope, param, value = m.groups()
+            return f"{scope}.{param} = {value} is invalid{where}: not a value; {_expected(scope, param, value)}"
+        msg = str(err.args[0]).splitlines()[0] if err.args else first
+        what = f" {line.strip()!r}" if line.strip() else ""
+        return f"cannot parse binding{what}{where}: {msg} (a binding reads scope.name = value)"
     return f"{first}{where}"
+
+
+_TYPE_WORDS = {"float": "a number", "int": "an integer", "bool": "True or False", "str": "a quoted string"}
+
+
+def _expected(scope: str, param: str, value: str) -> str:
+    """'expected a number, e.g. ppo.kl_coef = 0.05', from the dataclass field of `scope.param`."""
+    import dataclasses
+    fields = {f.name: f for f in dataclasses.fields(SCOPES[scope])} if scope in SCOPES else {}
+    field = fields.get(param)
+    if field is None:
+        return "a value is a number, True/False, a quoted string, a list or a dict"
+    kind = str(field.type)
+    example = f", e.g. {scope}.{param} = {field.default!r}" if field.default is not dataclasses.MISSING else ""
+    return f"expected {_TYPE_WORDS.get(kind, kind)}{example}"
+
+
+def _unbalanced(texts: Iterable[tuple[str, str]]) -> str:
+    """The first (where, text) whose brackets or quotes do not close, as 'WHERE: TEXT'."""
+    import io
+    import tokenize
+    for where, text in texts:
+        try:
+            list(tokenize.generate_tokens(io.StringIO(text).readline))
+        except (tokenize.TokenError, SyntaxError):
+            return f"{where}: {text.strip()[:200]!r}"
+    return "the recipe or its includes"
 
 
 def _search_paths(recipe: str | os.PathLike | None) -> list[str]:
@@ -116,6 +151,100 @@ def _search_paths(recipe: str | os.PathLike | None) -> list[str]:
     return paths
 
 
+def find_recipe(name: str | os.PathLike, relative_to: str | os.PathLike | None = None) -> Path | None:
+    """Where gin finds recipe `name` (given on the command line, or included by `relative_to`):
+    as given from the working directory, then next to `relative_to`, the working directory,
+    recipes/ and the repository root. None when it is nowhere. The one lookup of recipes: the
+    engine's includes and a study's `baseline_recipe` use it."""
+    path = Path(name).expanduser()
+    if path.is_absolute():
+        return path if path.is_file() else None
+    for base in ("", *_search_paths(relative_to)):
+        candidate = Path(base) / path if base else path
+        if candidate.is_file():
+            return candidate.resolve()
+    return None
+
+
+def iter_statements(recipe: str | os.PathLike):
+    """(file, statement) for every statement of `recipe` and its includes, in gin's order (an
+    include's statements where it is included). Includes resolve like gin's (`find_recipe`
+    relative to the top recipe); one that is missing or does not parse is left to gin to report.
+    Raises ConfigError naming the chain when includes form a cycle (gin would recurse until
+    Python's limit)."""
+    from gin import config as gin_config
+    from gin import config_parser
+
+    top = Path(recipe).resolve()
+
+    def walk(path: Path, chain: tuple):
+        if path in chain:
+            names = " -> ".join(p.name for p in (*chain[chain.index(path):], path))
+            raise ConfigError(f"include cycle: {names} ({path}); a recipe may not include itself, "
+                              f"directly or through another recipe")
+        try:
+            statements = list(config_parser.ConfigParser(path.read_text(),
+                                                         gin_config.ParserDelegate(skip_unknown=True)))
+        except (OSError, ValueError, SyntaxError, TypeError, KeyError):
+            return
+        for statement in statements:
+            if isinstance(statement, config_parser.IncludeStatement):
+                found = find_recipe(statement.filename, top)
+                if found is not None:
+                    yield from walk(found, (*chain, path))
+            else:
+                yield path, statement
+
+    yield from walk(top, ())
+
+
+def find_recipe(name: str | os.PathLike, relative_to: str | os.PathLike | None = None) -> Path | None:
+    """Where gin finds recipe `name` (given on the command line, or included by `relative_to`):
+    as given from the working directory, then next to `relative_to`, the working directory,
+    recipes/ and the repository root. None when it is nowhere. The one lookup of recipes: the
+    engine's includes and a study's `baseline_recipe` use it."""
+    path = Path(name).expanduser()
+    if path.is_absolute():
+        return path if path.is_file() else None
+    for base in ("", *_search_paths(relative_to)):
+        candidate = Path(base) / path if base else path
+        if candidate.is_file():
+            return candidate.resolve()
+    return None
+
+
+def iter_statements(recipe: str | os.PathLike):
+    """(file, statement) for every statement of `recipe` and its includes, in gin's order (an
+    include's statements where it is included). Includes resolve like gin's (`find_recipe`
+    relative to the top recipe); one that is missing or does not parse is left to gin to report.
+    Raises ConfigError naming the chain when includes form a cycle (gin would recurse until
+    Python's limit)."""
+    from gin import config as gin_config
+    from gin import config_parser
+
+    top = Path(recipe).resolve()
+
+    def walk(path: Path, chain: tuple):
+        if path in chain:
+            names = " -> ".join(p.name for p in (*chain[chain.index(path):], path))
+            raise ConfigError(f"include cycle: {names} ({path}); a recipe may not include itself, "
+                              f"directly or through another recipe")
+        try:
+            statements = list(config_parser.ConfigParser(path.read_text(),
+                                                         gin_config.ParserDelegate(skip_unknown=True)))
+        except (OSError, ValueError, SyntaxError, TypeError, KeyError):
+            return
+        for statement in statements:
+            if isinstance(statement, config_parser.IncludeStatement):
+                found = find_recipe(statement.filename, top)
+                if found is not None:
+                    yield from walk(found, (*chain, path))
+            else:
+                yield path, statement
+
+    yield from walk(top, ())
+
+
 def parse(recipe: str | os.PathLike | None, bindings: Iterable[str] = ()) -> None:
     """Clears gin and parses `recipe` then `bindings` (later wins). Raises ConfigError."""
     gin.clear_config()
@@ -123,11 +252,21 @@ def parse(recipe: str | os.PathLike | None, bindings: Iterable[str] = ()) -> Non
         gin.add_config_file_search_path(p)
     if recipe is not None and not Path(recipe).is_file():
         raise ConfigError(f"recipe {str(recipe)!r} does not exist")
+    if recipe is not None:
+        for _ in iter_statements(recipe):  # an include cycle: one line, not a RecursionError
+            pass
+    if recipe is not None:
+        for _ in iter_statements(recipe):  # an include cycle: one line, not a RecursionError
+            pass
+    bindings = list(bindings)
     try:
-        gin.parse_config_files_and_bindings([str(recipe)] if recipe else [], list(bindings),
+        gin.parse_config_files_and_bindings([str(recipe)] if recipe else [], bindings,
                                             finalize_config=False)
     except (ValueError, SyntaxError, IOError, KeyError, TypeError) as err:
         raise ConfigError(_explain_gin_error(err)) from None
+    except tokenize.TokenError:  # an unclosed bracket or string: gin says neither where nor which
+        texts = [("-b binding", b) for b in bindings] + ([(str(recipe), Path(recipe).read_text())] if recipe else [])
+        raise ConfigError(f"cannot parse {_unbalanced(texts)}: a bracket or quote is not closed") from None
 
 
 def build() -> RunConfig:

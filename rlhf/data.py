@@ -1,4 +1,16 @@
-"""Prompt datasets: the embedded arithmetic task, or prompts from JSONL / parquet files.
+"""Prompt datasets: the embedded arithmetic task, or rows from JSONL / parquet files in the
+formats users have (`task.format`, detected from the columns when 'auto'):
+
+- 'plain': `{task.prompt_key: str or chat messages, task.answer_key: str}` rows;
+- 'verl': verl's RL rows, `data_source`, `prompt` (chat messages), `reward_model.ground_truth`,
+  `extra_info` (parquet or JSONL);
+- 'preference': pairs for reward-model training, TRL / OpenRLHF shapes: `chosen` / `rejected`
+  with an explicit `prompt` or an implicit one (the shared start), plain text or conversational;
+  an optional `margin`.
+
+A prompt is a string or a list of `{'role', 'content'}` messages (`rlhf/chat.py` renders it).
+A file that cannot be read, or fits no format, is a ConfigError: one line naming the file (and
+line) and what is accepted.
 
 A dataset is a list of `Example(prompt, answer)`. The train / held-out split is deterministic
 (a hash of the prompt), so it never depends on the seed or on file order. `PromptSampler`
@@ -12,17 +24,34 @@ import dataclasses
 import hashlib
 import json
 from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from rlhf.chat import Prompt, is_messages, normalize_messages, prompt_key
 from rlhf.config import ConfigError, TaskConfig
+
+FORMATS = ("plain", "verl", "preference")
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    prompt: str
+    prompt: Prompt
+    """A string, or a list of {'role', 'content'} chat messages."""
     answer: str
+    """The ground truth the rule reward (and gold accuracy) compares against."""
+    data_source: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferencePair:
+    """One comparison for reward-model training. `prompt` is a string or messages (None when the
+    file gives whole conversations: implicit prompt); `chosen` / `rejected` are the continuations
+    (text, or the assistant's messages), or whole texts / conversations when the prompt is implicit."""
+    prompt: Optional[Prompt]
+    chosen: Union[str, List[dict]]
+    rejected: Union[str, List[dict]]
+    margin: float = 0.0
 
 
 def _unit_hash(text: str) -> float:
@@ -35,8 +64,8 @@ def split_examples(examples: Sequence[Example], eval_fraction: float) -> Tuple[L
     """Deterministic hash split; the held-out list is ordered by hash so 'the first N' is stable."""
     train, held = [], []
     for ex in examples:
-        (held if _unit_hash(ex.prompt) < eval_fraction else train).append(ex)
-    held.sort(key=lambda ex: _unit_hash("order:" + ex.prompt))
+        (held if _unit_hash(prompt_key(ex.prompt)) < eval_fraction else train).append(ex)
+    held.sort(key=lambda ex: _unit_hash("order:" + prompt_key(ex.prompt)))
     return train, held
 
 
@@ -50,45 +79,198 @@ def arithmetic_examples(max_operand: int) -> List[Example]:
     return out
 
 
+def _one_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _read_jsonl(path: Path) -> List[dict]:
+    """JSON Lines (or, for a .json file, one JSON array of objects), decoded as UTF-8 line by line
+    so a bad line is reported with its number."""
+    raw = path.read_bytes()
+    if path.suffix == ".json" and raw.lstrip()[:1] == b"[":
+        try:
+            rows = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}); "
+                              f"re-save it as UTF-8") from None
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from None
+        where = [f"{path}: item {i}" for i in range(len(rows))]
+    else:
+        rows, where = [], []
+        for lineno, line in enumerate(raw.split(b"\n"), start=1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ConfigError(f"{path}:{lineno}: not UTF-8 text (byte 0x{line[err.start]:02x} at column "
+                                  f"{err.start + 1}); re-save the file as UTF-8") from None
+            if lineno == 1:
+                text = text.lstrip("\ufeff")  # a byte-order mark
+            if not text.strip():
+                continue
+            try:
+                rows.append(json.loads(text))
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{path}:{lineno}: not valid JSON ({err.msg}, column {err.colno}); "
+                                  f"each line of a JSONL file must be one JSON object") from None
+            where.append(f"{path}:{lineno}")
+    for row, at in zip(rows, where):
+        if not isinstance(row, dict):
+            raise ConfigError(f"{at}: a row must be a JSON object, got {type(row).__name__}")
+    return rows
+
+
 def read_records(path: str | Path) -> List[dict]:
-    """Rows of a JSONL or parquet file as dicts."""
+    """Rows of a JSONL or parquet file as dicts. Raises ConfigError (one line naming the file, and
+    the line for JSONL) for a missing, unreadable, malformed or empty file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"task data file {str(path)!r} does not exist")
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
-        return pq.read_table(path).to_pylist()
-    if path.suffix in (".jsonl", ".json"):
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    raise ConfigError(f"task data file {str(path)!r}: must end in .jsonl or .parquet")
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as err:
+            raise ConfigError(f"{path}: not a readable parquet file ({_one_line(err)})") from None
+    elif path.suffix in (".jsonl", ".json"):
+        rows = _read_jsonl(path)
+    else:
+        raise ConfigError(f"task data file {str(path)!r}: must end in .jsonl, .json or .parquet")
+    if not rows:
+        raise ConfigError(f"task data file {str(path)!r} is empty (no rows)")
+    return rows
+
+
+# ----------------------------------------------------------------------------- formats
+def _columns(records: Sequence[dict]) -> List[str]:
+    cols: dict = {}
+    for row in records[:100]:
+        cols.update(dict.fromkeys(row))
+    return list(cols)
+
+
+def _accepted(prompt_key_: str, answer_key: str) -> str:
+    return (f"plain ({prompt_key_!r} and {answer_key!r}: task.prompt_key / task.answer_key), "
+            f"verl ('data_source', 'prompt' as chat messages, 'reward_model' with 'ground_truth'), "
+            f"preference ('chosen' and 'rejected', optional 'prompt')")
+
+
+def detect_format(records: Sequence[dict], where: str, prompt_key_: str = "prompt",
+                  answer_key: str = "answer") -> str:
+    """'plain', 'verl' or 'preference' from the first row's columns; ConfigError (one line) otherwise."""
+    row = records[0]
+    if "chosen" in row and "rejected" in row:
+        return "preference"
+    if "reward_model" in row and "prompt" in row:
+        return "verl"
+    if prompt_key_ in row and answer_key in row:
+        return "plain"
+    raise ConfigError(f"{where} fits no dataset format: columns found {_columns(records)}; "
+                      f"accepted: {_accepted(prompt_key_, answer_key)}")
+
+
+def _prompt_value(value: Any, where: str) -> Prompt:
+    if isinstance(value, str):
+        return value
+    if is_messages(value):
+        return normalize_messages(value, where)
+    raise ConfigError(f"{where}: the prompt must be a string or a list of {{'role', 'content'}} messages, "
+                      f"got {type(value).__name__} {str(value)[:60]!r}")
 
 
 def records_to_examples(records: Sequence[dict], prompt_key: str, answer_key: str, where: str) -> List[Example]:
+    """'plain' rows: the prompt (a string or chat messages) and the answer under the given keys."""
     out = []
     for i, row in enumerate(records):
         if prompt_key not in row or answer_key not in row:
             raise ConfigError(f"{where} row {i} lacks task.prompt_key={prompt_key!r} or "
                               f"task.answer_key={answer_key!r}; it has keys {sorted(row)}")
-        out.append(Example(str(row[prompt_key]), str(row[answer_key])))
+        out.append(Example(_prompt_value(row[prompt_key], f"{where} row {i}"), str(row[answer_key])))
     return out
+
+
+def verl_to_examples(records: Sequence[dict], where: str) -> List[Example]:
+    """verl rows: `prompt` (messages), `reward_model.ground_truth`, `data_source`."""
+    out = []
+    for i, row in enumerate(records):
+        at = f"{where} row {i}"
+        rm = row.get("reward_model")
+        if "prompt" not in row or not isinstance(rm, dict) or rm.get("ground_truth") is None:
+            raise ConfigError(f"{at}: a verl row needs 'prompt' and 'reward_model' with 'ground_truth'; "
+                              f"it has keys {sorted(row)}"
+                              + (f" (reward_model has {sorted(rm)})" if isinstance(rm, dict) else ""))
+        truth = rm["ground_truth"]
+        truth = truth if isinstance(truth, str) else json.dumps(truth) if isinstance(truth, (list, dict)) else str(truth)
+        out.append(Example(_prompt_value(row["prompt"], at), truth, str(row.get("data_source") or "")))
+    return out
+
+
+def _side(value: Any, where: str, name: str):
+    if isinstance(value, str):
+        return value
+    if is_messages(value):
+        return normalize_messages(value, f"{where} {name!r}")
+    raise ConfigError(f"{where}: {name!r} must be a string or a list of chat messages, got "
+                      f"{type(value).__name__}")
+
+
+def records_to_pairs(records: Sequence[dict], where: str, prompt_key_: str = "prompt") -> List[PreferencePair]:
+    """Preference rows in the TRL / OpenRLHF shapes (explicit or implicit prompt, text or messages)."""
+    out = []
+    for i, row in enumerate(records):
+        at = f"{where} row {i}"
+        if "chosen" not in row or "rejected" not in row:
+            raise ConfigError(f"{at}: a preference row needs 'chosen' and 'rejected'; it has keys {sorted(row)}")
+        prompt = row.get(prompt_key_)
+        prompt = None if prompt in (None, "", []) else _prompt_value(prompt, at)
+        chosen, rejected = _side(row["chosen"], at, "chosen"), _side(row["rejected"], at, "rejected")
+        if isinstance(chosen, str) != isinstance(rejected, str):
+            raise ConfigError(f"{at}: 'chosen' and 'rejected' must both be text or both be chat messages")
+        margin = row.get("margin", 0.0)
+        if not isinstance(margin, (int, float)) or isinstance(margin, bool):
+            raise ConfigError(f"{at}: 'margin' must be a number, got {margin!r}")
+        out.append(PreferencePair(prompt, chosen, rejected, float(margin)))
+    return out
+
+
+def load_pairs(path: str | Path, fmt: str = "auto", prompt_key_: str = "prompt") -> List[PreferencePair]:
+    """Preference pairs from a JSONL / parquet file (reward-model training)."""
+    records = read_records(path)
+    found = detect_format(records, str(path), prompt_key_) if fmt == "auto" else fmt
+    if found != "preference":
+        raise ConfigError(f"{path} holds {found!r} rows, not preference pairs: reward-model training needs "
+                          f"'chosen' and 'rejected' columns (columns found {_columns(records)})")
+    return records_to_pairs(records, str(path), prompt_key_)
+
+
+def examples_from_file(path: str | Path, cfg: TaskConfig) -> List[Example]:
+    """A PPO task's examples from one file, in the format task.format names (or detects)."""
+    records = read_records(path)
+    fmt = cfg.format if cfg.format != "auto" else detect_format(records, str(path), cfg.prompt_key, cfg.answer_key)
+    if fmt == "preference":
+        raise ConfigError(f"{path} holds preference pairs ('chosen'/'rejected'): they train a reward model "
+                          f"(python -m rlhf.reward_model); a PPO task needs plain or verl rows with ground truth")
+    if fmt == "verl":
+        return verl_to_examples(records, str(path))
+    return records_to_examples(records, cfg.prompt_key, cfg.answer_key, str(path))
 
 
 def load_task(cfg: TaskConfig) -> Tuple[List[Example], List[Example]]:
     """Returns (train, held_out) examples for the task config."""
     if cfg.name == "arithmetic":
         return split_examples(arithmetic_examples(cfg.max_operand), cfg.eval_fraction)
-    train = records_to_examples(read_records(cfg.train_path), cfg.prompt_key, cfg.answer_key, cfg.train_path)
+    train = examples_from_file(cfg.train_path, cfg)
     if cfg.eval_path:
-        held = records_to_examples(read_records(cfg.eval_path), cfg.prompt_key, cfg.answer_key, cfg.eval_path)
-        return train, held
+        return train, examples_from_file(cfg.eval_path, cfg)
     return split_examples(train, cfg.eval_fraction)
 
 
 def dataset_hash(examples: Sequence[Example]) -> str:
     h = hashlib.sha256()
     for ex in examples:
-        h.update(ex.prompt.encode() + b"\x00" + ex.answer.encode() + b"\x01")
+        h.update(prompt_key(ex.prompt).encode() + b"\x00" + ex.answer.encode() + b"\x01")
     return h.hexdigest()
 
 

@@ -12,6 +12,22 @@ from pathlib import Path
 from typing import Dict, List, Protocol
 
 
+METRICS = ("reward_mean", "reward_std", "accuracy", "kl_divergence", "kl_coef", "clip_fraction",
+           "clip_fraction_lower", "clip_fraction_upper", "policy_ratio_hist", "response_length_mean",
+           "response_clip_ratio", "rollout_success_rate")
+"""The top-level names of a step's record (the tuning guide's signals under its own names);
+everything else the engine logs is under one of `NAMESPACES`."""
+NAMESPACES = ("actor/", "critic/", "eval/", "timing_s/", "perf/", "rollout/")
+"""Prefixes of the namespaced extras; `eval/` metrics are also the held-out evaluation that
+summary.json's `initial` and `final` hold."""
+
+
+def is_known_metric(name: str) -> bool:
+    """True for a name the engine logs or may log (a known name or one under a known namespace)."""
+    return name in METRICS or (isinstance(name, str) and name.startswith(NAMESPACES)
+                                and len(name) > name.index("/") + 1)
+
+
 class MetricSink(Protocol):
     def write(self, record: Dict) -> None: ...
 

@@ -88,3 +88,120 @@ def exact_match_reward(response: str, answer: str, finished: bool, format_reward
     correct = response.strip() == answer.strip()
     well_formed = finished and bool(response.strip())
     return _score(correct, well_formed, finished, format_reward, missing_eos_penalty)
+
+
+# ----------------------------------------------------------------------------- reward kinds
+class RunningMeanStd:
+    """Running mean and variance over every score seen (Chan et al.'s parallel update); its state
+    goes into checkpoints so a resumed run normalises as an uninterrupted one."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def update(self, values) -> None:
+        import torch
+        x = torch.as_tensor(values, dtype=torch.float64)
+        n = int(x.numel())
+        if n == 0:
+            return
+        mean, m2 = float(x.mean()), float(((x - x.mean()) ** 2).sum())
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta ** 2 * self.count * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return (self.m2 / self.count) ** 0.5 if self.count > 1 else 1.0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
+
+
+def rule_results(fn_name: str, responses, answers, finished, **params):
+    fn = REWARD_FUNCTIONS[fn_name]
+    return [fn(r, a, bool(f), **params) for r, a, f in zip(responses, answers, list(finished))]
+
+
+class RewardCombiner:
+    """What the policy trains on, from the rule's results and the reward model's raw scores:
+
+    - 'rule': the rule reward (its format bonus and missing-EOS penalty included), as always;
+    - 'model': the model score, normalised ('none' | 'batch' | 'running') and clipped;
+    - 'combined': rule_weight x (rule reward without the penalty) + model_weight x the model term;
+    then the missing-EOS penalty on top for 'model' and 'combined'."""
+
+    def __init__(self, task, reward):
+        self.task, self.cfg = task, reward
+        self.running = RunningMeanStd()
+
+    def model_term(self, raw, update: bool):
+        import torch
+        x = raw.float()
+        if self.cfg.normalize == "batch":
+            x = (x - x.mean()) / (x.std(unbiased=False) + 1e-6) if x.numel() > 1 else x - x.mean()
+        elif self.cfg.normalize == "running":
+            if update:
+                self.running.update(x)
+            x = (x - self.running.mean) / (self.running.std + 1e-6)
+        if self.cfg.clip:
+            x = x.clamp(-self.cfg.clip, self.cfg.clip)
+        return x.to(torch.float32)
+
+    def combine(self, responses, answers, finished, rm_scores=None, update: bool = True) -> dict:
+        import torch
+        t = self.task
+        finished = torch.as_tensor(finished, dtype=torch.bool)
+        results = rule_results(t.reward_fn, responses, answers, finished.tolist(), format_reward=t.format_reward,
+                               missing_eos_penalty=t.missing_eos_penalty)
+        out = {"correct": torch.tensor([r.correct for r in results], dtype=torch.bool),
+               "well_formed": torch.tensor([r.well_formed for r in results], dtype=torch.bool)}
+        rule = torch.tensor([r.reward for r in results], dtype=torch.float32)
+        if self.cfg.kind == "rule":
+            out["scores"] = rule
+            return out
+        penalty = (~finished).float() * t.missing_eos_penalty
+        model = self.model_term(rm_scores, update)
+        if self.cfg.kind == "model":
+            scores = model
+        else:
+            scores = self.cfg.rule_weight * (rule + penalty) + self.cfg.model_weight * model
+        out["scores"] = scores - penalty
+        out["rm_scores"] = rm_scores.float()
+        return out
+
+    def state_dict(self) -> dict:
+        return {"running": self.running.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "running" in state:
+            self.running.load_state_dict(state["running"])
+
+
+class RewardRole:
+    """The reward phase in one process: the rule, a reward model, or both (`reward.kind`).
+
+    `score(batch, update=True)` returns scores [B] (what the policy trains on), correct and
+    well_formed [B] (the rule's, gold accuracy whenever the task has ground truth) and, with a
+    reward model, rm_scores [B] (its raw score). Evaluation passes update=False so it never moves
+    the running normalisation."""
+
+    def __init__(self, task, reward, scorer=None):
+        if reward.kind != "rule" and scorer is None:
+            raise ValueError("a reward model scorer is needed for reward.kind = " + repr(reward.kind))
+        self.combiner = RewardCombiner(task, reward)
+        self.scorer = scorer
+
+    def score(self, batch, update: bool = True) -> dict:
+        rm = self.scorer.score_batch(batch) if self.scorer is not None and self.combiner.cfg.kind != "rule" else None
+        return self.combiner.combine(batch["responses"], batch["answers"], batch["finished"], rm, update)
+
+    def state_dict(self) -> dict:
+        return self.combiner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.combiner.load_state_dict(state)

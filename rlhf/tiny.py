@@ -21,7 +21,8 @@ from filelock import FileLock
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from rlhf.config import SFTConfig, TaskConfig, TinyModelConfig
+from rlhf import numerics
+from rlhf.config import TINY_MAX_POSITIONS, SFTConfig, TaskConfig, TinyModelConfig
 from rlhf.data import Example, load_task
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -43,7 +44,7 @@ def build_char_tokenizer(out_dir: str | Path) -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int,
-                     max_positions: int = 256) -> LlamaForCausalLM:
+                     max_positions: int = TINY_MAX_POSITIONS) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -99,9 +100,11 @@ def train_sft(model, tokenizer, train: Sequence[Example], cfg: SFTConfig, log=pr
 
 
 def cache_key(tiny: TinyModelConfig, sft: SFTConfig, task: TaskConfig) -> str:
+    # The numeric settings shape the weights too: a native-kernel build is another checkpoint.
     blob = json.dumps({"v": FORMAT_VERSION, "tiny": tiny.__dict__, "sft": sft.__dict__,
                        "task": {"name": task.name, "max_operand": task.max_operand,
-                                "eval_fraction": task.eval_fraction}}, sort_keys=True)
+                                "eval_fraction": task.eval_fraction},
+                       "numerics": numerics.cache_tag()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -120,22 +123,28 @@ def prepare_tiny(tiny: TinyModelConfig, sft: SFTConfig, task: TaskConfig,
     with FileLock(str(root) + ".lock"):
         if (root / "DONE").is_file():
             return model_dir, tok_dir
+        if task.name != "arithmetic":  # RunConfig refuses this before any run gets here
+            from rlhf.config import ConfigError
+            raise ConfigError(f"task.name = {task.name!r} is invalid: the tiny default is warm-started on the "
+                              f"arithmetic task only")
         tmp = Path(str(root) + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        start = time.time()
-        tokenizer = build_char_tokenizer(tmp / "tokenizer")
-        if task.name != "arithmetic":
-            raise ValueError("the tiny default is trained on the arithmetic task")
-        train, _ = load_task(task)
-        model = build_tiny_model(tiny, tokenizer, seed=sft.seed)
-        log(f"building the tiny default SFT warm start ({sum(p.numel() for p in model.parameters())} "
-            f"parameters, {sft.steps} steps) in {root}")
-        losses = train_sft(model, tokenizer, train, sft, log=log)
-        model.save_pretrained(str(tmp / "sft_model"), safe_serialization=True)
-        (tmp / "sft_info.json").write_text(json.dumps(
-            {"final_loss": float(np.mean(losses[-20:])), "seconds": time.time() - start,
-             "tiny_model": tiny.__dict__, "sft": sft.__dict__}, indent=2))
-        (tmp / "DONE").write_text("ok\n")
-        shutil.rmtree(root, ignore_errors=True)
-        os.replace(tmp, root)
+        try:
+            start = time.time()
+            tokenizer = build_char_tokenizer(tmp / "tokenizer")
+            train, _ = load_task(task)
+            model = build_tiny_model(tiny, tokenizer, seed=sft.seed)
+            log(f"building the tiny default SFT warm start ({sum(p.numel() for p in model.parameters())} "
+                f"parameters, {sft.steps} steps) in {root}")
+            with numerics.fixed_threads():  # the cached warm start must not depend on who builds it
+                losses = train_sft(model, tokenizer, train, sft, log=log)
+            model.save_pretrained(str(tmp / "sft_model"), safe_serialization=True)
+            (tmp / "sft_info.json").write_text(json.dumps(
+                {"final_loss": float(np.mean(losses[-20:])), "seconds": time.time() - start,
+                 "tiny_model": tiny.__dict__, "sft": sft.__dict__, "numerics": numerics.cache_tag()}, indent=2))
+            (tmp / "DONE").write_text("ok\n")
+            shutil.rmtree(root, ignore_errors=True)
+            os.replace(tmp, root)
+        finally:  # a failed or interrupted build leaves nothing behind in the cache
+            shutil.rmtree(tmp, ignore_errors=True)
     return model_dir, tok_dir

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +33,13 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    # The CPU numerics profile must be in the environment before torch loads (rlhf/numerics.py).
+    from rlhf import numerics
+    try:
+        numerics.apply()
+    except numerics.NumericsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
     # Heavy imports after argument parsing so `--help` is instant.
     from rlhf import checkpoint, configurable, provenance
     from rlhf.config import ConfigError
@@ -40,9 +48,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     try:
         cfg, operative = configurable.resolve(args.recipe, args.binding)
+        check_writable(out)
         resume_from = None
         if args.resume:
-            resume_from = checkpoint.latest_checkpoint(out / "checkpoints")
+            resume_from = resume_checkpoint(out / "checkpoints")
             if resume_from is None:
                 print(f"--resume: no checkpoint under {out / 'checkpoints'}; starting from scratch", file=sys.stderr)
             else:
@@ -51,6 +60,8 @@ def main(argv=None) -> int:
                     raise ConfigError(f"--resume: the configuration differs from the one {out} was started with "
                                       f"(see {out / 'config.gin'}); resume with the same recipe and bindings")
         from rlhf.trainer import PPOTrainer, TrainingDiverged
+        if not runs_on_gpu(cfg):  # CPU numerics: a pinned thread count unless ppo.torch_threads says one
+            numerics.set_threads(cfg.ppo.torch_threads)
         out.mkdir(parents=True, exist_ok=True)
         trainer = PPOTrainer(cfg, out, log=lambda m: print(m, file=sys.stderr), ray_address=args.ray_address)
     except ConfigError as err:
@@ -80,6 +91,42 @@ def main(argv=None) -> int:
         trainer.close()
     print(json.dumps({"initial": summary["initial"], "final": summary["final"]}), file=sys.stderr)
     return EXIT_OK
+
+
+def check_writable(out: Path) -> None:
+    """The run dir exists (or is made) and takes files: a ConfigError naming it otherwise, before any compute."""
+    from rlhf.config import ConfigError
+    probe = out / f".write_probe_{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"--out {str(out)!r} is not a writable run dir ({err.strerror or type(err).__name__}"
+                          f"{': ' + str(err.filename) if err.filename and str(err.filename) != str(probe) else ''}); "
+                          f"choose a directory you can write") from None
+
+
+def resume_checkpoint(ckpt_root: Path):
+    """The newest intact checkpoint; damaged newer ones are reported and moved aside so that no
+    later retry resumes into them."""
+    from rlhf import checkpoint
+    skipped: list = []
+    found = checkpoint.latest_checkpoint(ckpt_root, full=True, skipped=skipped)
+    for path, reason in skipped:
+        moved = checkpoint.quarantine(path)
+        print(f"--resume: skipped damaged checkpoint {path} ({reason}); moved to {moved}", file=sys.stderr)
+    if skipped and found is not None:
+        print(f"--resume: resuming from {found}, the newest intact checkpoint", file=sys.stderr)
+    return found
+
+
+def runs_on_gpu(cfg) -> bool:
+    """True when this process computes on a GPU (a local run on CUDA)."""
+    if cfg.ppo.resolved_placement != "local" or cfg.ppo.device == "cpu":
+        return False
+    import torch
+    return torch.cuda.is_available()
 
 
 def without_placement(config_text: str) -> str:

@@ -15,6 +15,12 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The engine's CPU numerics profile, before any test imports torch (rlhf/numerics.py): in-process
+# engine code then takes the same kernels as the `python -m rlhf.train` subprocesses.
+sys.path.insert(0, str(REPO))
+from rlhf import numerics  # noqa: E402
+
+numerics.apply()
 
 
 def run_train(args, timeout=900, check=True, cwd=REPO):

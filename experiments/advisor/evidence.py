@@ -1,6 +1,6 @@
 """Markdown for the tuning path: what the advisor saw before each round, and what the round made of it.
 
-The final report (`python -m experiments.pipeline summary`) shows, for every round that resumed
+The final report (`python -m experiments summary`) shows, for every round that resumed
 from a previous one, the rules that fired on the previous round's chosen variant with their
 evidence, next to the variant of this round that tested the change and its verdict. A change
 the advisor proposed that no variant tested, or a variant no rule proposed, is said so: the
@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 
 from experiments.advisor.advise import advise
 from experiments.advisor.window import AdviceError, load_window
+from experiments.results import BASELINE, StudyAggregate
 from experiments.rundir import read_json, scalar
 
 
@@ -22,14 +23,14 @@ def _fmt(evidence: Dict) -> str:
                      if v is not None)
 
 
-def advice_lines(previous_dir: Path, aggregate: Dict) -> List[str]:
+def advice_lines(previous_dir: Path, aggregate: StudyAggregate) -> List[str]:
     """The advisor's suggestions on `previous_dir`'s chosen variant, matched to this round's variants."""
     try:
         window = load_window(previous_dir)
     except AdviceError as err:
         return [f"Advisor: not available ({err}).", ""]
     advice = advise(window)
-    tested = {b: name for name, v in aggregate["variants"].items() for b in v.get("bindings", [])}
+    tested = {b: name for name, v in aggregate.variants.items() for b in v.bindings}
     lines = [f"Advisor on {previous_dir.name}/{window.variant} (last {len(window.steps)} steps, "
              f"{len(window.seeds)} seeds):", "",
              "| rule | proposed change | evidence | tested as | verdict |", "|---|---|---|---|---|"]
@@ -39,21 +40,22 @@ def advice_lines(previous_dir: Path, aggregate: Dict) -> List[str]:
     for s in advice.changes:
         proposed.add(s.binding)
         name = tested.get(s.binding)
-        verdict = aggregate["variants"][name].get("verdict", "") if name else "not tested this round"
+        verdict = aggregate.variants[name].verdict if name else "not tested this round"
         lines.append(f"| {s.rule} | `{s.binding}` (from {s.current!r}) | {_fmt(s.evidence)} | {name or '-'} | {verdict} |")
     for binding, name in tested.items():
         if binding not in proposed:
             lines.append(f"| (none) | `{binding}` | no rule proposed it | {name} | "
-                         f"{aggregate['variants'][name].get('verdict', '')} |")
+                         f"{aggregate.variants[name].verdict} |")
     lines += ["", f"Rules silent: {', '.join(advice.silent) or 'none'}.", ""]
     return lines
 
 
-def heldout_start(aggregate: Dict, study_dir: Path, metric: str) -> Optional[float]:
+def heldout_start(aggregate: StudyAggregate, study_dir: Path, metric: str) -> Optional[float]:
     """Mean over the baseline's seeds of `metric` at the start of its runs (summary.json's `initial`)."""
     values = []
-    for run in aggregate["variants"].get("baseline", {}).get("runs", []):
-        s = read_json(study_dir / run["run_dir"] / "summary.json") or {}
+    base = aggregate.variants.get(BASELINE)
+    for run in base.runs if base else ():
+        s = read_json(study_dir / run.run_dir / "summary.json") or {}
         v = scalar((s.get("initial") or {}).get(metric))
         if v is not None:
             values.append(v)

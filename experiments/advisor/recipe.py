@@ -18,6 +18,7 @@ from rlhf.configurable import RECIPES_DIR
 
 from experiments.advisor.advise import Advice
 from experiments.advisor.window import AdviceError
+from experiments.results import StudyAggregate, load_aggregate
 from experiments.rundir import read_json
 from experiments.study import BASELINE, MANAGED_BINDINGS, split_binding
 
@@ -38,12 +39,12 @@ def _portable(path: str, base: Path) -> str:
 def baseline_of_next(study_dir: Path, chosen: str) -> tuple:
     """(engine recipe, baseline bindings) of the next round: what was run plus the chosen change."""
     plan = read_json(study_dir / "plan.json")
-    agg = read_json(study_dir / "aggregate.json") or {}
+    agg = _aggregate(study_dir)
     if plan is None or not plan.get("runs"):
         raise AdviceError(f"{study_dir}/plan.json not found: the advisor reads the bindings that were run")
     base = next((r for r in plan["runs"] if r["variant"] == BASELINE), plan["runs"][0])
     bindings = [b for b in base["bindings"] if _key(b) not in MANAGED_BINDINGS]
-    change = list(agg.get("variants", {}).get(chosen, {}).get("bindings", [])) if chosen != BASELINE else []
+    change = list(agg.variants[chosen].bindings) if chosen != BASELINE and chosen in agg.variants else []
     changed = {_key(b) for b in change}
     return base["recipe"], [b for b in bindings if _key(b) not in changed] + change
 
@@ -54,9 +55,21 @@ def _gin_list(items: Sequence[str], indent: str = "    ") -> str:
     return "[\n" + "".join(f"{indent}{item!r},\n" for item in items) + "]"
 
 
-def _guardrails(agg: dict) -> dict:
-    rails = (agg.get("variants", {}).get(BASELINE) or {}).get("guardrails") or {}
-    return {metric: {k: g[k] for k in ("min", "max") if g.get(k) is not None} for metric, g in rails.items()}
+def _aggregate(study_dir: Path) -> StudyAggregate:
+    try:
+        agg = load_aggregate(study_dir)
+    except ValueError as err:
+        raise AdviceError(str(err)) from None
+    if agg is None:
+        raise AdviceError(f"{study_dir}/aggregate.json not found: run or report the study first")
+    return agg
+
+
+def _guardrails(agg: StudyAggregate) -> dict:
+    base = agg.variants.get(BASELINE)
+    rails = base.guardrails if base else {}
+    return {metric: {k: v for k, v in (("min", g.min), ("max", g.max)) if v is not None}
+            for metric, g in rails.items()}
 
 
 def next_study_text(study_dir: str | Path, advice: Advice, name: Optional[str] = None,
@@ -65,10 +78,10 @@ def next_study_text(study_dir: str | Path, advice: Advice, name: Optional[str] =
     """The next study recipe: one variant per suggested change (the top `max_variants`)."""
     study_dir = Path(study_dir)
     cwd = cwd or Path.cwd()
-    agg = read_json(study_dir / "aggregate.json")
-    if agg is None:
-        raise AdviceError(f"{study_dir}/aggregate.json not found: run or report the study first")
-    chosen = agg["decision"]["chosen"]
+    agg = _aggregate(study_dir)
+    chosen = agg.decision.chosen
+    if chosen is None:
+        raise AdviceError(f"{study_dir}: the study decided nothing ({agg.decision.reason}); nothing to continue from")
     recipe, bindings = baseline_of_next(study_dir, chosen)
     if Path(recipe).resolve().is_relative_to(RECIPES_DIR.resolve()):
         recipe = str(Path(recipe).resolve().relative_to(RECIPES_DIR.resolve()))
@@ -77,25 +90,25 @@ def next_study_text(study_dir: str | Path, advice: Advice, name: Optional[str] =
     changes = advice.changes[:max_variants] if max_variants is not None else advice.changes
     plan = read_json(study_dir / "plan.json") or {}
     cpus = (plan.get("runs") or [{}])[0].get("cpus", 1)
-    name = name or f"{agg['study']}_next"
+    name = name or f"{agg.study}_next"
     lines: List[str] = [
-        f"# Next round after study {agg['study']!r}, proposed by the tuning advisor"
+        f"# Next round after study {agg.study!r}, proposed by the tuning advisor"
         + (f":\n#   {command}" if command else "."),
-        f"# Baseline: {agg['study']}'s chosen setting {chosen!r} ({agg['decision']['reason']}),",
+        f"# Baseline: {agg.study}'s chosen setting {chosen!r} ({agg.decision.reason}),",
         f"# resuming from its checkpoints (study.resume_from). One variant per suggested change, ranked:",
     ]
     for i, s in enumerate(changes, 1):
         evidence = ", ".join(f"{k} = {v}" for k, v in s.evidence.items() if v is not None)
         lines += [f"#   {i}. {s.variant_name} [{s.rule}]: {s.change}", f"#      why: {s.rationale}",
-                  f"#      evidence (window of {agg['study']}/{chosen}): {evidence}"]
+                  f"#      evidence (window of {agg.study}/{chosen}): {evidence}"]
     for s in advice.warnings:
         lines.append(f"#   flag [{s.rule}]: {s.rationale} ({s.evidence})")
     if not changes:
         lines.append("#   (no rule fired: this round re-runs the chosen setting from its checkpoints)")
     variants = "{\n" + "".join(f"    {s.variant_name!r}: {s.binding!r},\n" for s in changes) + "}" if changes else "{}"
-    seeds = seeds if seeds is not None else agg.get("seeds") or 3
+    seeds = seeds if seeds is not None else list(agg.seeds) or 3
     resume = _portable(str(study_dir), cwd)
-    description = f"Advised from {agg['study']} ({chosen}): one suggested change per variant."
+    description = f"Advised from {agg.study} ({chosen}): one suggested change per variant."
     lines += [
         "",
         f"study.name = {name!r}",
@@ -104,9 +117,9 @@ def next_study_text(study_dir: str | Path, advice: Advice, name: Optional[str] =
         f"study.baseline_bindings = {_gin_list(bindings)}",
         f"study.variants = {variants}",
         f"study.seeds = {list(seeds) if not isinstance(seeds, int) else seeds!r}",
-        f"study.metric = {agg['metric']!r}",
-        f"study.metric_from = {agg.get('metric_from', 'final')!r}",
-        f"study.direction = {agg.get('direction', 'higher')!r}",
+        f"study.metric = {agg.metric!r}",
+        f"study.metric_from = {agg.metric_from!r}",
+        f"study.direction = {agg.direction!r}",
         f"study.guardrails = {_guardrails(agg)!r}",
         f"study.resume_from = {resume!r}",
         f"study.cpus_per_run = {int(cpus)!r}",

@@ -21,6 +21,7 @@ from typing import Dict, Mapping, Optional, Sequence
 
 import numpy as np
 
+from experiments.results import load_aggregate
 from experiments.rundir import iter_metrics, read_json, scalar
 from experiments.study import StudyError
 
@@ -126,22 +127,28 @@ def load_window(study_dir: str | Path, variant: Optional[str] = None, window: in
                 device_memory_gb: Optional[float] = None) -> Window:
     """The last `window` steps of `variant` (default: the study's chosen one), every completed seed."""
     study_dir = Path(study_dir)
-    agg = read_json(study_dir / "aggregate.json")
+    try:
+        agg = load_aggregate(study_dir)
+    except ValueError as err:
+        raise AdviceError(str(err)) from None
     if agg is None:
         raise AdviceError(f"{study_dir}/aggregate.json not found: run `python -m experiments run` (or "
                           f"`report`) on the study first")
-    variant = variant or agg.get("decision", {}).get("chosen")
-    if variant not in agg.get("variants", {}):
-        raise AdviceError(f"variant {variant!r} is not in {study_dir}; allowed: {', '.join(agg.get('variants', {}))}")
+    variant = variant or agg.decision.chosen
+    if variant is None:
+        raise AdviceError(f"{study_dir}: the study decided nothing ({agg.decision.reason}); name a variant "
+                          f"with --variant")
+    if variant not in agg.variants:
+        raise AdviceError(f"variant {variant!r} is not in {study_dir}; allowed: {', '.join(agg.variants)}")
     if not isinstance(window, int) or window < 2:
         raise AdviceError(f"window = {window!r} is invalid: must be an integer >= 2 (steps)")
-    runs = [r for r in agg["variants"][variant]["runs"] if r.get("status") == "completed"]
+    runs = [r for r in agg.variants[variant].runs if r.status == "completed"]
     if not runs:
         raise AdviceError(f"variant {variant!r} of {study_dir} has no completed run to read")
     rows_by_seed = {}
     for run in runs:
-        rows = [row for row in iter_metrics(study_dir / run["run_dir"]) if "reward_mean" in row]
-        rows_by_seed[run["seed"]] = rows[-window:]
+        rows = [row for row in iter_metrics(study_dir / run.run_dir) if "reward_mean" in row]
+        rows_by_seed[run.seed] = rows[-window:]
     steps = sorted({int(r["step"]) for rows in rows_by_seed.values() for r in rows})
     col = {s: i for i, s in enumerate(steps)}
     names = sorted({k for rows in rows_by_seed.values() for r in rows for k, v in r.items()
@@ -153,7 +160,7 @@ def load_window(study_dir: str | Path, variant: Optional[str] = None, window: in
                 v = scalar(r.get(name))
                 if v is not None:
                     values[name][i, col[int(r["step"])]] = v
-    first = study_dir / runs[0]["run_dir"]
+    first = study_dir / runs[0].run_dir
     config_path = first / "config.gin"
     if not config_path.is_file():
         raise AdviceError(f"{config_path} not found: the advisor needs the operative config of the run")

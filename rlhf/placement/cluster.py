@@ -13,12 +13,13 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from rlhf import numerics
 from rlhf.config import ConfigError, PPOConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 # Environment the ranks need wherever they run (a joined cluster does not inherit this process's).
 FORWARDED_ENV = ("RLHF_CACHE", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "TRANSFORMERS_OFFLINE",
-                 "WANDB_MODE")
+                 "WANDB_MODE", *numerics.FORWARDED_ENV)
 PLACEMENT_TIMEOUT_S = 300
 
 

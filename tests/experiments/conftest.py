@@ -29,3 +29,25 @@ def workdir():
     path = Path(tempfile.mkdtemp(prefix="experiments-test-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def fake_checkpoint(path: Path, content: bytes = b"weights") -> Path:
+    """A checkpoint dir as the engine writes it (actor/ as an HF checkpoint, state.json)."""
+    (path / "actor").mkdir(parents=True)
+    (path / "actor" / "config.json").write_text("{}")
+    (path / "actor" / "model.safetensors").write_bytes(content)
+    (path / "state.json").write_text('{"step": %s}' % path.name.rsplit("_", 1)[-1])
+    return path
+
+
+def previous_study_aggregate(name: str, chosen: str, runs_by_variant: dict, seeds=(0, 1)):
+    """A finished study's aggregate: {variant: [(seed, status, run_dir)]} -> StudyAggregate."""
+    from experiments.results import Decision, RunOutcome, StudyAggregate, VariantResult
+
+    variants = {v: VariantResult(bindings=() if v == "baseline" else (f"ppo.kl_coef = 0.{len(v)}",),
+                                 verdict="baseline" if v == "baseline" else "better",
+                                 runs=tuple(RunOutcome(seed=s, status=st, run_dir=d) for s, st, d in runs))
+                for v, runs in runs_by_variant.items()}
+    return StudyAggregate(study=name, study_file="", description="", metric="eval/accuracy", metric_from="final",
+                          direction="higher", alpha=0.05, seeds=tuple(seeds), guardrails=(), variants=variants,
+                          decision=Decision(chosen, "test"))

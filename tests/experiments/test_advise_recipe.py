@@ -11,6 +11,7 @@ import pytest
 
 from experiments.cli import main
 from experiments.plan import expand
+from experiments.results import Decision, GuardrailCheck, RunOutcome, StudyAggregate, VariantResult
 from experiments.study import StudyError, load_study
 from rlhf.configurable import RECIPES_DIR
 
@@ -34,7 +35,10 @@ def synthetic_study(root: Path, name: str = "synth") -> Path:
     for seed in (0, 1):
         run_dir = study_dir / "runs" / "baseline" / f"seed{seed}"
         (run_dir / "checkpoints" / "step_20").mkdir(parents=True)
-        (run_dir / "checkpoints" / "step_20" / "model.safetensors").write_bytes(b"weights")
+        (run_dir / "checkpoints" / "step_20" / "actor").mkdir()
+        (run_dir / "checkpoints" / "step_20" / "actor" / "config.json").write_text("{}")
+        (run_dir / "checkpoints" / "step_20" / "actor" / "model.safetensors").write_bytes(b"weights")
+        (run_dir / "checkpoints" / "step_20" / "state.json").write_text('{"step": 20}')
         (run_dir / "config.gin").write_text(CONFIG_GIN)
         rng = np.random.default_rng(seed)
         with open(run_dir / "metrics.jsonl", "w") as f:
@@ -42,15 +46,17 @@ def synthetic_study(root: Path, name: str = "synth") -> Path:
                 f.write(json.dumps({"step": step, "reward_mean": 0.3 + 0.02 * step + rng.normal(0, 0.01),
                                     "kl_divergence": 0.3, "clip_fraction": 0.3, "response_length_mean": 2.8,
                                     "response_clip_ratio": 0.0, "rollout_success_rate": 1.0}) + "\n")
-        runs.append({"seed": seed, "status": "completed", "value": 0.4, "run_dir": f"runs/baseline/seed{seed}"})
+        runs.append(RunOutcome(seed=seed, status="completed", value=0.4, run_dir=f"runs/baseline/seed{seed}"))
         plan.append({"variant": "baseline", "seed": seed, "recipe": str(RECIPES_DIR / "tiny.gin"), "cpus": 1,
                      "bindings": ["ppo.total_steps = 4", "ppo.eval_every = 2", f"ppo.seed = {seed}",
                                   "ppo.torch_threads = 1"]})
-    agg = {"study": name, "metric": "eval/accuracy", "metric_from": "final", "direction": "higher",
-           "seeds": [0, 1], "decision": {"chosen": "baseline", "reason": "baseline only"},
-           "variants": {"baseline": {"bindings": [], "runs": runs,
-                                     "guardrails": {"rollout_success_rate": {"min": 0.95, "max": None}}}}}
-    (study_dir / "aggregate.json").write_text(json.dumps(agg))
+    rail = GuardrailCheck(bound="rollout_success_rate >= 0.95", min=0.95)
+    agg = StudyAggregate(study=name, study_file="", description="", metric="eval/accuracy", metric_from="final",
+                         direction="higher", alpha=0.05, seeds=(0, 1), guardrails=(rail.bound,),
+                         decision=Decision("baseline", "baseline only"),
+                         variants={"baseline": VariantResult(runs=tuple(runs), completed=len(runs),
+                                                             guardrails={"rollout_success_rate": rail})})
+    agg.save(study_dir / "aggregate.json")
     (study_dir / "plan.json").write_text(json.dumps({"study": name, "runs": plan}))
     return study_dir
 
@@ -91,9 +97,10 @@ def test_tuning_path_shows_the_advice_beside_the_round_that_tested_it(tmp_path):
     from experiments.advisor.evidence import advice_lines
 
     study_dir = synthetic_study(tmp_path / "results")
-    aggregate = {"variants": {"baseline": {"bindings": [], "verdict": "baseline"},
-                              "kl_coef_up": {"bindings": ["ppo.kl_coef = 0.06"], "verdict": "better"},
-                              "lr_down": {"bindings": ["ppo.actor_learning_rate = 0.0001"], "verdict": "worse"}}}
+    aggregate = StudyAggregate.load(study_dir / "aggregate.json").replace(variants={
+        "baseline": VariantResult(),
+        "kl_coef_up": VariantResult(bindings=("ppo.kl_coef = 0.06",), verdict="better"),
+        "lr_down": VariantResult(bindings=("ppo.actor_learning_rate = 0.0001",), verdict="worse")})
     text = "\n".join(advice_lines(study_dir, aggregate))
     assert "| kl_high | `ppo.kl_coef = 0.06` (from 0.05) | kl_divergence = 0.3" in text
     assert "| kl_coef_up | better |" in text

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from experiments.plan import expand
+from tests.experiments.conftest import fake_checkpoint, previous_study_aggregate
 from experiments.study import BASELINE, StudyError, load_study
 from rlhf.provenance import hash_directory
 
@@ -77,13 +78,10 @@ def _fake_previous_study(root: Path) -> Path:
     prev = root / "prev"
     runs = []
     for seed in (0, 1):
-        ckpt = prev / "runs" / "kl" / f"seed{seed}" / "checkpoints" / "step_4"
-        ckpt.mkdir(parents=True)
-        (ckpt / "model.safetensors").write_bytes(b"weights %d" % seed)
-        (prev / "runs" / "kl" / f"seed{seed}" / "checkpoints" / "step_2").mkdir()
-        runs.append({"seed": seed, "status": "completed", "run_dir": f"runs/kl/seed{seed}"})
-    (prev / "aggregate.json").write_text(json.dumps(
-        {"decision": {"chosen": "kl"}, "variants": {"kl": {"runs": runs}, BASELINE: {"runs": []}}}))
+        fake_checkpoint(prev / "runs" / "kl" / f"seed{seed}" / "checkpoints" / "step_4", b"weights %d" % seed)
+        fake_checkpoint(prev / "runs" / "kl" / f"seed{seed}" / "checkpoints" / "step_2")
+        runs.append((seed, "completed", f"runs/kl/seed{seed}"))
+    previous_study_aggregate("prev", "kl", {BASELINE: [], "kl": runs}).save(prev / "aggregate.json")
     return prev
 
 
@@ -121,7 +119,7 @@ def test_plan_cli_prints_the_table_without_running(write_study, tmp_path):
 def test_every_shipped_study_parses_and_plans(recipe, tmp_path, monkeypatch):
     # The demo rounds read the DVC pipeline's data stage output (paths relative to the working
     # directory): make it here, as `dvc repro` would.
-    from experiments.pipeline import main as pipeline
+    from experiments.cli import main as pipeline
     monkeypatch.chdir(tmp_path)
     assert pipeline(["data", "--recipe", str(REPO / "recipes" / "tiny.gin"), "--out", "data/arithmetic"]) == 0
     study = load_study(recipe)

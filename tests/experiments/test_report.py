@@ -64,7 +64,7 @@ def study_dir(write_study, tmp_path):
 
 def test_verdicts_guardrails_and_decision(study_dir):
     study, specs, out = study_dir
-    agg = write_report(study, out, specs)
+    agg = write_report(study, out, specs).to_json()  # the documented file format
     v = agg["variants"]
     assert v["good"]["verdict"] == "better"
     assert v["hot"]["verdict"] == "better" and not v["hot"]["guardrails_ok"]
@@ -102,7 +102,7 @@ def test_underpowered_when_few_seeds(write_study, tmp_path):
     for spec in specs:
         acc = {"baseline": [0.50, 0.56], "good": [0.53, 0.59]}.get(spec.variant, [0.5, 0.5])[spec.seed]
         fake_run(spec, acc, diverged=spec.variant == "broken")
-    agg = write_report(study, tmp_path / "r" / "synthetic", specs)
+    agg = write_report(study, tmp_path / "r" / "synthetic", specs).to_json()
     good = agg["variants"]["good"]
     assert good["verdict"] == "no detectable difference" and good["underpowered"]
     assert good["comparison"]["seeds_needed"] > 2
@@ -122,5 +122,8 @@ def test_baseline_only_study_reports_and_keeps_the_baseline(write_study, tmp_pat
     for spec in specs:
         fake_run(spec, ACCURACY["baseline"][spec.seed])
     agg = write_report(study, tmp_path / "r" / "synthetic", specs)
+    assert list(agg.variants) == ["baseline"] and agg.decision.chosen == "baseline"
+    assert agg.variants["baseline"].summary.n == 2
+    agg = agg.to_json()
     assert list(agg["variants"]) == ["baseline"] and agg["decision"]["chosen"] == "baseline"
     assert agg["variants"]["baseline"]["summary"]["n"] == 2

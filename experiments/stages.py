@@ -1,13 +1,15 @@
-"""The steps of the DVC pipeline (`dvc.yaml`) that are not a study run.
+"""The steps of the DVC pipeline (`dvc.yaml`) that are not a study run, as subcommands:
 
-    python -m experiments.pipeline data   --recipe R --out data/arithmetic
-    python -m experiments.pipeline sft    --recipe R --data data/arithmetic --out models/sft
-    python -m experiments.pipeline params STUDY.gin... --out params
-    python -m experiments.pipeline export STUDY.gin --results results --out reports
+    python -m experiments data    --recipe R --out data/arithmetic
+    python -m experiments sft     --recipe R --data data/arithmetic --out models/sft
+    python -m experiments params  STUDY.gin... --out params
+    python -m experiments export  STUDY.gin --results results --out reports
+    python -m experiments summary STUDY.gin... --results results --out reports/summary.md
 
 DVC cannot read gin, so `params` resolves each study recipe into a YAML file that DVC reads as
 params (the recipe stays the one source of truth); `export` turns a finished study into what
-`dvc metrics` and `dvc plots` show: headline statistics and per-step curves.
+`dvc metrics` and `dvc plots` show: headline statistics and per-step curves; `summary` writes
+the tuning path over all rounds (rendered by `report.render_summary`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import sys
 from pathlib import Path
 from typing import Dict, List
 
 import yaml
+
+from experiments.results import StudyAggregate
 
 
 def _nested(flat: Dict[str, object]) -> Dict:
@@ -55,6 +58,8 @@ def cmd_data(args) -> int:
 
 def cmd_sft(args) -> int:
     """The warm start: a tiny Llama and character tokenizer trained by SFT on the data's train split."""
+    from rlhf import numerics
+    numerics.apply()  # before torch loads: the warm start is the same on every x86-64 CPU
     from rlhf import configurable
     from rlhf.data import read_records, records_to_examples
     from rlhf.tiny import build_char_tokenizer, build_tiny_model, train_sft
@@ -64,7 +69,8 @@ def cmd_sft(args) -> int:
     train = records_to_examples(read_records(Path(args.data) / "train.jsonl"), "prompt", "answer", args.data)
     tokenizer = build_char_tokenizer(out / "tokenizer")
     model = build_tiny_model(cfg.tiny_model, tokenizer, seed=cfg.sft.seed)
-    losses = train_sft(model, tokenizer, train, cfg.sft, log=print)
+    with numerics.fixed_threads():
+        losses = train_sft(model, tokenizer, train, cfg.sft, log=print)
     model.save_pretrained(str(out / "model"), safe_serialization=True)
     (out / "sft.json").write_text(json.dumps({"final_loss": sum(losses[-20:]) / 20, "steps": cfg.sft.steps},
                                              indent=1))
@@ -115,19 +121,17 @@ def cmd_params(args) -> int:
 
 
 # ----------------------------------------------------------------------------- export
-def headline(aggregate: Dict) -> Dict:
+def headline(aggregate: StudyAggregate) -> Dict:
     """dvc metrics: per variant n/mean/std/CI and, against the baseline, difference, p, verdict."""
-    out: Dict = {"chosen": aggregate["decision"]["chosen"], "metric": aggregate["metric"]}
-    for name, v in aggregate["variants"].items():
-        s = v["summary"]
-        row = {"n": s.get("n"), "mean": s.get("mean"), "std": s.get("std"), "ci95_low": (s.get("ci95") or [None])[0],
-               "ci95_high": (s.get("ci95") or [None, None])[1]}
-        cmp = v.get("comparison") or {}
+    out: Dict = {"chosen": aggregate.decision.chosen, "metric": aggregate.metric}
+    for name, v in aggregate.variants.items():
+        s = v.summary
+        row = {"n": s.n, "mean": s.mean, "std": s.std, "ci95_low": s.ci95[0], "ci95_high": s.ci95[1]}
+        cmp = v.comparison
         if cmp:
-            row.update(difference=cmp.get("difference"), p_value_holm=cmp.get("p_value_holm"),
-                       prob_improvement=cmp.get("prob_improvement"))
-        if v.get("verdict"):
-            row["verdict"] = v["verdict"]
+            row.update(difference=cmp.difference, p_value_holm=cmp.p_value_holm,
+                       prob_improvement=cmp.prob_improvement)
+        row["verdict"] = v.verdict
         out[name] = row
     return out
 
@@ -135,15 +139,15 @@ def headline(aggregate: Dict) -> Dict:
 CURVE_METRICS = ("reward_mean", "kl_divergence", "clip_fraction", "response_length_mean", "eval/accuracy")
 
 
-def curves(study_dir: Path, aggregate: Dict) -> List[Dict]:
+def curves(study_dir: Path, aggregate: StudyAggregate) -> List[Dict]:
     """Mean over seeds per (variant, step) for the curve metrics: rows for `dvc plots`."""
     from rlhf.metrics import read_metrics
 
     rows = []
-    for name, v in aggregate["variants"].items():
+    for name, v in aggregate.variants.items():
         per_step: Dict[int, Dict[str, List[float]]] = {}
-        for run in v["runs"]:
-            for record in read_metrics(study_dir / run["run_dir"] / "metrics.jsonl"):
+        for run in v.runs:
+            for record in read_metrics(study_dir / run.run_dir / "metrics.jsonl"):
                 for metric in CURVE_METRICS:
                     value = record.get(metric)
                     if isinstance(value, (int, float)):
@@ -162,7 +166,7 @@ def cmd_export(args) -> int:
 
     study = load_study(args.study, args.binding)
     study_dir = Path(args.results) / study.name
-    aggregate = json.loads((study_dir / "aggregate.json").read_text())
+    aggregate = _load(study_dir)
     out = Path(args.out) / study.name
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(headline(aggregate), indent=1, sort_keys=True))
@@ -181,91 +185,48 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _load(study_dir: Path) -> StudyAggregate:
+    from experiments.study import StudyError
+    path = study_dir / "aggregate.json"
+    if not path.is_file():
+        raise StudyError(f"{path} not found: run `python -m experiments run` on the study first")
+    try:
+        return StudyAggregate.load(path)
+    except ValueError as err:
+        raise StudyError(str(err)) from None
+
+
 def cmd_summary(args) -> int:
     """The final report over all rounds: the path from the baseline to the chosen setting, each
     step with its evidence, ending with the held-out evaluation of the last round's choice."""
-    from experiments.advisor.evidence import advice_lines, heldout_start
+    from experiments.report import render_summary
     from experiments.study import load_study
 
-    lines = ["# Tuning path", ""]
-    setting: Dict[str, object] = {}
-    last, start = None, None
+    rounds = []
     for path in args.studies:
         study = load_study(path, args.binding)
-        aggregate = json.loads((Path(args.results) / study.name / "aggregate.json").read_text())
-        decision = aggregate["decision"]
-        chosen = decision["chosen"]
-        v = aggregate["variants"][chosen]
-        s = v["summary"]
-        lines += [f"## {study.name}: {aggregate.get('description', '')}", ""]
-        if study.resume_from and (Path(study.resume_from) / "aggregate.json").is_file():
-            lines += advice_lines(Path(study.resume_from), aggregate)
-        if start is None:
-            start = heldout_start(aggregate, Path(args.results) / study.name, aggregate["metric"])
-        lines += [f"Decision: **{chosen}**: {decision['reason']}.", "",
-                  "| variant | change | n | mean | std | diff vs baseline | Holm p | verdict |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for name, var in aggregate["variants"].items():
-            cmp = var.get("comparison") or {}
-            fmt = lambda x: "" if x is None else f"{x:.4g}"  # noqa: E731
-            lines.append(f"| {name} | {'; '.join(var['bindings']) or '-'} | {var['summary'].get('n')} | "
-                         f"{fmt(var['summary'].get('mean'))} | {fmt(var['summary'].get('std'))} | "
-                         f"{fmt(cmp.get('difference'))} | {fmt(cmp.get('p_value_holm'))} | {var.get('verdict') or ''} |")
-        if decision.get("guardrail_violations"):
-            lines.append(f"\nGuardrail violations: {decision['guardrail_violations']}")
-        for binding in v["bindings"]:
-            key, _, value = binding.partition("=")
-            setting[key.strip()] = value.strip()
-        lines += ["", f"Setting after {study.name}: " + (", ".join(f"`{k} = {v}`" for k, v in setting.items())
-                                                        or "the baseline's"), ""]
-        last = (study.name, chosen, s, aggregate["metric"])
-    if last:
-        name, chosen, s, metric = last
-        lines += ["## Held-out evaluation", "",
-                  f"Final choice `{chosen}` of {name}: {metric} = {s.get('mean', float('nan')):.4f} "
-                  f"+- {s.get('std') or 0:.4f} (n = {s.get('n')}, 95% CI {s.get('ci95')}).", ""]
-        if start is not None:
-            lines += [f"At the start of the first round (the warm start): {metric} = {start:.4f}.", ""]
+        rounds.append((study, _load(Path(args.results) / study.name)))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines))
+    Path(args.out).write_text(render_summary(rounds, Path(args.results)))
     print(f"wrote {args.out}")
     return 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.pipeline", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    for name in ("data", "sft"):
-        s = sub.add_parser(name)
-        s.add_argument("--recipe", default="recipes/tiny.gin")
-        s.add_argument("-b", "--binding", action="append", default=[])
-        s.add_argument("--out", required=True)
-        if name == "sft":
-            s.add_argument("--data", required=True)
-    s = sub.add_parser("params")
-    s.add_argument("studies", nargs="+")
-    s.add_argument("-b", "--binding", action="append", default=[])
-    s.add_argument("--out", default="params")
-    s = sub.add_parser("export")
-    s.add_argument("study")
-    s.add_argument("-b", "--binding", action="append", default=[])
-    s.add_argument("--results", default="results")
-    s.add_argument("--out", default="reports")
-    s = sub.add_parser("summary")
-    s.add_argument("studies", nargs="+")
-    s.add_argument("-b", "--binding", action="append", default=[])
-    s.add_argument("--results", default="results")
-    s.add_argument("--out", default="reports/summary.md")
-    args = p.parse_args(argv)
-    from rlhf.config import ConfigError
-    from experiments.study import StudyError
-    try:
-        return {"data": cmd_data, "sft": cmd_sft, "params": cmd_params, "export": cmd_export,
-                "summary": cmd_summary}[args.command](args)
-    except (ConfigError, StudyError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+def add_recipe_arguments(parser: argparse.ArgumentParser, needs_data: bool = False) -> None:
+    parser.add_argument("--recipe", default="recipes/tiny.gin", help="the engine recipe (default: %(default)s)")
+    parser.add_argument("-b", "--binding", action="append", default=[], help="a gin binding (repeatable)")
+    parser.add_argument("--out", required=True, help="the output directory")
+    if needs_data:
+        parser.add_argument("--data", required=True, help="the `data` stage's output directory")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def add_studies_arguments(parser: argparse.ArgumentParser, out: str, many: bool = True,
+                          results: bool = True) -> None:
+    if many:
+        parser.add_argument("studies", nargs="+", help="study recipes, in round order")
+    else:
+        parser.add_argument("study", help="a study recipe")
+    parser.add_argument("-b", "--binding", action="append", default=[], help="a gin binding (repeatable)")
+    if results:
+        parser.add_argument("--results", default="results", help="results root (default: %(default)s)")
+    parser.add_argument("--out", default=out, help="output (default: %(default)s)")

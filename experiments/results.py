@@ -1,0 +1,215 @@
+"""A study's results as typed, frozen data: the one reader and writer of `aggregate.json`.
+
+`aggregate.aggregate()` builds a `StudyAggregate`; everything that reads a finished study
+(planning a `resume_from`, the advisor, the report, the DVC exports, W&B) loads it with
+`StudyAggregate.load(path)` and reads attributes, never raw keys, so the file's format can only
+change here. `to_json()` / `from_json()` go through pydantic's `TypeAdapter` over these stdlib
+dataclasses, which also checks the types when a file is read.
+
+The file (`RESULTS/<study>/aggregate.json`), one JSON object:
+- `study`, `study_file`, `description`, `metric`, `metric_from` (`final` | `final_window`),
+  `direction` (`higher` | `lower`), `alpha`, `seeds`, `guardrails` (their descriptions);
+- `variants`: {name: variant}, the baseline first. A variant: `bindings` (its change), `coupled`,
+  `summary` (n, mean, std, se, median, iqm, ci95 of the per-seed values), `runs` (per seed:
+  seed, status, value, error, steps, run_dir relative to the study dir, guardrail values),
+  `completed` / `failed` / `incomplete` run counts, `guardrails` ({metric: bound, min, max,
+  per-seed values, violated_seeds, ok}), `guardrails_ok`, `comparison` against the baseline
+  (difference and its Welch 95% interval, p_value, p_value_holm, hedges_g, prob_improvement,
+  pooled_std, min_detectable_effect, seeds_needed; null for the baseline), `verdict`,
+  `underpowered`, `explanation`, `robustness` (the verdict with each seed left out, and
+  `fragile` when one of them differs);
+- `decision`: `chosen` (null when nothing could be decided), `reason`, `guardrail_violations`;
+- `provenance`: what the runs ran on (code version, data hashes, versions, hardware, and
+  `hardware_mixed` when runs came from different machines); `plots`: {stem: relative path};
+- `adaptive`: the adaptive-seeds record (seeds per variant, looks, runs used), or null.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from pydantic import TypeAdapter
+
+BASELINE = "baseline"
+# Verdicts.
+BETTER, WORSE, NO_DIFFERENCE, INSUFFICIENT, FAILED, UNDECIDABLE = (
+    "better", "worse", "no detectable difference", "insufficient data", "failed", "undecidable")
+DECIDED = (BETTER, WORSE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """Statistics of one variant's per-seed values (`stats.summarize`)."""
+
+    n: int = 0
+    mean: Optional[float] = None
+    std: Optional[float] = None
+    se: Optional[float] = None
+    median: Optional[float] = None
+    iqm: Optional[float] = None
+    ci95: Tuple[Optional[float], Optional[float]] = (None, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """A variant against the baseline (`stats.compare`, then Holm across the study's variants)."""
+
+    difference: Optional[float] = None
+    difference_ci95: Tuple[Optional[float], Optional[float]] = (None, None)
+    p_value: Optional[float] = None
+    p_value_holm: Optional[float] = None
+    hedges_g: Optional[float] = None
+    prob_improvement: Optional[float] = None
+    pooled_std: Optional[float] = None
+    min_detectable_effect: Optional[float] = None
+    seeds_needed: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOutcome:
+    """One seed of one variant."""
+
+    seed: int
+    status: str
+    """completed | failed | interrupted | pending | stale."""
+    value: Optional[float] = None
+    """The decision metric; None when the run did not complete or did not log it."""
+    error: Optional[str] = None
+    steps: Optional[int] = None
+    run_dir: str = ""
+    """Relative to the study's results dir (so a results dir can move)."""
+    guardrails: Dict[str, Optional[float]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardrailCheck:
+    bound: str
+    min: Optional[float] = None
+    max: Optional[float] = None
+    values: Dict[str, Optional[float]] = dataclasses.field(default_factory=dict)
+    """{seed (as text): final-window value}."""
+    violated_seeds: Tuple[int, ...] = ()
+    ok: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Robustness:
+    """Leave-one-seed-out: the verdict recomputed with each seed left out of every variant."""
+
+    leave_one_out: Dict[str, str] = dataclasses.field(default_factory=dict)
+    """{seed left out (as text): verdict}."""
+    fragile: bool = False
+    """True when a verdict of better/worse does not survive leaving out some seed, or when
+    leaving out one seed turns 'no detectable difference' into better/worse."""
+    fragile_seeds: Tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantResult:
+    bindings: Tuple[str, ...] = ()
+    coupled: bool = False
+    summary: Summary = Summary()
+    runs: Tuple[RunOutcome, ...] = ()
+    completed: int = 0
+    failed: int = 0
+    incomplete: int = 0
+    guardrails: Dict[str, GuardrailCheck] = dataclasses.field(default_factory=dict)
+    guardrails_ok: bool = True
+    comparison: Optional[Comparison] = None
+    verdict: str = BASELINE
+    underpowered: bool = False
+    explanation: str = ""
+    robustness: Optional[Robustness] = None
+
+    @property
+    def values(self) -> List[float]:
+        """The decision metric of every completed seed that logged it."""
+        return [r.value for r in self.runs if r.status == "completed" and r.value is not None]
+
+    @property
+    def fragile(self) -> bool:
+        return bool(self.robustness and self.robustness.fragile)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    chosen: Optional[str]
+    """The variant the next round continues from; None when no run completed or the metric
+    was never logged (then nothing can be decided)."""
+    reason: str
+    guardrail_violations: Tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyAggregate:
+    study: str
+    study_file: str
+    description: str
+    metric: str
+    metric_from: str
+    direction: str
+    alpha: float
+    seeds: Tuple[int, ...]
+    guardrails: Tuple[str, ...]
+    variants: Dict[str, VariantResult]
+    decision: Decision
+    provenance: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    plots: Dict[str, str] = dataclasses.field(default_factory=dict)
+    adaptive: Optional[Dict[str, Any]] = None
+
+    # ----------------------------------------------------------------- reading helpers
+    @property
+    def chosen(self) -> Optional[VariantResult]:
+        return self.variants.get(self.decision.chosen) if self.decision.chosen else None
+
+    def variant(self, name: str) -> VariantResult:
+        """The named variant; KeyError naming the variants that exist."""
+        if name not in self.variants:
+            raise KeyError(f"variant {name!r} is not in study {self.study}; allowed: {', '.join(self.variants)}")
+        return self.variants[name]
+
+    @property
+    def fragile_variants(self) -> List[str]:
+        return [n for n, v in self.variants.items() if v.fragile]
+
+    # ----------------------------------------------------------------- (de)serialisation
+    def to_json(self) -> dict:
+        return _ADAPTER.dump_python(self, mode="json")
+
+    @classmethod
+    def from_json(cls, data: dict) -> "StudyAggregate":
+        return _ADAPTER.validate_python(data)
+
+    def save(self, path: str | Path) -> None:
+        from experiments.rundir import write_json
+        write_json(Path(path), self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StudyAggregate":
+        """Reads an aggregate.json; raises FileNotFoundError, or ValueError naming the file."""
+        path = Path(path)
+        text = path.read_text()
+        try:
+            return cls.from_json(json.loads(text))
+        except ValueError as err:  # json's and pydantic's errors are both ValueErrors
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"{path}: not a study aggregate ({first})") from None
+
+    def replace(self, **changes) -> "StudyAggregate":
+        return dataclasses.replace(self, **changes)
+
+
+_ADAPTER = TypeAdapter(StudyAggregate)
+
+
+def aggregate_path(study_dir: str | Path) -> Path:
+    return Path(study_dir) / "aggregate.json"
+
+
+def load_aggregate(study_dir: str | Path) -> Optional[StudyAggregate]:
+    """The study dir's aggregate, or None when it has none yet."""
+    path = aggregate_path(study_dir)
+    return StudyAggregate.load(path) if path.is_file() else None

@@ -1,0 +1,48 @@
+"""Train a reward model on preference pairs.
+
+    python -m rlhf.reward_model RECIPE.gin [-b 'BINDING']... --out DIR [--resume]
+
+Exit codes: 0 done, 2 bad configuration or data (one line, before any compute), 1 any other error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG = 0, 1, 2
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlhf.reward_model", description=__doc__.split("\n")[1])
+    p.add_argument("recipe", help="a gin recipe with rm.* bindings, e.g. recipes/rm/tiny.gin")
+    p.add_argument("-b", "--binding", action="append", default=[], help="a gin binding, e.g. 'rm.seed = 1'")
+    p.add_argument("--out", required=True, help="the output dir: the trained checkpoint, metrics, checkpoints/")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    args = p.parse_args(argv)
+
+    from rlhf.config import ConfigError
+    from rlhf.reward_model.config import resolve
+    from rlhf.reward_model.train import RewardModelTrainer
+
+    try:
+        cfg, operative = resolve(args.recipe, args.binding)
+        trainer = RewardModelTrainer(cfg, args.out, log=lambda m: print(m, file=sys.stderr))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    trainer.out.mkdir(parents=True, exist_ok=True)
+    saved = trainer.out / "config.gin"
+    if args.resume and saved.is_file() and saved.read_text() != operative:
+        print(f"error: --resume: the configuration differs from the one {args.out} was started with "
+              f"(see {saved}); resume with the same recipe and bindings", file=sys.stderr)
+        return EXIT_CONFIG
+    saved.write_text(operative)
+    summary = trainer.run(resume=args.resume)
+    print(json.dumps({"initial": summary["initial"], "final": summary["final"]}), file=sys.stderr)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Reward-model scoring math, as plain functions (no placement): load a checkpoint, encode
+conversations with the reward model's own tokenizer and template, score at the last non-pad token.
+
+A reward model is any local `AutoModelForSequenceClassification` checkpoint with one output
+(`num_labels = 1`). Sequences are packed with left padding and fed as `inputs_embeds` with
+explicit position ids, so the model's head reads the last position, which is every sequence's
+last real token, whatever the pad id (often the EOS id) and whatever padding the caller's batch
+had. The score of a sequence does not depend on its batch or micro-batch beyond float rounding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from rlhf.chat import Prompt, PromptRenderer
+from rlhf.config import ConfigError
+
+
+def check_reward_checkpoint(path: str | Path, binding: str = "reward.model_path") -> dict:
+    """Reads config.json and checks it is a one-output sequence classifier, before any weights load."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{binding} = {str(path)!r} is invalid: not a local model directory (no config.json); "
+                          f"give an AutoModelForSequenceClassification checkpoint with num_labels = 1")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except ValueError as err:
+        raise ConfigError(f"{binding} = {str(path)!r}: config.json is not valid JSON ({err})") from None
+    archs = config.get("architectures") or []
+    if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ConfigError(f"{binding} = {str(path)!r} is invalid: a {', '.join(archs)} checkpoint is not a sequence "
+                          f"classifier; a reward model is an AutoModelForSequenceClassification with num_labels = 1")
+    labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels", 2)
+    if labels != 1:
+        raise ConfigError(f"{binding} = {str(path)!r} is invalid: the model has num_labels = {labels}; a reward model "
+                          f"has one output (num_labels = 1)")
+    return config
+
+
+def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32, binding: str = "reward.model_path"):
+    """The checkpoint as an eval-mode AutoModelForSequenceClassification (safetensors, local files only)."""
+    check_reward_checkpoint(path, binding)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    except (ValueError, OSError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{binding} = {str(path)!r}: cannot load it as AutoModelForSequenceClassification "
+                          f"({first})") from None
+    if model.config.num_labels != 1:
+        raise ConfigError(f"{binding} = {str(path)!r} is invalid: num_labels = {model.config.num_labels}, must be 1")
+    model.eval()
+    return model
+
+
+def load_reward_tokenizer(path: str | Path, binding: str = "reward.tokenizer_path"):
+    if not Path(path).is_dir():
+        raise ConfigError(f"{binding} = {str(path)!r} is invalid: no such tokenizer directory")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{binding} = {str(path)!r}: cannot load a tokenizer there ({first})") from None
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise ConfigError(f"{binding} = {str(path)!r}: the tokenizer has neither a pad nor an EOS token")
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def ensure_pad_id(model, tokenizer) -> None:
+    """The classifier refuses batches without a pad id in its config; which id it is does not matter
+    here (sequences are left-padded and the last position is read)."""
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(text_config, "pad_token_id", None) is None:
+        text_config.pad_token_id = tokenizer.pad_token_id
+        model.config.pad_token_id = tokenizer.pad_token_id
+
+
+# ----------------------------------------------------------------------------- encoding
+def encode_conversation(renderer: PromptRenderer, prompt: Optional[Prompt], response, finished: bool = True,
+                        eos_token_id: Optional[int] = None) -> List[int]:
+    """Token ids of (prompt, response) as the reward model reads them.
+
+    With a chat template: the whole conversation through `apply_chat_template` (the response as
+    the assistant's turn; `response` may also be a list of messages). Without one: the prompt's
+    raw encoding, the response's tokens, and EOS when the response finished, the same ids a policy
+    with this tokenizer generated. `prompt=None` means `response` is the whole text/conversation."""
+    tok = renderer.tokenizer
+    eos = tok.eos_token_id if eos_token_id is None else eos_token_id
+    if isinstance(response, list):  # chat messages: the assistant turn(s), or the whole conversation
+        convo = (renderer.messages(prompt) if prompt is not None else []) + list(response)
+        if renderer.uses_template:
+            return list(tok.apply_chat_template(convo, chat_template=renderer.template, tokenize=True,
+                                                add_generation_prompt=False, return_dict=False))
+        prompt_part = renderer.messages(prompt) if prompt is not None else convo[:-1]
+        prefix = renderer.ids(prompt_part) if prompt_part else []
+        return prefix + list(tok(convo[-1]["content"], add_special_tokens=False)["input_ids"]) + \
+            ([eos] if finished and eos is not None else [])
+    if renderer.uses_template and prompt is not None:
+        return renderer.full_ids(prompt, response)
+    prefix = renderer.ids(prompt) if prompt is not None else list(tok("", add_special_tokens=True)["input_ids"])
+    return prefix + list(tok(response, add_special_tokens=False)["input_ids"]) + \
+        ([eos] if finished and eos is not None else [])
+
+
+def sequences_from_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                         response_mask: torch.Tensor) -> List[List[int]]:
+    """The policy's own token ids per sample (prompt then response, padding removed), for a reward
+    model that shares the policy's tokenizer and template."""
+    out = []
+    for p, pm, r, rm in zip(prompt_ids, prompt_mask, response_ids, response_mask):
+        out.append(p[pm.bool()].tolist() + r[rm.bool()].tolist())
+    return out
+
+
+def pack_left(seqs: Sequence[Sequence[int]], pad_id: int, max_length: int = 0):
+    """Left-padded ids, mask and position ids; sequences longer than max_length keep their end."""
+    if max_length:
+        seqs = [list(s)[-max_length:] for s in seqs]
+    width = max(1, max(len(s) for s in seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, width - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
+            mask[i, width - len(s):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos
+
+
+def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[B] float32 scores of left-padded sequences at their last (real) token; differentiable."""
+    embeds = model.get_input_embeddings()(ids)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "will not detect padding tokens in inputs_embeds": we pad on the left
+    try:
+        out = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=False)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return out.logits[:, 0].float()
+
+
+@torch.no_grad()
+def score_sequences(model, seqs: Sequence[Sequence[int]], pad_id: int, micro_batch_size: int,
+                    device: torch.device | str = "cpu", autocast_dtype: Optional[torch.dtype] = None,
+                    max_length: int = 0) -> torch.Tensor:
+    """Scores [B] (float32, CPU) of token sequences, `micro_batch_size` sequences per forward."""
+    device = torch.device(device)
+    scores = []
+    for start in range(0, len(seqs), micro_batch_size):
+        ids, mask, pos = pack_left(seqs[start:start + micro_batch_size], pad_id, max_length)
+        with torch.autocast(device_type=device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            s = last_token_scores(model, ids.to(device), mask.to(device), pos.to(device))
+        scores.append(s.cpu())
+    return torch.cat(scores) if scores else torch.zeros(0)
+
+
+def same_encoding(policy_tokenizer, policy_renderer: PromptRenderer, rm_tokenizer, rm_renderer: PromptRenderer) -> bool:
+    """True when the reward model would read exactly the policy's token ids (same vocabulary, special
+    tokens and template), so the rollout's ids are scored as they are; else the decoded conversation
+    is re-encoded with the reward model's tokenizer and template."""
+    if policy_tokenizer is rm_tokenizer:
+        return policy_renderer.template == rm_renderer.template
+    return (policy_tokenizer.get_vocab() == rm_tokenizer.get_vocab()
+            and policy_tokenizer.all_special_ids == rm_tokenizer.all_special_ids
+            and policy_renderer.template == rm_renderer.template
+            and policy_renderer.system_prompt == rm_renderer.system_prompt
+            and policy_renderer.instruction_suffix == rm_renderer.instruction_suffix)
+
+
+class RewardModelScorer:
+    """A reward model with its own tokenizer and template, scoring rollout batches.
+
+    `score_batch(batch)` reads `prompts` (strings or messages), `responses` (decoded text) and
+    `finished`; when the reward model reads the policy's ids as they are (`same_encoding`) it
+    scores `prompt_ids` + `response_ids` directly, else it re-encodes each conversation with its
+    own tokenizer and template (as verl does for a reward model with another tokenizer)."""
+
+    def __init__(self, model_path: str, tokenizer_path: str = "", chat_template: str = "auto", *,
+                 policy_tokenizer=None, policy_renderer: Optional[PromptRenderer] = None,
+                 system_prompt: str = "", instruction_suffix: str = "", micro_batch_size: int = 32,
+                 device: torch.device | str = "cpu", max_length: int = 0, log=print):
+        self.device = torch.device(device)
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.tokenizer = load_reward_tokenizer(tokenizer_path or model_path,
+                                               "reward.tokenizer_path" if tokenizer_path else "reward.model_path")
+        self.renderer = PromptRenderer(self.tokenizer, chat_template, system_prompt, instruction_suffix,
+                                       binding="reward.chat_template")
+        self.model = load_reward_model(model_path, dtype).to(self.device)
+        ensure_pad_id(self.model, self.tokenizer)
+        self.micro_batch_size = micro_batch_size
+        self.max_length = max_length
+        self.reuse_policy_ids = (policy_tokenizer is not None and policy_renderer is not None
+                                 and same_encoding(policy_tokenizer, policy_renderer, self.tokenizer, self.renderer))
+        log(f"reward model {model_path}: {self.renderer.describe()}; "
+            + ("scores the policy's token ids as they are" if self.reuse_policy_ids else
+               "re-encodes each decoded conversation with its own tokenizer"))
+
+    def sequences(self, batch) -> List[List[int]]:
+        if self.reuse_policy_ids:
+            return sequences_from_batch(batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
+                                        batch["response_mask"])
+        return [encode_conversation(self.renderer, p, r, bool(f))
+                for p, r, f in zip(batch["prompts"], batch["responses"], batch["finished"].tolist())]
+
+    def score_batch(self, batch) -> torch.Tensor:
+        return score_sequences(self.model, self.sequences(batch), self.tokenizer.pad_token_id, self.micro_batch_size,
+                               self.device, max_length=self.max_length)

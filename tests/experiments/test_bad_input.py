@@ -1,0 +1,60 @@
+"""Bad input to the manager ends in one line naming what is wrong, exit code 2, before any compute."""
+
+import subprocess
+import sys
+
+import pytest
+
+from experiments.cli import main
+from tests.conftest import REPO
+
+SMOKE = str(REPO / "recipes" / "studies" / "smoke.gin")
+
+
+def one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("binding, match", [
+    ("study.metric = 'no/such_metric'", "study.metric = 'no/such_metric' is invalid"),
+    ("study.guardrails = {'no_such_metric': {'min': 0.5}}", "study.guardrails['no_such_metric'] is invalid: no run logs"),
+])
+def test_a_metric_no_run_logs_is_a_planning_error(capsys, tmp_path, binding, match):
+    err = one_line_error(capsys, ["plan", SMOKE, "-b", binding, "--results", str(tmp_path)])
+    assert match in err
+    err = one_line_error(capsys, ["run", SMOKE, "-b", binding, "--results", str(tmp_path)])
+    assert match in err and not (tmp_path / "smoke").exists()  # refused before anything ran
+
+
+def test_final_window_metric_must_be_one_the_engine_logs(capsys, tmp_path):
+    err = one_line_error(capsys, ["plan", SMOKE, "-b", "study.metric_from = 'final_window'",
+                                  "-b", "study.metric = 'no/such_metric'", "--results", str(tmp_path)])
+    assert "no run logs it" in err and "rlhf/metrics.py" in err
+
+
+def test_include_cycle_between_two_recipes_is_one_line(capsys, tmp_path):
+    (tmp_path / "a.gin").write_text("include 'tiny.gin'\ninclude 'b.gin'\n")
+    (tmp_path / "b.gin").write_text("include 'a.gin'\n")
+    study = tmp_path / "s.gin"
+    study.write_text(f"study.name = 's'\nstudy.baseline_recipe = {str(tmp_path / 'a.gin')!r}\nstudy.variants = {{}}\n")
+    err = one_line_error(capsys, ["plan", str(study), "--results", str(tmp_path / "r")])
+    assert "include cycle: a.gin -> b.gin -> a.gin" in err
+    engine = subprocess.run([sys.executable, "-m", "rlhf.train", str(tmp_path / "a.gin"), "--out", str(tmp_path / "o")],
+                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert engine.returncode == 2 and engine.stderr.strip().count("\n") == 0
+    assert "include cycle: a.gin -> b.gin -> a.gin" in engine.stderr
+
+
+def test_study_file_with_an_include_cycle_is_one_line(capsys, tmp_path):
+    (tmp_path / "s1.gin").write_text("include 's2.gin'\nstudy.name = 'x'\nstudy.variants = {}\n")
+    (tmp_path / "s2.gin").write_text("include 's1.gin'\n")
+    err = one_line_error(capsys, ["plan", str(tmp_path / "s1.gin"), "--results", str(tmp_path / "r")])
+    assert "include cycle: s1.gin -> s2.gin -> s1.gin" in err
+
+
+def test_unknown_study_binding_names_the_close_one(capsys, tmp_path):
+    err = one_line_error(capsys, ["plan", SMOKE, "-b", "study.metrc = 'eval/accuracy'", "--results", str(tmp_path)])
+    assert "did you mean study.metric?" in err
