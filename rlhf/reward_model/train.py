@@ -227,7 +227,7 @@ class RewardModelTrainer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.save_model(tmp / "model")
-        tensors, meta = ckpt_io.optimizer_to_flat(self.optimizer)
+        tensors, meta = ckpt_io.optimizer_to_flat(self.optimizer.state_dict())
         save_file(tensors, str(tmp / "optim.safetensors"))
         (tmp / "state.json").write_text(json.dumps({"step": self.step, "optimizer": meta,
                                                     "scheduler": self.scheduler.state_dict()}, indent=1))
@@ -241,7 +241,8 @@ class RewardModelTrainer:
     def restore(self, path: Path) -> None:
         ckpt_io.load_weights(self.model, path / "model" / "model.safetensors")
         state = json.loads((path / "state.json").read_text())
-        ckpt_io.optimizer_from_flat(self.optimizer, load_file(str(path / "optim.safetensors")), state["optimizer"])
+        self.optimizer.load_state_dict(ckpt_io.optimizer_from_flat(load_file(str(path / "optim.safetensors")),
+                                                                   state["optimizer"]))
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
 
