@@ -184,6 +184,50 @@ def _without_placement(operative: str) -> str:
     return "\n".join(line for line in operative.splitlines() if not line.strip().startswith(PLACEMENT_BINDINGS))
 
 
+def _weights_gib(model_path: str) -> Optional[float]:
+    """The size of a local checkpoint's weight files (what vLLM loads), None when unknown."""
+    root = Path(model_path)
+    if not root.is_dir():
+        return None
+    files = list(root.glob("*.safetensors")) or list(root.glob("*.bin"))
+    return sum(f.stat().st_size for f in files) / 2**30 if files else None
+
+
+def _gpu_memory_gib() -> Optional[float]:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / 2**30
+    except Exception:  # noqa: BLE001 - no GPU here: the share check alone applies
+        pass
+    return None
+
+
+def check_gpu_share(study: Study, cfg, where: str) -> None:
+    """Runs that share a GPU (study.gpus_per_run < 1) with vLLM rollouts must fit their vLLM
+    engine in their share: vLLM takes `ppo.vllm_gpu_memory_utilization` of the whole GPU's
+    memory per engine, so k runs on one GPU need k times that, plus their trainers' memory.
+    Refused at planning with the numbers, rather than one run losing the race for memory."""
+    share = study.gpus_per_run
+    if not 0 < share < 1 or cfg.ppo.rollout_backend != "vllm":
+        return
+    runs_per_gpu = int(1 // share)
+    util = cfg.ppo.vllm_gpu_memory_utilization
+    if util >= share:
+        raise StudyError(
+            f"{where}: ppo.vllm_gpu_memory_utilization = {util:g} does not fit study.gpus_per_run = {share:g}: "
+            f"{runs_per_gpu} runs share each GPU and each vLLM engine reserves {util:g} of the GPU's memory "
+            f"({runs_per_gpu} x {util:g} = {runs_per_gpu * util:.2f}, plus the trainers); set "
+            f"ppo.vllm_gpu_memory_utilization below {share:g} (the trainer needs the rest of the share) or "
+            f"raise study.gpus_per_run")
+    weights, memory = _weights_gib(cfg.model.name_or_path), _gpu_memory_gib()
+    if weights is not None and memory is not None and util * memory < 1.2 * weights:
+        raise StudyError(
+            f"{where}: each run's vLLM budget, ppo.vllm_gpu_memory_utilization = {util:g} of {memory:.0f} GiB "
+            f"= {util * memory:.1f} GiB, cannot hold the model's weights ({weights:.1f} GiB) and a KV cache; "
+            f"raise study.gpus_per_run and ppo.vllm_gpu_memory_utilization together")
+
+
 def config_changes(base: dict, other: dict) -> dict:
     return {k: other[k] for k in sorted(other) if other[k] != base.get(k)}
 
@@ -219,6 +263,7 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
                 if set(changes) != {key}:
                     raise StudyError(f"{where} changes {sorted(changes)}; a single-binding variant must "
                                      f"change only {key}")
+        check_gpu_share(study, var_cfg, where)
         task_key = json.dumps(dataclasses.asdict(var_cfg.task), sort_keys=True)
         if task_key not in data_hashes:
             tr, ho = load_task(var_cfg.task)
