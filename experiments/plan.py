@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from rlhf.checkpoint import latest_checkpoint as engine_latest_checkpoint
 from rlhf.config import PLACEMENT_BINDINGS, ConfigError, flat_dict
 from rlhf.configurable import resolve
 from rlhf.data import dataset_hash, load_task
@@ -98,13 +99,10 @@ def _sha(text: str) -> str:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
-    """`run_dir/checkpoints/step_N` with the highest N, or None."""
-    found = []
-    for p in (Path(run_dir) / "checkpoints").glob("step_*"):
-        suffix = p.name[len("step_"):]
-        if p.is_dir() and suffix.isdigit():
-            found.append((int(suffix), p))
-    return max(found)[1] if found else None
+    """The newest intact `run_dir/checkpoints/step_N`, or None: the engine's rule
+    (rlhf.checkpoint.latest_checkpoint, sizes checked against each checkpoint's manifest), so a
+    damaged checkpoint is never what a study resumes from or starts the next round with."""
+    return engine_latest_checkpoint(Path(run_dir) / "checkpoints", full=False)
 
 
 def resume_checkpoints(study: Study) -> Dict[int, str]:

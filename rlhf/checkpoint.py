@@ -25,8 +25,9 @@ import shutil
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
-import torch
-from safetensors.torch import load_file, save_file
+# torch and safetensors load inside the functions that need them: verifying and listing checkpoints
+# (the experiment manager does it for every run of a study) stays light.
+
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
@@ -34,6 +35,7 @@ CORRUPT_PREFIX = "corrupt-"
 
 
 def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[Dict[str, torch.Tensor], dict]:
+    import torch
     sd = opt.state_dict()
     tensors, scalars = {}, {}
     for idx, state in sd["state"].items():
@@ -59,6 +61,7 @@ def optimizer_from_flat(opt: torch.optim.Optimizer, tensors: Dict[str, torch.Ten
 
 
 def rng_state() -> tuple[Dict[str, torch.Tensor], dict]:
+    import torch
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -68,6 +71,7 @@ def rng_state() -> tuple[Dict[str, torch.Tensor], dict]:
 
 
 def restore_rng(tensors: Dict[str, torch.Tensor], meta: dict) -> None:
+    import torch
     torch.set_rng_state(tensors["torch_cpu"])
     if torch.cuda.is_available():
         cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
@@ -180,6 +184,7 @@ def quarantine(ckpt: str | Path) -> Path:
 
 def save_checkpoint(ckpt_root: str | Path, step: int, *, actor_model, tokenizer, critic_model, actor_opt,
                     critic_opt, actor_sched, critic_sched, trainer_state: dict, keep: int) -> Path:
+    from safetensors.torch import save_file
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
@@ -218,12 +223,14 @@ def load_state(ckpt: str | Path) -> dict:
 
 def load_weights(module: torch.nn.Module, path: str | Path) -> None:
     """Loads safetensors weights strictly (names and shapes must match)."""
+    from safetensors.torch import load_file
     module.load_state_dict(load_file(str(path)), strict=True)
 
 
 def restore_training(ckpt: str | Path, *, actor_model, critic_model, actor_opt, critic_opt, actor_sched,
                      critic_sched) -> dict:
     """Loads every piece of a checkpoint into live objects; returns the trainer state."""
+    from safetensors.torch import load_file
     ckpt = Path(ckpt)
     state = load_state(ckpt)
     actor_file = ckpt / "actor" / "model.safetensors"
