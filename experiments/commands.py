@@ -22,7 +22,9 @@ from experiments.plan import expand, study_dir
 from experiments.rundir import (COMPLETED, FAILED, last_attempt, scalar, state, tail_metrics)
 from experiments.study import StudyError, load_study
 
-EXIT_OK, EXIT_RUNS_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
+from rlhf.train import EXIT_CONFIG, EXIT_OK  # noqa: E402  (the engine's codes; 2 means bad input everywhere)
+
+EXIT_RUNS_FAILED, EXIT_INTERRUPTED = 1, 130
 
 
 def _planned(args: Namespace):

@@ -162,8 +162,12 @@ def merge_provenance(run_dir: Path, spec: dict, record: dict, manager: dict) -> 
     prov["manager"] = {
         **manager,
         "study": spec["study"], "variant": spec["variant"], "seed": spec["seed"],
-        "run_hash": spec["run_hash"], "config_sha256": spec["config_hash"],
-        "code_version": spec["code_version"], "data_sha256": spec["data_hash"],
+        # One name per meaning (README, "Provenance"): the engine's own fields say what ran
+        # (config_sha256 of the full operative config, data_sha256 = the plan's data hash,
+        # start_checkpoint_sha256, git);
+        # the manager's say how the run was identified and planned.
+        "run_hash": spec["run_hash"], "config_sha256_without_placement": spec["config_hash"],
+        "engine_code": spec["code_version"],
         "init_from": spec["init_from"], "init_from_sha256": spec["init_from_hash"],
         "changes_from_baseline": spec["changes"],
         "engine_command": attempts[-1].get("command"),

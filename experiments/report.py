@@ -179,7 +179,7 @@ def provenance_lines(agg: StudyAggregate) -> List[str]:
     if prov:
         code = prov.get("code_version") or {}
         lines += ["", "## Provenance", "",
-                  f"- code: git {code.get('git_sha') or 'none'}{' (dirty)' if code.get('dirty') else ''}, "
+                  f"- code: git {code.get('git_sha') or 'none'}{' (engine files modified)' if code.get('engine_dirty', code.get('dirty')) else ''}, "
                   f"engine files sha256 {str(code.get('engine_sha256'))[:16]}",
                   f"- recipe: {prov.get('recipe')}; data sha256: {', '.join(h[:16] for h in prov.get('data_sha256', []))}"]
         if prov.get("init_from"):
