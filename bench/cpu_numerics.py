@@ -43,6 +43,12 @@ SETTINGS = {
 DEFAULT_SETTINGS = "portable,native,native_aten_avx2,native_mkl_compatible,aten_avx2_mkl_avx2"
 
 
+def _children_cpu() -> float:
+    import resource
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def metrics_sha256(path: Path) -> str:
     """sha256 of metrics.jsonl with timing_s/ and perf/ fields dropped (they vary run to run)."""
     h = hashlib.sha256()
@@ -68,9 +74,9 @@ def run_setting(name: str, steps: int, recipe: str, extra_bindings: list) -> dic
         argv = [sys.executable, "-m", "rlhf.train", recipe, "--quiet", "--out", str(out),
                 "-b", f"ppo.total_steps = {steps}", "-b", f"ppo.save_every = {steps}",
                 *[x for b in bindings + extra_bindings for x in ("-b", b)]]
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), _children_cpu()
         proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, _children_cpu() - cpu_start
         if proc.returncode != 0:
             return {"setting": name, "error": proc.stderr.strip().splitlines()[-1:], "exit_code": proc.returncode}
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -87,6 +93,7 @@ def run_setting(name: str, steps: int, recipe: str, extra_bindings: list) -> dic
             "seconds_per_step_mean": statistics.fmean(step_times),
             "sft_seconds": json.loads((sft_root / "sft_info.json").read_text())["seconds"],
             "wall_s": wall,
+            "cpu_s": cpu,  # user + system CPU seconds of the whole run: steadier than wall time on a busy machine
             "initial": summary["initial"], "final": summary["final"],
             "numerics": prov.get("numerics"),
             "fingerprint": prov.get("hardware", {}).get("fingerprint"),
@@ -146,7 +153,7 @@ def main(argv=None) -> int:
         else:
             print(f"{name:30s} sft {r['sft_sha256'][:12]} metrics {r['metrics_sha256'][:12]} "
                   f"{r['seconds_per_step_median']:.3f} s/step (mean {r['seconds_per_step_mean']:.3f}), "
-                  f"sft {r['sft_seconds']:.1f} s, eval/accuracy {r['initial']['eval/accuracy']:.4f} -> "
+                  f"sft {r['sft_seconds']:.1f} s, cpu {r['cpu_s']:.1f} s, eval/accuracy {r['initial']['eval/accuracy']:.4f} -> "
                   f"{r['final']['eval/accuracy']:.4f}")
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))

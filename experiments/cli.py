@@ -50,8 +50,8 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
     "run": Subcommand("run what the plan needs on Ray (skip finished, resume interrupted), then report",
                       commands.cmd_run, _run_arguments),
     "status": Subcommand("show each run's state on disk", commands.cmd_status),
-    "report": Subcommand("write aggregate.json, report.md and plots from the run dirs",
-                         commands.cmd_report),
+    "report": Subcommand("write aggregate.json, report.md and plots from the run dirs (--wandb: the W&B Report)",
+                         commands.cmd_report, commands.add_report_arguments),
     "advise": Subcommand("apply the tuning guide's rules to a finished study (RESULTS/STUDY) and write the "
                          "next study recipe", advisor_command.cmd_advise, advisor_command.add_arguments),
     "data": Subcommand("pipeline stage: write a recipe's task as train/eval JSONL", _stage(stages.cmd_data),

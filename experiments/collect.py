@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+
+from rlhf.config import PPOConfig
 
 from experiments.plan import RunSpec
 from experiments.rundir import (COMPLETED, iter_metrics, last_attempt, read_json, scalar, state,
@@ -46,9 +49,15 @@ def load_plan(study_dir: Path) -> List[RunSpec]:
     if plan is None:
         raise StudyError(f"{study_dir}/plan.json not found: run `python -m experiments run` on the study first")
     fields = {f.name for f in dataclasses.fields(RunSpec)}
-    return [RunSpec(**{"placement": "local",
+    return [RunSpec(**{"placement": "local", "final_window": _final_window(run.get("operative_config", "")),
                        **{k: (tuple(v) if k == "bindings" else v) for k, v in run.items() if k in fields}})
             for run in plan["runs"]]
+
+
+def _final_window(operative: str) -> int:
+    """`ppo.final_window` of an operative config (a plan.json written before RunSpec recorded it)."""
+    m = re.search(r"^ppo\.final_window\s*=\s*(\d+)", operative, re.M)
+    return int(m.group(1)) if m else next(f.default for f in dataclasses.fields(PPOConfig) if f.name == "final_window")
 
 
 def final_window_value(run_dir: str, metric: str, window: int) -> Optional[float]:
@@ -67,7 +76,7 @@ def read_run(spec: RunSpec, study: Study) -> RunResult:
         for g in study.guardrails:
             guards[g.metric] = scalar(window.get(g.metric))
             if guards[g.metric] is None:
-                guards[g.metric] = final_window_value(spec.run_dir, g.metric, 10)
+                guards[g.metric] = final_window_value(spec.run_dir, g.metric, spec.final_window)
     elif study.guardrails:
         guards = {g.metric: None for g in study.guardrails}
     attempt = last_attempt(spec.run_dir)

@@ -20,9 +20,11 @@ from rich.table import Table
 from experiments.launch import StudyBusy, is_locked, launch
 from experiments.plan import expand, study_dir
 from experiments.rundir import (COMPLETED, FAILED, last_attempt, scalar, state, tail_metrics)
-from experiments.study import load_study
+from experiments.study import StudyError, load_study
 
-EXIT_OK, EXIT_RUNS_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
+from rlhf.train import EXIT_CONFIG, EXIT_OK  # noqa: E402  (the engine's codes; 2 means bad input everywhere)
+
+EXIT_RUNS_FAILED, EXIT_INTERRUPTED = 1, 130
 
 
 def _planned(args: Namespace):
@@ -131,9 +133,13 @@ def cmd_status(args: Namespace, console: Console) -> int:
 
 
 def cmd_report(args: Namespace, console: Console) -> int:
-    """Rewrites aggregate.json, report.md and plots from the run dirs of the last launch."""
+    """Rewrites aggregate.json, report.md and plots from the run dirs of the last launch; with
+    --wandb also the study's W&B Report (created when W&B is online, else its definition saved
+    for --publish)."""
     from experiments.report import write_report
     study = load_study(args.study, args.bindings)
+    if getattr(args, "publish", False):
+        return publish_wandb_report(study, args, console)
     agg = write_report(study, study_dir(study, args.results))
     for name, v in agg.variants.items():
         mean = f"{v.summary.mean:.4g}" if v.summary.mean is not None else "–"
@@ -141,7 +147,51 @@ def cmd_report(args: Namespace, console: Console) -> int:
                       f"{' (underpowered)' if v.underpowered else ''}{' (fragile)' if v.fragile else ''}"
                       f"{'' if v.guardrails_ok else ' [guardrail violated]'}", highlight=False)
     console.print(f"{decision_line(agg)}; report: {study_dir(study, args.results) / 'report.md'}", highlight=False)
+    if getattr(args, "wandb", False):
+        from experiments.wandb_report import DEFINITION, build_report, save_definition
+        from experiments.wandb_sink import logged_in, wandb_mode
+        path = save_definition(build_report(agg, study_dir(study, args.results), study.wandb_project or study.name,
+                                            resume_from=study.resume_from), study_dir(study, args.results) / DEFINITION)
+        if wandb_mode() == "online" and logged_in():
+            status = publish_wandb_report(study, args, console)
+            if status != EXIT_OK:
+                return status
+        else:
+            console.print(f"W&B is offline: saved the W&B Report's definition to {path}; create it once logged in "
+                          f"with: python -m experiments report {args.study} --wandb --publish", highlight=False,
+                          soft_wrap=True)
     return EXIT_OK if agg.decision.chosen is not None else EXIT_RUNS_FAILED
+
+
+def publish_wandb_report(study, args: Namespace, console: Console) -> int:
+    """Creates the study's W&B Report from its saved definition (`report --wandb` wrote it)."""
+    import os
+    from experiments.wandb_report import DEFINITION, default_entity, load_definition
+    from experiments.wandb_sink import logged_in
+    path = study_dir(study, args.results) / DEFINITION
+    if not path.is_file():
+        raise StudyError(f"{path} not found: run `python -m experiments report {args.study} --wandb` first")
+    if not logged_in():
+        raise StudyError("W&B: not logged in (no WANDB_API_KEY, no `wandb login`): log in, then --publish again")
+    try:
+        entity = getattr(args, "entity", None) or os.environ.get("WANDB_ENTITY") or default_entity()
+        report = load_definition(path, entity=entity).save()
+    except Exception as err:  # noqa: BLE001 - the server's answer, in one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        console.print(f"error: W&B Report not created ({first}); its definition stays in {path}", highlight=False)
+        return EXIT_RUNS_FAILED
+    console.print(f"W&B Report: {report.url}", highlight=False)
+    return EXIT_OK
+
+
+def add_report_arguments(parser: ArgumentParser) -> None:
+    parser.add_argument("--wandb", action="store_true",
+                        help="also the study's W&B Report: created when W&B is online, else its definition saved to "
+                             "RESULTS/<study>/wandb_report.json")
+    parser.add_argument("--publish", action="store_true",
+                        help="create the W&B Report from the saved definition (needs a W&B login)")
+    parser.add_argument("--entity", default=None, help="the W&B entity of the report (default: WANDB_ENTITY, "
+                                                       "else your default entity)")
 
 
 def add_run_arguments(parser: ArgumentParser) -> None:

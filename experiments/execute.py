@@ -14,6 +14,7 @@ import ctypes
 import datetime as dt
 import os
 import platform
+import re
 import signal
 import socket
 import subprocess
@@ -26,6 +27,8 @@ from experiments.rundir import (DETERMINISTIC_FAILURES, EXIT_CONFIG, EXIT_DIVERG
                                 read_json, read_record, write_json)
 
 STDERR_TAIL = 2000
+CAUSE_SEARCH = 64_000
+"""Bytes of a failed attempt's stderr searched for its exception (a traceback can be long)."""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -66,6 +69,8 @@ def _wandb_streamer(spec: dict, manager: dict):
     and its failures never reach the run."""
     try:
         from experiments.wandb_sink import RunDirStreamer, run_for_spec, wandb_mode
+        if manager.get("wandb_mode"):  # the manager's choice (e.g. offline: online without a login)
+            os.environ["WANDB_MODE"] = manager["wandb_mode"]
         if wandb_mode() == "disabled":
             return _NoStreamer()
         run = run_for_spec(spec, operative_flat(spec.get("operative_config", "")), manager.get("wandb_dir"),
@@ -101,8 +106,30 @@ def _tail(path: Path, limit: int = STDERR_TAIL) -> str:
         return ""
 
 
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure|Warning)|"
+                             r"[A-Za-z_][\w.]*\.[A-Z]\w*)(?::\s?(.*))?$")
+
+
+def failure_cause(stderr: str) -> str:
+    """What a failed engine said about its failure: its own one-line `error: ...`, else the
+    exception (type and message) its last traceback ends with, else its last stderr line.
+    Lines printed after the traceback (a library's shutdown warnings) are not the cause."""
+    lines = [line.rstrip() for line in stderr.strip().splitlines()]
+    own = [line for line in lines if line.startswith("error: ")]
+    if own:
+        return own[-1][len("error: "):]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if starts:
+        for line in lines[starts[-1] + 1:]:
+            if line and not line[0].isspace():
+                m = _EXCEPTION_LINE.match(line)
+                if m:
+                    return line
+    return lines[-1] if lines else ""
+
+
 def describe_failure(exit_code: Optional[int], stderr_tail: str) -> str:
-    last = stderr_tail.strip().splitlines()[-1] if stderr_tail.strip() else ""
+    last = failure_cause(stderr_tail)
     if exit_code == EXIT_DIVERGED:
         return f"diverged (exit 3): {last}"
     if exit_code == EXIT_CONFIG:
@@ -135,8 +162,12 @@ def merge_provenance(run_dir: Path, spec: dict, record: dict, manager: dict) -> 
     prov["manager"] = {
         **manager,
         "study": spec["study"], "variant": spec["variant"], "seed": spec["seed"],
-        "run_hash": spec["run_hash"], "config_sha256": spec["config_hash"],
-        "code_version": spec["code_version"], "data_sha256": spec["data_hash"],
+        # One name per meaning (README, "Provenance"): the engine's own fields say what ran
+        # (config_sha256 of the full operative config, data_sha256 = the plan's data hash,
+        # start_checkpoint_sha256, git);
+        # the manager's say how the run was identified and planned.
+        "run_hash": spec["run_hash"], "config_sha256_without_placement": spec["config_hash"],
+        "engine_code": spec["code_version"],
         "init_from": spec["init_from"], "init_from_sha256": spec["init_from_hash"],
         "changes_from_baseline": spec["changes"],
         "engine_command": attempts[-1].get("command"),
@@ -205,7 +236,7 @@ def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: st
             exit_code = None
             streamer.close(1)
     seconds = time.monotonic() - start
-    stderr_tail = _tail(run_dir / "stderr.log")
+    stderr_tail = _tail(run_dir / "stderr.log", CAUSE_SEARCH)
     new_stderr = stderr_tail if stderr_start == 0 else stderr_tail.split(banner.strip())[-1].strip()
     entry.update(end=now(), seconds=round(seconds, 2), exit_code=exit_code,
                  interrupted=interrupted, stderr_tail=new_stderr[-STDERR_TAIL:] if exit_code else None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -105,18 +106,62 @@ def is_locked(study_dir: Path) -> bool:
         os.close(fd)
 
 
-def _init_ray(address: Optional[str], num_cpus: Optional[int], num_gpus: Optional[float]) -> bool:
-    """Joins `address` (or RAY_ADDRESS) or starts a local instance; True if we started one."""
+def _init_ray(address: Optional[str], num_cpus: Optional[int], num_gpus: Optional[float]) -> Optional[object]:
+    """Joins `address` (or RAY_ADDRESS) or starts a local instance. Returns None when it joined
+    (or Ray was already up), else the watchdog process that ties the local instance's daemons to
+    this process's life (experiments/watchdog.py): stop it with `_stop_ray`."""
     import ray
     if ray.is_initialized():
-        return False
+        return None
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
     if address:
         ray.init(address=address, **kwargs)
-    else:  # 'local': a private instance, even when other Ray clusters run on this machine
-        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
-    return True
+        return None
+    # 'local': a private instance, even when other Ray clusters run on this machine
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+    return subprocess.Popen([sys.executable, "-m", "experiments.watchdog", str(os.getpid())],
+                            cwd=str(REPO_ROOT), start_new_session=True, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _stop_ray(watchdog) -> None:
+    import ray
+    ray.shutdown()
+    if watchdog is not None:
+        watchdog.terminate()
+        watchdog.wait()
+
+
+def check_writable(study_path: Path, specs: List[RunSpec]) -> None:
+    """The study's results dir (and every existing run dir) can be written, or a StudyError
+    naming the path: found before Ray starts, not as a PermissionError inside a Ray task."""
+    try:
+        study_path.mkdir(parents=True, exist_ok=True)
+        probe = study_path / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise StudyError(f"--results: cannot write {err.filename or study_path} ({err.strerror or err}); "
+                         f"give a writable results directory") from None
+    for spec in specs:
+        run_dir = Path(spec.run_dir)
+        if run_dir.exists() and not os.access(run_dir, os.W_OK | os.X_OK):
+            raise StudyError(f"run dir {run_dir} is not writable; fix its permissions or move it away")
+
+
+def wandb_fallback(display: StudyDisplay) -> Optional[str]:
+    """The W&B mode the runs use. `WANDB_MODE=online` without a W&B login would drop every run's
+    data: say so once, here, and log offline instead (uploadable later with `wandb sync`)."""
+    from experiments.wandb_sink import logged_in, wandb_mode
+    mode = wandb_mode()
+    if mode == "online" and not logged_in():
+        display.console.print("warning: W&B: WANDB_MODE=online but this machine is not logged in to W&B (no "
+                              "WANDB_API_KEY, no `wandb login`): the runs log offline instead; after `wandb login`, "
+                              "upload them with `wandb sync RESULTS/wandb/wandb/offline-run-*`",
+                              highlight=False, markup=False, soft_wrap=True)
+        return "offline"
+    return mode
 
 
 def _check_resources(study: Study) -> None:
@@ -152,6 +197,7 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
     cache_dir = cache_dir or os.environ.get("RLHF_CACHE") or str(REPO_ROOT / ".cache" / "rlhf")
     result = LaunchResult()
     display = display or StudyDisplay(study.name, specs)
+    check_writable(study_path, specs)
     with StudyLock(study_path):
         write_json(study_path / "plan.json", {"study": study.name, "study_file": study.path,
                                                "runs": [s.to_json() for s in (recorded or specs)]})
@@ -168,13 +214,18 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
                     result.failed[s.key] = last_attempt(s.run_dir).get("error") or "failed"
         if not todo:
             return result
-        started_ray = _init_ray(ray_address, num_cpus, num_gpus)
+        wandb_mode = wandb_fallback(display)
+        if wandb_mode == "offline":  # a local Ray's workers inherit it; remote ones get it per task
+            os.environ["WANDB_MODE"] = "offline"
+        ray_was_up = ray.is_initialized()
+        watchdog = _init_ray(ray_address, num_cpus, num_gpus)
         try:
             _check_resources(study)
             manager = manager_fields(study_path.parent, argv)
             manager["ray_address"] = ray.get_runtime_context().gcs_address
             manager["wandb_project"] = study.wandb_project or study.name
             manager["wandb_dir"] = str(Path(results_dir).resolve() / "wandb")
+            manager["wandb_mode"] = wandb_mode
             task = ray.remote(execute)
             numerics_env = numerics.forwarded_env()
             attempts = {s.key: 0 for s in todo}
@@ -222,8 +273,8 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
                     result.interrupted = True
                     _cancel(refs, display)
         finally:
-            if started_ray:
-                ray.shutdown()
+            if not ray_was_up:
+                _stop_ray(watchdog)
     return result
 
 

@@ -17,10 +17,12 @@ import subprocess
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from rlhf.config import PLACEMENT_BINDINGS, ConfigError, flat_dict
+from rlhf.checkpoint import latest_checkpoint as engine_latest_checkpoint
+from rlhf.config import ConfigError, flat_dict
 from rlhf.configurable import resolve
 from rlhf.data import dataset_hash, load_task
 from rlhf.provenance import hash_directory
+from rlhf.train import without_placement
 
 from experiments.results import StudyAggregate
 from experiments.study import BASELINE, Study, StudyError, split_binding
@@ -55,6 +57,8 @@ class RunSpec:
     places its ranks in a Ray placement group of its own, on the manager's cluster)."""
     total_steps: int
     operative_config: str
+    final_window: int
+    """The run's `ppo.final_window`: steps a guardrail averages when summary.json lacks its metric."""
 
     @property
     def key(self) -> str:
@@ -80,7 +84,10 @@ def _engine_files() -> List[Path]:
 
 
 def code_version() -> dict:
-    """Git SHA, dirty flag, diff hash, and `engine_sha256`: the content of the engine's files."""
+    """The engine code a run executes: `engine_sha256` (the content of the engine's files,
+    committed or not: it enters the run hash), the git SHA, and `engine_dirty` / `engine_diff_sha256`
+    (uncommitted changes under rlhf/ only; the engine's own provenance `git.dirty` covers the
+    whole repository)."""
     h = hashlib.sha256()
     for p in _engine_files():
         h.update(str(p.relative_to(REPO_ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
@@ -88,8 +95,8 @@ def code_version() -> dict:
     diff = _git("diff", "HEAD", "--", *ENGINE_PATHS) if sha else None
     untracked = _git("ls-files", "--others", "--exclude-standard", "--", *ENGINE_PATHS) if sha else None
     return {"git_sha": sha.strip() if sha else None,
-            "dirty": bool((diff and diff.strip()) or (untracked and untracked.strip())) if sha else None,
-            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,
+            "engine_dirty": bool((diff and diff.strip()) or (untracked and untracked.strip())) if sha else None,
+            "engine_diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,
             "engine_sha256": h.hexdigest()}
 
 
@@ -98,13 +105,10 @@ def _sha(text: str) -> str:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
-    """`run_dir/checkpoints/step_N` with the highest N, or None."""
-    found = []
-    for p in (Path(run_dir) / "checkpoints").glob("step_*"):
-        suffix = p.name[len("step_"):]
-        if p.is_dir() and suffix.isdigit():
-            found.append((int(suffix), p))
-    return max(found)[1] if found else None
+    """The newest intact `run_dir/checkpoints/step_N`, or None: the engine's rule
+    (rlhf.checkpoint.latest_checkpoint, sizes checked against each checkpoint's manifest), so a
+    damaged checkpoint is never what a study resumes from or starts the next round with."""
+    return engine_latest_checkpoint(Path(run_dir) / "checkpoints", full=False)
 
 
 def resume_checkpoints(study: Study) -> Dict[int, str]:
@@ -177,11 +181,48 @@ def resolve_config(recipe: str, bindings: Sequence[str], where: str):
         raise StudyError(f"{where}: {err}") from None
 
 
-def _without_placement(operative: str) -> str:
-    """The operative config minus the bindings that say where a run executes (world size,
-    placement), which the engine guarantees do not change results: moving a study to more
-    ranks does not rerun it."""
-    return "\n".join(line for line in operative.splitlines() if not line.strip().startswith(PLACEMENT_BINDINGS))
+def _weights_gib(model_path: str) -> Optional[float]:
+    """The size of a local checkpoint's weight files (what vLLM loads), None when unknown."""
+    root = Path(model_path)
+    if not root.is_dir():
+        return None
+    files = list(root.glob("*.safetensors")) or list(root.glob("*.bin"))
+    return sum(f.stat().st_size for f in files) / 2**30 if files else None
+
+
+def _gpu_memory_gib() -> Optional[float]:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / 2**30
+    except Exception:  # noqa: BLE001 - no GPU here: the share check alone applies
+        pass
+    return None
+
+
+def check_gpu_share(study: Study, cfg, where: str) -> None:
+    """Runs that share a GPU (study.gpus_per_run < 1) with vLLM rollouts must fit their vLLM
+    engine in their share: vLLM takes `ppo.vllm_gpu_memory_utilization` of the whole GPU's
+    memory per engine, so k runs on one GPU need k times that, plus their trainers' memory.
+    Refused at planning with the numbers, rather than one run losing the race for memory."""
+    share = study.gpus_per_run
+    if not 0 < share < 1 or cfg.ppo.rollout_backend != "vllm":
+        return
+    runs_per_gpu = int(1 // share)
+    util = cfg.ppo.vllm_gpu_memory_utilization
+    if util >= share:
+        raise StudyError(
+            f"{where}: ppo.vllm_gpu_memory_utilization = {util:g} does not fit study.gpus_per_run = {share:g}: "
+            f"{runs_per_gpu} runs share each GPU and each vLLM engine reserves {util:g} of the GPU's memory "
+            f"({runs_per_gpu} x {util:g} = {runs_per_gpu * util:.2f}, plus the trainers); set "
+            f"ppo.vllm_gpu_memory_utilization below {share:g} (the trainer needs the rest of the share) or "
+            f"raise study.gpus_per_run")
+    weights, memory = _weights_gib(cfg.model.name_or_path), _gpu_memory_gib()
+    if weights is not None and memory is not None and util * memory < 1.2 * weights:
+        raise StudyError(
+            f"{where}: each run's vLLM budget, ppo.vllm_gpu_memory_utilization = {util:g} of {memory:.0f} GiB "
+            f"= {util * memory:.1f} GiB, cannot hold the model's weights ({weights:.1f} GiB) and a KV cache; "
+            f"raise study.gpus_per_run and ppo.vllm_gpu_memory_utilization together")
 
 
 def config_changes(base: dict, other: dict) -> dict:
@@ -205,7 +246,7 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
     base_flat = flat_dict(base_cfg)
     train, held_out = load_task(base_cfg.task)
     data_hashes = {json.dumps(dataclasses.asdict(base_cfg.task), sort_keys=True):
-                   _sha(dataset_hash(train) + dataset_hash(held_out))}
+                   dataset_hash(train + held_out)}
     specs = []
     for variant in study.all_variants:
         where = f"study.variants[{variant.name!r}]"
@@ -219,10 +260,11 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
                 if set(changes) != {key}:
                     raise StudyError(f"{where} changes {sorted(changes)}; a single-binding variant must "
                                      f"change only {key}")
+        check_gpu_share(study, var_cfg, where)
         task_key = json.dumps(dataclasses.asdict(var_cfg.task), sort_keys=True)
         if task_key not in data_hashes:
             tr, ho = load_task(var_cfg.task)
-            data_hashes[task_key] = _sha(dataset_hash(tr) + dataset_hash(ho))
+            data_hashes[task_key] = dataset_hash(tr + ho)
         for seed in study.seeds:
             init_from = starts.get(seed, "")
             managed = [f"ppo.seed = {seed}", f"ppo.torch_threads = {study.cpus_per_run}"]
@@ -230,7 +272,9 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
                 managed.append(f"ppo.init_from = {init_from!r}")
             bindings = (*study.baseline_bindings, *variant.bindings, *managed)
             cfg, operative = resolve_config(study.baseline_recipe, bindings, where)
-            config_hash = _sha(_without_placement(operative))
+            # Less the bindings that say where a run executes (the engine guarantees they do not
+            # change results): moving a study to more ranks does not rerun it.
+            config_hash = _sha(without_placement(operative))
             init_hash = start_hashes.get(init_from) if init_from else None
             run_hash = _sha(json.dumps({"config": config_hash, "code": code["engine_sha256"],
                                         "data": data_hashes[task_key], "init_from": init_hash},
@@ -241,8 +285,8 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
                 run_hash=run_hash, config_hash=config_hash, code_version=code,
                 data_hash=data_hashes[task_key], init_from=init_from, init_from_hash=init_hash,
                 cpus=study.cpus_per_run, gpus=study.gpus_per_run, placement=cfg.ppo.resolved_placement,
-                total_steps=cfg.ppo.total_steps,
-                operative_config=operative))
+                total_steps=cfg.ppo.total_steps, operative_config=operative,
+                final_window=cfg.ppo.final_window))
     return specs
 
 

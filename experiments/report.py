@@ -107,10 +107,25 @@ def render(agg: StudyAggregate) -> str:
         lines += [f"**Runs from different hardware:** {len(mixed)} machines ("
                   + "; ".join(f"{fp}: {', '.join(runs)}" for fp, runs in mixed.items())
                   + "). CPU numerics can differ across machines: compare variants run on the same one.", ""]
-    lines += ["## Decision table", "",
-              "| variant | change | n | mean | std | SE | median | IQM | 95% CI | difference [95% CI] | "
-              "p (Holm) | Hedges' g | P(improve) | MDE | seeds needed | verdict |",
-              "|" + "---|" * 16]
+    lines += ["## Decision table", "", *decision_table(agg), ""]
+    lines += explanations(agg)
+    lines += ["", "## Per-seed values", "", *per_seed_table(agg)]
+    if agg.guardrails:
+        lines += ["", "## Guardrails (final-window values)", "", *guardrail_table(agg)]
+    if agg.plots:
+        lines += ["", "## Curves (mean ± std over seeds)", ""]
+        lines += [f"![{stem}]({path})" for stem, path in agg.plots.items()]
+    lines += provenance_lines(agg)
+    if agg.adaptive:
+        lines.append(render_adaptive(agg.adaptive))
+    return "\n".join(lines) + "\n"
+
+
+def decision_table(agg: StudyAggregate) -> List[str]:
+    """The decision table (markdown): per variant its statistics, the comparison and the verdict."""
+    lines = ["| variant | change | n | mean | std | SE | median | IQM | 95% CI | difference [95% CI] | "
+             "p (Holm) | Hedges' g | P(improve) | MDE | seeds needed | verdict |",
+             "|" + "---|" * 16]
     for name, v in agg.variants.items():
         s, c = v.summary, v.comparison
         change = "; ".join(v.bindings) or "–"
@@ -123,7 +138,12 @@ def render(agg: StudyAggregate) -> str:
                      f"{_fmt(c.prob_improvement if c else None, 3)} | "
                      f"{_fmt(c.min_detectable_effect if c else None)} | "
                      f"{_fmt(c.seeds_needed if c else None)} | {_verdict_text(v)} |")
-    lines += [""]
+    return lines
+
+
+def explanations(agg: StudyAggregate) -> List[str]:
+    """One line per verdict: why, and with each seed left out when the verdict is fragile."""
+    lines = []
     for name, v in agg.variants.items():
         if v.explanation:
             line = f"- `{name}`: {v.verdict}: {v.explanation}"
@@ -131,27 +151,35 @@ def render(agg: StudyAggregate) -> str:
                 loo = ", ".join(f"without seed {s}: {x}" for s, x in v.robustness.leave_one_out.items())
                 line += f"; fragile ({loo})"
             lines.append(line + ".")
-    lines += ["", "## Per-seed values", "", "| variant | seed | status | value | steps | error |", "|---|---|---|---|---|---|"]
+    return lines
+
+
+def per_seed_table(agg: StudyAggregate) -> List[str]:
+    lines = ["| variant | seed | status | value | steps | error |", "|---|---|---|---|---|---|"]
     for name, v in agg.variants.items():
         for r in v.runs:
             lines.append(f"| {name} | {r.seed} | {r.status} | {_fmt(r.value)} | {_fmt(r.steps)} | "
                          f"{(r.error or '').replace('|', '/')[:160]} |")
-    if agg.guardrails:
-        lines += ["", "## Guardrails (final-window values)", "",
-                  "| variant | guardrail | per-seed values | violated seeds |", "|---|---|---|---|"]
-        for name, v in agg.variants.items():
-            for g in v.guardrails.values():
-                vals = ", ".join(f"{k}: {_fmt(x)}" for k, x in g.values.items()) or "–"
-                bad = ", ".join(map(str, g.violated_seeds)) or "none"
-                lines.append(f"| {name} | {g.bound} | {vals} | {'⚠ ' if not g.ok else ''}{bad} |")
-    if agg.plots:
-        lines += ["", "## Curves (mean ± std over seeds)", ""]
-        lines += [f"![{stem}]({path})" for stem, path in agg.plots.items()]
+    return lines
+
+
+def guardrail_table(agg: StudyAggregate) -> List[str]:
+    lines = ["| variant | guardrail | per-seed values | violated seeds |", "|---|---|---|---|"]
+    for name, v in agg.variants.items():
+        for g in v.guardrails.values():
+            vals = ", ".join(f"{k}: {_fmt(x)}" for k, x in g.values.items()) or "–"
+            bad = ", ".join(map(str, g.violated_seeds)) or "none"
+            lines.append(f"| {name} | {g.bound} | {vals} | {'⚠ ' if not g.ok else ''}{bad} |")
+    return lines
+
+
+def provenance_lines(agg: StudyAggregate) -> List[str]:
+    lines: List[str] = []
     prov = agg.provenance or {}
     if prov:
         code = prov.get("code_version") or {}
         lines += ["", "## Provenance", "",
-                  f"- code: git {code.get('git_sha') or 'none'}{' (dirty)' if code.get('dirty') else ''}, "
+                  f"- code: git {code.get('git_sha') or 'none'}{' (engine files modified)' if code.get('engine_dirty', code.get('dirty')) else ''}, "
                   f"engine files sha256 {str(code.get('engine_sha256'))[:16]}",
                   f"- recipe: {prov.get('recipe')}; data sha256: {', '.join(h[:16] for h in prov.get('data_sha256', []))}"]
         if prov.get("init_from"):
@@ -163,9 +191,7 @@ def render(agg: StudyAggregate) -> str:
         if prov.get("manager_command"):
             lines.append("- command: `" + " ".join(prov["manager_command"]) + "`")
         lines.append("- each run dir holds config.gin, provenance.json (full), metrics.jsonl, summary.json")
-    if agg.adaptive:
-        lines.append(render_adaptive(agg.adaptive))
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def render_adaptive(adaptive: dict) -> str:

@@ -18,9 +18,9 @@ from typing import Dict, Iterator, Optional
 
 from experiments.plan import RunSpec, latest_checkpoint
 
+from rlhf.train import EXIT_CONFIG, EXIT_DIVERGED  # noqa: E402  (the engine owns its exit codes)
+
 RECORD = "run.json"
-EXIT_DIVERGED = 3
-EXIT_CONFIG = 2
 DETERMINISTIC_FAILURES = (EXIT_CONFIG, EXIT_DIVERGED)
 """Exit codes that a retry would only repeat: a bad configuration and a diverged loss."""
 

@@ -29,15 +29,17 @@ def wandb_mode() -> str:
     mode = os.environ.get("WANDB_MODE", "").strip().lower()
     if mode in ("offline", "online", "disabled", "dryrun", "run"):
         return {"dryrun": "offline", "run": "online"}.get(mode, mode)
+    return "online" if logged_in() else "offline"
+
+
+def logged_in() -> bool:
+    """An API key is configured: WANDB_API_KEY, or a W&B host in ~/.netrc (what `wandb login` writes)."""
     if os.environ.get("WANDB_API_KEY"):
-        return "online"
+        return True
     try:
-        hosts = netrc.netrc().hosts
-        if any("wandb" in host for host in hosts):
-            return "online"
+        return any("wandb" in host for host in netrc.netrc().hosts)
     except (OSError, netrc.NetrcParseError):
-        pass
-    return "offline"
+        return False
 
 
 def _warn(message: str) -> None:

@@ -25,8 +25,9 @@ import shutil
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
-import torch
-from safetensors.torch import load_file, save_file
+# torch and safetensors load inside the functions that need them: verifying and listing checkpoints
+# (the experiment manager does it for every run of a study) stays light.
+
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
@@ -35,6 +36,7 @@ CORRUPT_PREFIX = "corrupt-"
 
 def optimizer_to_flat(sd: dict) -> tuple[Dict[str, torch.Tensor], dict]:
     """An optimizer state dict as safetensors tensors and JSON scalars."""
+    import torch
     tensors, scalars = {}, {}
     for idx, state in sd["state"].items():
         for key, value in state.items():
@@ -59,6 +61,7 @@ def optimizer_from_flat(tensors: Dict[str, torch.Tensor], meta: dict) -> dict:
 
 
 def rng_state() -> tuple[Dict[str, torch.Tensor], dict]:
+    import torch
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -68,6 +71,7 @@ def rng_state() -> tuple[Dict[str, torch.Tensor], dict]:
 
 
 def restore_rng(tensors: Dict[str, torch.Tensor], meta: dict) -> None:
+    import torch
     torch.set_rng_state(tensors["torch_cpu"])
     if torch.cuda.is_available():
         cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
@@ -182,6 +186,7 @@ def save_checkpoint(ckpt_root: str | Path, step: int, *, actor, critic, tokenize
                     keep: int) -> Path:
     """`actor` / `critic` (None without a critic): trained roles, in this process or proxies of Ray
     ranks (rlhf/roles/__init__.py `TrainedState`); their states arrive in the one-process layout."""
+    from safetensors.torch import save_file
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
@@ -222,11 +227,13 @@ def load_state(ckpt: str | Path) -> dict:
 
 def load_weights(module: torch.nn.Module, path: str | Path) -> None:
     """Loads safetensors weights strictly (names and shapes must match)."""
+    from safetensors.torch import load_file
     module.load_state_dict(load_file(str(path)), strict=True)
 
 
 def restore_training(ckpt: str | Path, *, actor, critic) -> dict:
     """Loads every piece of a checkpoint into the trained roles; returns the trainer state."""
+    from safetensors.torch import load_file
     ckpt = Path(ckpt)
     state = load_state(ckpt)
     actor_file = ckpt / "actor" / "model.safetensors"

@@ -13,6 +13,7 @@ from experiments.cli import main
 from experiments.plan import expand
 from experiments.results import Decision, GuardrailCheck, RunOutcome, StudyAggregate, VariantResult
 from experiments.study import StudyError, load_study
+from tests.experiments.conftest import fake_checkpoint
 from rlhf.configurable import RECIPES_DIR
 
 CONFIG_GIN = """# Parameters for ppo:
@@ -34,11 +35,7 @@ def synthetic_study(root: Path, name: str = "synth") -> Path:
     runs, plan = [], []
     for seed in (0, 1):
         run_dir = study_dir / "runs" / "baseline" / f"seed{seed}"
-        (run_dir / "checkpoints" / "step_20").mkdir(parents=True)
-        (run_dir / "checkpoints" / "step_20" / "actor").mkdir()
-        (run_dir / "checkpoints" / "step_20" / "actor" / "config.json").write_text("{}")
-        (run_dir / "checkpoints" / "step_20" / "actor" / "model.safetensors").write_bytes(b"weights")
-        (run_dir / "checkpoints" / "step_20" / "state.json").write_text('{"step": 20}')
+        fake_checkpoint(run_dir / "checkpoints" / "step_20")
         (run_dir / "config.gin").write_text(CONFIG_GIN)
         rng = np.random.default_rng(seed)
         with open(run_dir / "metrics.jsonl", "w") as f:

@@ -58,3 +58,20 @@ def test_study_file_with_an_include_cycle_is_one_line(capsys, tmp_path):
 def test_unknown_study_binding_names_the_close_one(capsys, tmp_path):
     err = one_line_error(capsys, ["plan", SMOKE, "-b", "study.metrc = 'eval/accuracy'", "--results", str(tmp_path)])
     assert "did you mean study.metric?" in err
+
+
+def test_unwritable_results_dir_is_one_line_before_ray(capsys, tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the results dir should be")
+    err = one_line_error(capsys, ["run", SMOKE, "-b", "ppo.total_steps = 1", "--results", str(blocker / "results")])
+    assert "--results: cannot write" in err and str(blocker) in err
+
+
+def test_vllm_runs_sharing_a_gpu_must_fit_their_share(capsys, tmp_path):
+    err = one_line_error(capsys, ["plan", SMOKE, "-b", "study.gpus_per_run = 0.25", "-b", "ppo.rollout_backend = 'vllm'",
+                                  "-b", "ppo.device = 'cuda'", "--results", str(tmp_path)])
+    assert "ppo.vllm_gpu_memory_utilization = 0.3 does not fit study.gpus_per_run = 0.25" in err
+    assert "4 runs share each GPU" in err
+    assert main(["plan", SMOKE, "-b", "study.gpus_per_run = 0.25", "-b", "ppo.rollout_backend = 'vllm'",
+                 "-b", "ppo.device = 'cuda'", "-b", "ppo.vllm_gpu_memory_utilization = 0.2",
+                 "--results", str(tmp_path)]) == 0

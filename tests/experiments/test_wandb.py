@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.wandb_offline import find_runs, read_run
+from tests.experiments.wandb_offline import find_runs, read_run
 from experiments.wandb_sink import RunDirStreamer, WandbRun, job_type_for
 from tests.conftest import REPO
 

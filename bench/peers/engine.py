@@ -1,0 +1,181 @@
+"""This engine on the peers' work, timed the same way (not a test).
+
+    python bench/peers/engine.py --assets DIR --algo grpo|ppo --placement local|colocated \
+        --json OUT.json [--warmup 1] [--steps 3] [-b BINDING]...
+
+--algo grpo: TRL's work (`bench/peers/trl_grpo.py`): 32 prompts x 8 samples, 256-token prompts,
+  256 new tokens, group-relative advantages (`ppo.adv_estimator = 'grpo'`, divided by the group's
+  std, no further whitening), KL to the reference as a loss term with the k3 estimator at 0.04
+  (TRL's beta), one optimizer step per generation batch (mini-batch 256), micro-batch 32, lr 1e-6.
+--algo ppo: verl's work (`bench/peers/verl_ppo.py`): 256 prompts x 256 new tokens, critic + GAE,
+  KL in the reward (k1, 0.05) so a reference model runs, mini-batches of 64, micro-batch 32.
+
+Both: the shared inputs of `bench/peers/common.py` (Qwen2.5-0.5B shape, random weights, the
+full-vocabulary tokenizer, prompts of exactly 256 tokens), vLLM rollouts at 0.3 of the GPU's
+memory, bf16, `ppo.torch_compile = True` (this engine's fast path; `-b 'ppo.torch_compile = False'`
+for eager). --placement local: every role in this process; colocated: Ray ranks (world size 1)
+sharing one GPU bundle (`ppo.offload_idle_models = False` by default: every model fits, as in TRL;
+pass `-b 'ppo.offload_idle_models = True'` for the offloading default). Each iteration's
+`timing_s/*` phases come from the engine; the JSON is rewritten after every iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+WORK = {
+    "grpo": dict(prompts_per_step=32, samples_per_prompt=8, prompt_tokens=256, max_new_tokens=256,
+                 mini_batch=256, micro_batch=32, kl="loss term, k3, 0.04", learning_rate=1e-6),
+    "ppo": dict(prompts_per_step=256, samples_per_prompt=1, prompt_tokens=256, max_new_tokens=256,
+                mini_batch=64, micro_batch=32, kl="in reward, k1, 0.05", actor_learning_rate=1e-6,
+                critic_learning_rate=5e-6),
+}
+
+
+def bindings(inputs: dict, algo: str, placement: str, tiny: bool = False) -> list[str]:
+    b = [
+        f"model.name_or_path = '{inputs['model_dir']}'", f"model.tokenizer_path = '{inputs['tokenizer_dir']}'",
+        "task.name = 'file'", f"task.train_path = '{inputs['prompts_jsonl']}'", "task.reward_fn = 'exact_match'",
+        "task.eval_size = 64", "task.eval_fraction = 0.1",
+        "ppo.device = 'cuda'", "ppo.dtype = 'bfloat16'", "ppo.rollout_backend = 'vllm'",
+        "ppo.vllm_gpu_memory_utilization = 0.3", "ppo.torch_compile = True",
+        "ppo.max_prompt_length = 256", "ppo.max_response_length = 256", "ppo.temperature = 1.0",
+        "ppo.num_rollout_batches = 1", "ppo.ppo_epochs = 1",
+        "ppo.eval_every = 100000", "ppo.save_every = 100000", "ppo.seed = 0",
+    ]
+    if algo == "grpo":
+        b += ["ppo.adv_estimator = 'grpo'", "ppo.rollout_micro_batch_size = 32", "ppo.samples_per_prompt = 8",
+              "ppo.grpo_normalize_std = True", "ppo.whiten_advantages = False",
+              "ppo.kl_mode = 'loss'", "ppo.kl_estimator = 'k3'", "ppo.kl_coef = 0.04", "ppo.adaptive_kl = False",
+              "ppo.mini_batch_size = 256", "ppo.micro_batch_size = 32", "ppo.actor_learning_rate = 1e-6",
+              "ppo.clip_range = 0.2", "ppo.loss_aggregation = 'token_mean'"]
+    else:
+        b += ["ppo.adv_estimator = 'gae'", "ppo.rollout_micro_batch_size = 256", "ppo.samples_per_prompt = 1",
+              "ppo.kl_mode = 'reward'", "ppo.kl_estimator = 'k1'", "ppo.kl_coef = 0.05", "ppo.adaptive_kl = False",
+              "ppo.gamma = 1.0", "ppo.lam = 1.0", "ppo.whiten_advantages = True",
+              "ppo.mini_batch_size = 64", "ppo.micro_batch_size = 32",
+              "ppo.actor_learning_rate = 1e-6", "ppo.critic_learning_rate = 5e-6",
+              "ppo.clip_range = 0.2", "ppo.value_clip_range = 0.5", "ppo.loss_aggregation = 'token_mean'"]
+    b += [f"ppo.placement = '{placement}'", "ppo.world_size = 1"]
+    if placement == "colocated":
+        b += ["ppo.offload_idle_models = False"]
+    if tiny:
+        b += ["ppo.device = 'cpu'", "ppo.dtype = 'float32'", "ppo.rollout_backend = 'hf'", "ppo.torch_compile = False",
+              "ppo.max_prompt_length = 16", "ppo.max_response_length = 8", "task.eval_size = 8"]
+        if algo == "grpo":
+            b += ["ppo.rollout_micro_batch_size = 4", "ppo.samples_per_prompt = 4", "ppo.mini_batch_size = 16",
+                  "ppo.micro_batch_size = 8"]
+        else:
+            b += ["ppo.rollout_micro_batch_size = 16", "ppo.mini_batch_size = 8", "ppo.micro_batch_size = 4"]
+    return b
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--assets", required=True, help="directory for the shared inputs (built if missing)")
+    p.add_argument("--algo", choices=("grpo", "ppo"), required=True)
+    p.add_argument("--placement", choices=("local", "colocated"), default="local")
+    p.add_argument("--json", required=True)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("-b", "--binding", action="append", default=[], help="extra gin bindings (last wins)")
+    p.add_argument("--variant", default=None, help="name in the JSON (default: the placement)")
+    p.add_argument("--tiny", action="store_true", help="tiny shape on the CPU, HF generate (smoke test)")
+    p.add_argument("--config-only", action="store_true", help="resolve and validate the bindings, then exit")
+    args = p.parse_args(argv)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    t0 = time.perf_counter()
+    inputs = common.build_inputs(args.assets, tiny=args.tiny)
+    common.check_assets(inputs)
+    all_bindings = bindings(inputs, args.algo, args.placement, args.tiny) + args.binding
+
+    from rlhf import configurable
+
+    recipe = str(common.REPO / "recipes" / "base" / "ppo.gin")
+    cfg, _ = configurable.resolve(recipe, all_bindings + [f"ppo.total_steps = {args.warmup + args.steps}"])
+    print(f"engine {args.algo} {args.placement}: rollout buffer {cfg.ppo.rollout_batch_size}, mini-batch "
+          f"{cfg.ppo.mini_batch_size}, micro-batch {cfg.ppo.micro_batch_size}, placement {cfg.ppo.resolved_placement}, "
+          f"critic {'yes' if cfg.ppo.adv_estimator == 'gae' else 'no'}", flush=True)
+    if args.config_only:
+        return 0
+
+    import torch
+
+    from rlhf.trainer import PPOTrainer
+
+    gpu = common.GPUMemorySampler().start()
+    root = str(Path(args.assets).resolve())
+    result = {
+        "system": "engine", "algorithm": args.algo, "variant": args.variant or args.placement,
+        "placement": args.placement, "command": common.command_line(argv),
+        "work": dict(WORK[args.algo], tiny=args.tiny),
+        "recipe": "recipes/base/ppo.gin",
+        "bindings": [b.replace(root, "$ASSETS") for b in all_bindings],
+        "versions": common.versions("gin-config"),
+        "steps": [],
+    }
+
+    def finish(partial: bool):
+        steps = result["steps"]
+        result.update(common.summarize([s["timing_s/step"] for s in steps], args.warmup))
+        timed = steps[args.warmup:]
+        if timed:
+            keys = sorted({k for s in timed for k in s if k.startswith("timing_s/")})
+            result["median_phases_s"] = {k.split("/", 1)[1]: statistics.median(s[k] for s in timed if k in s)
+                                         for k in keys}
+            result["tokens_per_s"] = statistics.median(s["perf/tokens_per_s"] for s in timed)
+            result["generated_tokens_per_s"] = statistics.median(s["perf/generated_tokens_per_s"] for s in timed)
+            result["response_length_mean"] = statistics.mean(s["response_length_mean"] for s in timed)
+            mem = [s["perf/max_memory_allocated_gb"] for s in timed if "perf/max_memory_allocated_gb" in s]
+            result["max_memory_allocated_gb"] = max(mem) if mem else None
+            used = [s.get("gpu_memory_used_peak_gb") for s in timed if s.get("gpu_memory_used_peak_gb")]
+            result["gpu_memory_used_peak_gb"] = max(used) if used else None
+        result["partial"] = partial
+        common.write_json(args.json, result)
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = PPOTrainer(cfg, out, log=lambda m: print(m, file=sys.stderr, flush=True))
+        result["setup_s"] = time.perf_counter() - t0
+        print(f"trainer ready in {result['setup_s']:.1f} s", flush=True)
+        try:
+            for i in range(args.warmup + args.steps):
+                if i == args.warmup:
+                    if torch.cuda.is_available():
+                        torch.cuda.reset_peak_memory_stats()
+                    gpu.reset()
+                trainer.step += 1
+                record = trainer.train_step()
+                keep = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+                keep["step"] = trainer.step
+                keep["gpu_memory_used_peak_gb"] = gpu.peak_gb
+                result["steps"].append(keep)
+                print(f"step {trainer.step}: {record['timing_s/step']:.2f} s", flush=True)
+                finish(partial=True)
+        finally:
+            close = getattr(trainer, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as err:  # the figures are written already
+                    print(f"close: {err!r}", file=sys.stderr)
+    gpu.stop()
+    finish(partial=False)
+    print(f"engine {args.algo} ({result['variant']}): median {result.get('median_step_s')} s per iteration over "
+          f"{result.get('timed_steps')}; wrote {args.json}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

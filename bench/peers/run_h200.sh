@@ -1,0 +1,91 @@
+#!/bin/bash
+# Runs the peer benchmarks and this engine on the same work on the lent H200, one part after the
+# other, each under its own time limit, all inside one device call (10 minutes at most).
+#
+#   bash bench/peers/run_h200.sh grpo     # TRL GRPOTrainer (no GC, GC) + engine GRPO (local, colocated)
+#   bash bench/peers/run_h200.sh ppo      # engine PPO (local, colocated) + verl main_ppo
+#   bash bench/peers/run_h200.sh smoke    # imports and inputs only (seconds)
+#
+# Needs /tmp/site (Ray + vLLM carry, ../../../shared/device/README.md) with the peers' wheels
+# installed by bench/peers/install_carry.sh (TRL into /tmp/site, verl into /tmp/site-verl).
+# Writes $OUT/peers/*.json (one per system and variant, each rewritten after every step, so a part
+# cut by its limit keeps the steps it finished), their logs, and $OUT/peers/peers_h200.md.
+# Each part runs under `timeout` with the budget written beside it below (seconds; override with
+# PEERS_BUDGET_<PART>=..., e.g. PEERS_BUDGET_VERL_PPO=300), cut to what is left of PEERS_TOTAL_S
+# (default 575) for the whole call; a part with under 30 s left is skipped and says so.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+MODE=${1:?usage: run_h200.sh grpo|ppo|smoke}
+OUT=${OUT:-/tmp/peers-out}
+R=$OUT/peers
+mkdir -p "$R"
+ASSETS=${PEERS_ASSETS:-/tmp/peer-assets}
+TOTAL=${PEERS_TOTAL_S:-575}
+START=$(date +%s)
+export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+  WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0 PYTHONUNBUFFERED=1
+
+log() { echo "[peers $(( $(date +%s) - START ))s] $*"; }
+
+# Fail fast: the machine may have been replaced (empty /tmp).
+python3 -c "import ray, vllm, trl, datasets; print('ray', ray.__version__, 'vllm', vllm.__version__, 'trl', trl.__version__)" \
+  || { log "missing carry: /tmp/site lacks ray/vllm/trl (install the carry batches first)"; exit 3; }
+if [ "$MODE" = ppo ] || [ "$MODE" = smoke ]; then
+  PYTHONPATH=/tmp/site-verl:/tmp/site python3 -c "import verl, transformers, tensordict, hydra, transfer_queue; print('verl', verl.__version__, 'transformers', transformers.__version__)" \
+    || log "verl site incomplete: the verl part will fail (see its log)"
+fi
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$R/gpu.txt"
+
+# Shared inputs once (model with random weights, full-vocabulary tokenizer, prompts).
+python3 -c "
+import sys; sys.path.insert(0, 'bench/peers'); import common
+inputs = common.build_inputs('$ASSETS'); common.check_assets(inputs); print('inputs ready:', inputs)
+" || { log "building the inputs failed"; exit 4; }
+[ "$MODE" = smoke ] && { log "smoke done"; exit 0; }
+
+gpu_idle() {  # wait (up to 30 s) until the previous part's GPU memory is released
+  for _ in $(seq 30); do
+    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 | head -1)
+    [ "${used:-0}" -lt 2000 ] && return 0
+    sleep 1
+  done
+  log "GPU still holds ${used} MiB after the previous part"
+}
+
+part() {  # part NAME BUDGET_S [ENV=VAL ...] -- COMMAND...
+  local name=$1 budget=$2; shift 2
+  local envs=()
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  local var="PEERS_BUDGET_${name^^}"; budget=${!var:-$budget}
+  local left=$(( TOTAL - ($(date +%s) - START) - 5 ))
+  [ "$left" -lt "$budget" ] && budget=$left
+  if [ "$budget" -lt 30 ]; then log "$name: skipped (no time left)"; echo "{\"part\": \"$name\", \"skipped\": \"no time left in the call\"}" > "$R/$name.skipped.json"; return; fi
+  gpu_idle
+  log "$name: start (limit ${budget}s): ${envs[*]} $*"
+  local t0=$(date +%s)
+  env "${envs[@]}" PEERS_PART_LIMIT_S="$budget" setsid timeout -k 15 "$budget" "$@" > "$R/$name.log" 2>&1 &
+  local pid=$!
+  wait $pid; local rc=$?
+  kill -- -$pid 2>/dev/null  # whatever the part left in its process group
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then log "$name: stopped at its limit"; fi
+  log "$name: rc=$rc in $(( $(date +%s) - t0 ))s; tail:"; tail -n 4 "$R/$name.log"
+  if [ "${RAY_PART:-0}" = 1 ]; then python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1; fi
+}
+
+case "$MODE" in
+  grpo)
+    part trl_grpo_no_gc 150 -- python3 bench/peers/trl_grpo.py --assets "$ASSETS" --json "$R/trl_grpo_no_gc.json"
+    part engine_grpo_local 150 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo grpo --placement local --json "$R/engine_grpo_local.json"
+    part trl_grpo_gc 130 -- python3 bench/peers/trl_grpo.py --assets "$ASSETS" --json "$R/trl_grpo_gc.json" --gradient-checkpointing
+    RAY_PART=1 part engine_grpo_colocated 170 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo grpo --placement colocated --json "$R/engine_grpo_colocated.json"
+    ;;
+  ppo)
+    part engine_ppo_local 150 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement local --json "$R/engine_ppo_local.json"
+    RAY_PART=1 part verl_ppo 270 PYTHONPATH=/tmp/site-verl:/tmp/site -- python3 bench/peers/verl_ppo.py --assets "$ASSETS" --json "$R/verl_ppo.json"
+    RAY_PART=1 part engine_ppo_colocated 170 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement colocated --json "$R/engine_ppo_colocated.json"
+    ;;
+  *) echo "unknown part $MODE"; exit 2 ;;
+esac
+
+python3 bench/peers/make_table.py "$R" --out "$R/peers_h200.md" && cat "$R/peers_h200.md"
+log "done"

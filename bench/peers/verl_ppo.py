@@ -1,0 +1,241 @@
+"""Peer benchmark: verl's PPO (`verl.trainer.main_ppo`, FSDP + vLLM, one GPU, critic) (not a test).
+
+    python bench/peers/verl_ppo.py --assets DIR --json OUT.json [--warmup 1] [--steps 3] \
+        [--trainer v1|v0] [--timeout 480] [--config-only] [extra hydra overrides...]
+
+The work (the same as `bench/peers/engine.py --algo ppo`): 256 prompts x 256 new tokens per
+step, prompts of exactly 256 tokens (the shared inputs of `bench/peers/common.py`, written as
+verl's parquet: `prompt` as chat messages, a content-only chat template), GAE with a critic
+(gamma 1, lambda 1), KL in the reward (k1, fixed 0.05) so the reference model runs, mini-batches
+of 64, micro-batches of 32, one PPO epoch, lr 1e-6 (actor) / 5e-6 (critic), bf16 rollouts in vLLM
+at 0.3 of the GPU's memory, FSDP actor/critic/reference in one hybrid-engine worker group.
+
+verl runs as its own process (`python -m verl.trainer.main_ppo` with the overrides below, the
+exact line is in the JSON); its per-step metrics (verl's `timing_s/*`, `perf/*`) come from its
+file logger (`trainer.logger=[console,file]`, VERL_FILE_LOGGER_PATH), medians over the steps after
+`--warmup`. The device's peak memory in use is sampled here (NVML / nvidia-smi).
+
+Choices forced by the GPU machine (recorded in the JSON as `handicaps`): no flash-attn wheel
+there, so `attn_implementation=sdpa` and `use_remove_padding=False` (verl's padding-free path
+needs flash_attn's varlen kernels); gradient checkpointing off (this engine does not checkpoint).
+verl 0.9.1 pins transformers < 5.11 (its vllm extra: 5.9.0) and transformers 5.9 checks for
+tokenizers <= 0.23.0, so both travel in the verl site (`run_h200.sh` puts it first on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+WORK = dict(prompts_per_step=256, samples_per_prompt=1, prompt_tokens=256, max_new_tokens=256, mini_batch=64,
+            micro_batch=32, kl="in reward, k1, 0.05", actor_learning_rate=1e-6, critic_learning_rate=5e-6)
+
+REWARD_PY = '''\
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """A free rule reward, as in the other peers: exact match of the stripped response."""
+    return float(solution_str.strip() == ground_truth)
+'''
+
+
+def overrides(inputs: dict, files: dict, steps: int, trainer: str) -> list[str]:
+    m = inputs["model_dir"]
+    return [
+        # data
+        f"data.train_files={files['train']}", f"data.val_files={files['val']}",
+        "data.train_batch_size=256", "data.max_prompt_length=256", "data.max_response_length=256",
+        "data.filter_overlong_prompts=False", "data.truncation=error", "data.dataloader_num_workers=0",
+        "data.shuffle=True", "data.seed=0",
+        # algorithm: GAE + critic, KL in the reward so the reference model runs
+        "algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=1.0",
+        "algorithm.use_kl_in_reward=True", "algorithm.kl_penalty=kl", "algorithm.kl_ctrl.type=fixed",
+        "algorithm.kl_ctrl.kl_coef=0.05",
+        # actor / rollout / reference
+        f"actor_rollout_ref.model.path={m}", f"actor_rollout_ref.model.tokenizer_path={m}",
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        "actor_rollout_ref.actor.strategy=fsdp",
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=64", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+        "actor_rollout_ref.actor.ppo_epochs=1", "actor_rollout_ref.actor.clip_ratio=0.2",
+        "actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.3", "actor_rollout_ref.rollout.n=1",
+        "actor_rollout_ref.rollout.temperature=1.0", "actor_rollout_ref.rollout.max_num_seqs=256",
+        "actor_rollout_ref.rollout.max_model_len=512", "actor_rollout_ref.rollout.max_num_batched_tokens=8192",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=False",
+        # critic
+        f"critic.model.path={m}", f"critic.model.tokenizer_path={m}", "critic.model.use_remove_padding=False",
+        "+critic.model.override_config.attn_implementation=sdpa", "critic.model.enable_gradient_checkpointing=False",
+        "critic.optim.lr=5e-6", "critic.ppo_micro_batch_size_per_gpu=32", "critic.cliprange_value=0.5",
+        "critic.fsdp.param_offload=False", "critic.fsdp.optimizer_offload=False",
+        # reward: a rule function
+        f"reward.custom_reward_function.path={files['reward']}", "reward.custom_reward_function.name=compute_score",
+        "reward.num_workers=2",
+        # trainer
+        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", f"trainer.total_training_steps={steps}",
+        "trainer.total_epochs=1", "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save_freq=-1",
+        "trainer.critic_warmup=0", "trainer.logger=[console,file]", "trainer.project_name=peers",
+        "trainer.experiment_name=verl_ppo", f"trainer.default_local_dir={files['ckpt']}",
+        f"trainer.use_v1={'True' if trainer == 'v1' else 'False'}",
+        "ray_kwargs.ray_init.num_cpus=16",
+    ]
+
+
+def prepare(args) -> tuple[dict, dict]:
+    inputs = common.build_inputs(args.assets, tiny=False)
+    common.check_assets(inputs)
+    root = Path(args.assets) / "verl"
+    root.mkdir(parents=True, exist_ok=True)
+    prompts = common.prompt_texts(common.N_PROMPTS, inputs["prompt_tokens"], vocab_size=inputs["vocab_size"])
+    files = {"train": str(root / "train.parquet"), "val": str(root / "val.parquet"),
+             "reward": str(root / "reward.py"), "ckpt": str(root / "checkpoints"), "log": str(root / "metrics.jsonl")}
+    if not Path(files["train"]).is_file():
+        common.write_verl_parquet(files["train"], prompts)
+        common.write_verl_parquet(files["val"], prompts[:64])
+    Path(files["reward"]).write_text(REWARD_PY)
+    return inputs, files
+
+
+def compose_only(ovr: list[str]) -> None:
+    """Compose verl's Hydra config with the overrides and run verl's own validation (CPU, no Ray)."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=ovr)
+    OmegaConf.resolve(cfg)
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    print(f"verl config composed and validated: critic={need_critic(cfg)} reference={need_reference_policy(cfg)} "
+          f"train_batch_size={cfg.data.train_batch_size} mini={cfg.actor_rollout_ref.actor.ppo_mini_batch_size} "
+          f"attn={cfg.actor_rollout_ref.model.override_config.attn_implementation} v1={cfg.trainer.use_v1}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--assets", required=True)
+    p.add_argument("--json", required=True)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--trainer", choices=("v1", "v0"), default="v1",
+                   help="v1: verl's default trainer (needs TransferQueue); v0: the deprecated RayPPOTrainer")
+    p.add_argument("--timeout", type=float, default=float(os.environ.get("PEERS_PART_LIMIT_S", 495)) - 15,
+                   help="seconds before verl is stopped (default: run_h200.sh's limit for the part, less 15 s)")
+    p.add_argument("--config-only", action="store_true")
+    p.add_argument("extra", nargs="*", help="more hydra overrides (last wins)")
+    args = p.parse_args(argv)
+
+    inputs, files = prepare(args)
+    ovr = overrides(inputs, files, args.warmup + args.steps, args.trainer) + args.extra
+    if args.config_only:
+        compose_only(ovr)
+        return 0
+
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *ovr]
+    env = dict(os.environ, VERL_FILE_LOGGER_PATH=files["log"], WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0",
+               HYDRA_FULL_ERROR="1")
+    root = str(Path(args.assets).resolve())
+    result = {
+        "system": "verl", "algorithm": "ppo", "variant": f"fsdp_vllm_{args.trainer}",
+        "command": common.command_line(argv),
+        "verl_command": " ".join(shlex.quote(c.replace(root, "$ASSETS")) for c in cmd[1:]),
+        "work": WORK,
+        "handicaps": ["attn_implementation=sdpa, use_remove_padding=False (no flash-attn on the device)",
+                      "gradient checkpointing off (as this engine)"],
+        "versions": common.versions("verl", "tensordict", "hydra-core", "transferqueue", "tokenizers"),
+        "env": {k: os.environ.get(k) for k in ("PYTHONPATH", "VLLM_USE_FLASHINFER_SAMPLER")},
+    }
+    Path(files["log"]).unlink(missing_ok=True)
+    log_path = Path(args.json).with_suffix(".log")
+    gpu = common.GPUMemorySampler().start()
+    t0 = time.perf_counter()
+    print("running: " + result["verl_command"], flush=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(Path(args.assets)),
+                                start_new_session=True)
+        peaks = {}
+        try:
+            while proc.poll() is None and time.perf_counter() - t0 < args.timeout:
+                time.sleep(1.0)
+                n = _count_lines(files["log"])
+                if n not in peaks:  # the device's peak memory up to each logged step
+                    peaks[n] = gpu.peak_gb
+                    if n == args.warmup:
+                        gpu.reset()
+        finally:
+            if proc.poll() is None:
+                import signal
+                os.killpg(proc.pid, signal.SIGTERM)  # verl's own process group (and its Ray workers)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                result["stopped_after_s"] = args.timeout
+    gpu.stop()
+    result["returncode"] = proc.returncode
+    result["wall_s"] = time.perf_counter() - t0
+    steps = []
+    if Path(files["log"]).is_file():
+        for line in Path(files["log"]).read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            data = rec.get("data", {})
+            steps.append({"step": rec.get("step"), **{k: v for k, v in data.items() if isinstance(v, (int, float))}})
+    result["steps"] = steps
+    times = [s.get("timing_s/step") for s in steps if s.get("timing_s/step") is not None]
+    result.update(common.summarize(times, args.warmup))
+    timed = steps[args.warmup:]
+    if timed:
+        keys = sorted({k for s in timed for k in s if k.startswith("timing_s/")})
+        result["median_phases_s"] = {k.split("/", 1)[1]: statistics.median(s[k] for s in timed if k in s)
+                                     for k in keys}
+        thr = [s["perf/throughput"] for s in timed if "perf/throughput" in s]
+        result["tokens_per_s"] = statistics.median(thr) if thr else None  # verl: tokens per s per GPU (1 GPU)
+        lens = [s["response_length/mean"] for s in timed if "response_length/mean" in s]
+        result["response_length_mean"] = statistics.mean(lens) if lens else None
+        gen = result["median_phases_s"].get("gen")
+        if gen and lens:
+            result["generated_tokens_per_s"] = WORK["prompts_per_step"] * result["response_length_mean"] / gen
+        mem = [s[k] for s in timed for k in ("perf/max_memory_allocated_gb",) if k in s]
+        result["max_memory_allocated_gb"] = max(mem) if mem else None
+        result["gpu_memory_used_peak_gb"] = gpu.peak_gb
+    if not steps:
+        tail = log_path.read_text()[-6000:] if log_path.is_file() else ""
+        result["error"] = "verl logged no step; the end of its log:\n" + tail
+    common.write_json(args.json, result)
+    print(f"verl PPO: rc={proc.returncode}, {len(steps)} steps, median {result.get('median_step_s')} s; "
+          f"wrote {args.json} (log {log_path})", flush=True)
+    return 0 if steps else 1
+
+
+def _count_lines(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

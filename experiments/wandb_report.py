@@ -1,0 +1,124 @@
+"""A W&B Report for each tuning decision, built with `wandb-workspaces` (W&B's library for reports).
+
+    python -m experiments report STUDY.gin --wandb             # creates it when W&B is online
+    python -m experiments report STUDY.gin --wandb --publish   # creates a saved definition later
+
+The report holds the decision and its reason, the decision table, the per-seed values, one
+mean +- std panel per guide signal (a line per variant: the study's W&B runs grouped by their
+`variant` config, averaged with the standard deviation as the band), and the advisor's evidence:
+why this round tested what it tested (the rules that fired on the previous round) and what the
+rules say about this round's choice. Its run set is filtered to the study's runs (config
+`study` and `variant`), so it shows nothing else of the project.
+
+Offline (no login, `WANDB_MODE=offline`), the report's definition, the view spec W&B stores,
+is written to `RESULTS/<study>/wandb_report.json`; `--publish` reads it back and creates the
+report. Building and saving the definition need no server; only publishing does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+from experiments.results import StudyAggregate
+
+DEFINITION = "wandb_report.json"
+SIGNALS = ("reward_mean", "kl_divergence", "clip_fraction", "clip_fraction_lower", "clip_fraction_upper",
+           "response_length_mean", "rollout_success_rate", "eval/accuracy")
+"""The tuning guide's signals (and the held-out accuracy), each a panel."""
+
+
+def _advisor_markdown(agg: StudyAggregate, study_dir: Path, resume_from: str = "") -> str:
+    from experiments.advisor.advise import advise
+    from experiments.advisor.evidence import advice_lines
+    from experiments.advisor.window import AdviceError, load_window
+
+    lines: List[str] = []
+    if resume_from and (Path(resume_from) / "aggregate.json").is_file():
+        lines += ["**Why these variants** (the advisor on the previous round):", ""]
+        lines += advice_lines(Path(resume_from), agg)
+    try:
+        window = load_window(study_dir)
+    except AdviceError as err:
+        return "\n".join(lines + [f"Advisor on this round: not available ({err})."])
+    advice = advise(window)
+    lines += [f"**The advisor on this round's choice** `{window.variant}` (last {len(window.steps)} steps, "
+              f"{len(window.seeds)} seeds):", "", "| rule | change | evidence | why |", "|---|---|---|---|"]
+    for s in [*advice.warnings, *advice.changes]:
+        evidence = ", ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}"
+                             for k, v in s.evidence.items() if v is not None)
+        lines.append(f"| {s.rule} | {'flag' if s.is_warning else '`' + s.binding + '`'} | {evidence} | "
+                     f"{s.rationale} |")
+    lines += ["", f"Rules silent: {', '.join(advice.silent) or 'none'}."]
+    return "\n".join(lines)
+
+
+def build_report(agg: StudyAggregate, study_dir: str | Path, project: str, entity: str = "",
+                 resume_from: str = ""):
+    """The Report object for one study's decision (no server needed)."""
+    import wandb_workspaces.reports.v2 as wr
+    from wandb_workspaces import expr
+
+    from experiments.report import decision_table, explanations, per_seed_table
+
+    d = agg.decision
+    decision = f"**Decision: `{d.chosen}`**: {d.reason}." if d.chosen else f"**No decision**: {d.reason}."
+    notes = []
+    if agg.fragile_variants:
+        notes.append(f"Fragile verdicts (change when one seed is left out): {', '.join(agg.fragile_variants)}.")
+    if (agg.provenance or {}).get("hardware_mixed"):
+        notes.append(f"Runs come from {len(agg.provenance['hardware_mixed'])} different machines.")
+    runs = wr.Runset(entity=entity, project=project, name=f"{agg.study} runs",
+                     filters=expr.And(expr.Config("study") == agg.study, expr.Config("variant").isin(list(agg.variants))),
+                     groupby=["config.variant"])
+    panels = [wr.LinePlot(title=f"{metric} (mean ± std over seeds)", x="Step", y=[metric], groupby_aggfunc="mean",
+                          groupby_rangefunc="stddev", layout=wr.Layout(x=8 * (i % 3), y=6 * (i // 3), w=8, h=6))
+              for i, metric in enumerate(SIGNALS)]
+    blocks = [
+        wr.H1(text=f"Study {agg.study}: {d.chosen or 'no decision'}"),
+        wr.MarkdownBlock(text="\n\n".join([agg.description, decision,
+                                           f"Metric: {agg.metric_from} {agg.metric} ({agg.direction} is better); "
+                                           f"seeds {list(agg.seeds)}; alpha {agg.alpha:g}, Welch's t-test with Holm's "
+                                           f"correction.", *notes]).strip()),
+        wr.H2(text="Decision table"),
+        wr.MarkdownBlock(text="\n".join([*decision_table(agg), "", *explanations(agg)])),
+        wr.H2(text="Per-seed values"),
+        wr.MarkdownBlock(text="\n".join(per_seed_table(agg))),
+        wr.H2(text="Signals per variant"),
+        wr.PanelGrid(runsets=[runs], panels=panels),
+        wr.H2(text="The advisor's evidence"),
+        wr.MarkdownBlock(text=_advisor_markdown(agg, Path(study_dir), resume_from)),
+    ]
+    return wr.Report(project=project, entity=entity, title=f"{agg.study}: tuning decision",
+                     description=f"{agg.study}: {d.chosen or 'no decision'} ({d.reason})", blocks=blocks)
+
+
+def save_definition(report, path: str | Path) -> Path:
+    """Writes the report's view spec (what W&B stores) as JSON; needs no server."""
+    path = Path(path)
+    path.write_text(json.dumps(json.loads(report._to_model().model_dump_json(by_alias=True, exclude_none=True)),
+                               indent=1))
+    return path
+
+
+def load_definition(path: str | Path, entity: Optional[str] = None, project: Optional[str] = None):
+    """A saved definition back as a Report, with the entity (and project) it is to be created in."""
+    import wandb_workspaces.reports.v2 as wr
+    from wandb_workspaces.reports.v2 import internal
+
+    report = wr.Report._from_model(internal.ReportViewspec.model_validate_json(Path(path).read_text()))
+    if entity is not None:
+        report.entity = entity
+    if project is not None:
+        report.project = project
+    for block in report.blocks:
+        for runset in getattr(block, "runsets", ()):
+            runset.entity = report.entity
+            runset.project = report.project
+    return report
+
+
+def default_entity() -> str:
+    import wandb
+    return wandb.Api().default_entity

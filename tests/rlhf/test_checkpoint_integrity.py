@@ -1,0 +1,97 @@
+"""Checkpoints are verified before they are trusted: a manifest of sizes and sha256 is written
+with each one; a damaged latest checkpoint is skipped (and moved aside) and the run resumes from
+the newest intact one, to the same numbers as a run never interrupted."""
+
+import json
+import shutil
+
+from rlhf import checkpoint
+from rlhf.metrics import read_metrics
+from tests.conftest import run_train
+
+VOLATILE = ("timing_s/", "perf/")
+ARGS = ["recipes/tiny.gin", "-b", "ppo.total_steps = 6", "-b", "ppo.eval_every = 3", "-b", "ppo.save_every = 3",
+        "-b", "task.eval_size = 32", "--quiet"]
+
+
+def comparable(records):
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+def fake_checkpoint(root, step, payload=b"x" * 1000):
+    ckpt = root / f"step_{step}"
+    (ckpt / "actor").mkdir(parents=True)
+    (ckpt / "actor" / "model.safetensors").write_bytes(payload)
+    (ckpt / "state.json").write_text(json.dumps({"step": step}))
+    checkpoint.write_manifest(ckpt)
+    return ckpt
+
+
+def test_verify_catches_truncation_bitflips_and_missing_files(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 3)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"actor/model.safetensors", "state.json"}
+    assert checkpoint.verify_checkpoint(ckpt) is None
+    weights = ckpt / "actor" / "model.safetensors"
+    weights.write_bytes(b"x" * 500)
+    assert checkpoint.verify_checkpoint(ckpt, full=False) == \
+        "actor/model.safetensors has 500 bytes, the manifest says 1000"
+    weights.write_bytes(b"x" * 999 + b"y")
+    assert checkpoint.verify_checkpoint(ckpt, full=False) is None  # sizes alone cannot see this
+    assert "does not match its sha256" in checkpoint.verify_checkpoint(ckpt)
+    weights.unlink()
+    assert checkpoint.verify_checkpoint(ckpt) == "actor/model.safetensors is missing"
+
+
+def test_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path):
+    fake_checkpoint(tmp_path, 3)
+    newer = fake_checkpoint(tmp_path, 6)
+    (newer / "actor" / "model.safetensors").write_bytes(b"x" * 10)
+    logged, skipped = [], []
+    assert checkpoint.latest_checkpoint(tmp_path, log=logged.append, skipped=skipped) == tmp_path / "step_3"
+    assert skipped == [(newer, "actor/model.safetensors has 10 bytes, the manifest says 1000")]
+    assert logged == [f"checkpoint {newer} is damaged (actor/model.safetensors has 10 bytes, the manifest says "
+                      f"1000): skipped"]
+    moved = checkpoint.quarantine(newer)
+    assert moved.name == "corrupt-step_6" and not newer.exists()
+    assert [p.name for _, p in checkpoint.list_checkpoints(tmp_path)] == ["step_3"]
+
+
+def test_checkpoint_without_manifest_is_checked_by_reading_it(tmp_path):
+    from safetensors.torch import save_file
+    import torch
+    ckpt = tmp_path / "step_2"
+    (ckpt / "actor").mkdir(parents=True)
+    save_file({"w": torch.zeros(64)}, str(ckpt / "actor" / "model.safetensors"))
+    (ckpt / "state.json").write_text('{"step": 2}')
+    assert checkpoint.verify_checkpoint(ckpt) is None
+    data = (ckpt / "actor" / "model.safetensors").read_bytes()
+    (ckpt / "actor" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert checkpoint.verify_checkpoint(ckpt).startswith("actor/model.safetensors is unreadable")
+
+
+def test_resume_skips_a_truncated_latest_checkpoint_and_matches_an_uninterrupted_run(tmp_path):
+    whole = tmp_path / "whole"
+    run_train([*ARGS, "--out", whole])
+    step6 = whole / "checkpoints" / "step_6"
+    assert checkpoint.verify_checkpoint(step6) is None
+    expected = comparable(read_metrics(whole / "metrics.jsonl"))
+
+    # The same run, its latest checkpoint cut in half after it was written.
+    out = tmp_path / "damaged"
+    shutil.copytree(whole, out)
+    weights = out / "checkpoints" / "step_6" / "actor" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    (out / "summary.json").unlink()
+    proc = run_train([*ARGS, "--out", out, "--resume"])
+    assert "skipped damaged checkpoint" in proc.stderr and "step_6" in proc.stderr
+    assert f"resuming from {out / 'checkpoints' / 'step_3'}" in proc.stderr
+    assert comparable(read_metrics(out / "metrics.jsonl")) == expected
+    assert json.loads((out / "summary.json").read_text())["final"] == \
+        json.loads((whole / "summary.json").read_text())["final"]
+    # The damaged files were moved aside, the rewritten step_6 is intact: a second resume trusts it.
+    assert (out / "checkpoints" / "corrupt-step_6").is_dir()
+    assert checkpoint.verify_checkpoint(out / "checkpoints" / "step_6") is None
+    proc = run_train([*ARGS, "--out", out, "--resume"])
+    assert "skipped damaged checkpoint" not in proc.stderr
+    assert comparable(read_metrics(out / "metrics.jsonl")) == expected
