@@ -72,7 +72,7 @@ def test_fixed_threads_pins_and_restores(monkeypatch):
 
 
 def test_ray_ranks_receive_the_numerics_settings(monkeypatch):
-    from rlhf.placement.cluster import rank_env
+    from rlhf.distributed.placement import rank_env
     monkeypatch.setenv("MKL_CBWR", "COMPATIBLE,STRICT")
     monkeypatch.setenv("RLHF_NUMERICS", "portable")
     env = rank_env()
