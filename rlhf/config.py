@@ -61,17 +61,23 @@ class PPOConfig:
 
     # --- rollout: the guide's parameters ---
     rollout_micro_batch_size: int = 16
-    """Prompts per generation call."""
+    """Prompts per generation call (responses: this x samples_per_prompt). The guide: 8-64, start at
+    16; too small wastes the GPU on launch overhead, too large runs out of memory on long contexts
+    (tune for 85-92% GPU memory)."""
     num_rollout_batches: int = 4
-    """Generation calls per PPO iteration; their union is the rollout buffer."""
+    """Generation calls per PPO iteration; their union is the rollout buffer. The guide: 4-32 (8 or
+    16); too few update on tiny data, too many make the critic stale."""
     samples_per_prompt: int = 1
     """Responses sampled per prompt (GRPO needs >= 2)."""
     max_prompt_length: int = 32
-    """Prompt tokens kept (longer prompts are cut from the left)."""
+    """Prompt tokens kept (longer prompts are cut from the left). The guide: >= 1024 for dialogue."""
     max_response_length: int = 8
-    """Generated tokens at most; a response that reaches it without EOS is truncated."""
+    """Generated tokens at most; a response that reaches it without EOS is truncated. The guide: 512
+    (dialogue), 256 (summaries), 768 (code); memory grows about quadratically with it."""
     temperature: float = 1.0
+    """Sampling temperature of rollouts (> 0; 1 samples the policy as it is)."""
     top_p: float = 1.0
+    """Nucleus sampling of rollouts: the smallest set of tokens whose probability reaches top_p (1 disables)."""
     top_k: int = 0
     """0 disables top-k filtering."""
     rollout_backend: str = "hf"
@@ -97,15 +103,23 @@ class PPOConfig:
 
     # --- optimisation ---
     actor_learning_rate: float = 2e-6
+    """Adam learning rate of the actor (the policy). The guide: 1e-6 - 5e-6 (2e-6 for a 7B model); a
+    sawtooth reward (rise then crash) says lower it. Small models need far more (recipes/models/tiny.gin)."""
     critic_learning_rate: float = 1e-5
+    """Adam learning rate of the critic (the value model). The guide: 5e-6 - 1e-5, 2-3x the actor's,
+    never more than 3x; a long flat reward says raise it."""
     lr_warmup_steps: int = 0
     """Optimizer steps of linear warmup."""
     lr_schedule: str = "constant"
     """'constant', 'linear' or 'cosine' decay after warmup (over the whole run)."""
     weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay of both optimizers, per step x learning rate (0 disables)."""
     adam_beta1: float = 0.9
+    """Adam's decay of the first moment (the gradient's running mean)."""
     adam_beta2: float = 0.95
+    """Adam's decay of the second moment (the squared gradient's running mean)."""
     adam_eps: float = 1e-8
+    """Adam's epsilon, added to the second moment's square root."""
     max_grad_norm: float = 1.0
     """Gradient norm clipping (0 disables)."""
     ppo_epochs: int = 1
@@ -122,7 +136,8 @@ class PPOConfig:
 
     # --- losses ---
     clip_range: float = 0.2
-    """PPO ratio clip half-width: ratios are clipped to [1 - c, 1 + c]."""
+    """PPO ratio clip half-width: ratios are clipped to [1 - c, 1 + c]. The guide: 0.1-0.2 (0.1 for
+    7B+); more than 40% of tokens clipped says raise it, under 5% lower it."""
     dual_clip: float = 0.0
     """Dual-clip constant c > 1 bounding the loss for negative advantages (0 disables)."""
     value_clip_range: float = 0.2
@@ -134,7 +149,8 @@ class PPOConfig:
 
     # --- KL to the reference policy ---
     kl_coef: float = 0.05
-    """Weight of KL(actor || reference); the initial value when adaptive."""
+    """Weight of KL(actor || reference) per token; the initial value when adaptive. The guide:
+    0.01-0.2 (PPO 0.05-0.1); too big: stiff, repeats prompts; too small: reward hacking."""
     kl_estimator: str = "k1"
     """Per-token estimator: 'k1' (log-ratio), 'k2' (squared half), 'k3' (Schulman's unbiased)."""
     kl_mode: str = "reward"
@@ -142,6 +158,7 @@ class PPOConfig:
     adaptive_kl: bool = False
     """Adapt kl_coef toward kl_target (Ziegler et al. controller)."""
     kl_target: float = 0.05
+    """Adaptive KL: the per-token KL (nats) the controller steers toward."""
     kl_horizon: int = 1000
     """Samples over which the adaptive controller moves kl_coef."""
 
@@ -149,8 +166,11 @@ class PPOConfig:
     adv_estimator: str = "gae"
     """'gae' (critic + GAE) or 'grpo' (critic-free, group-relative baseline)."""
     gamma: float = 1.0
+    """Discount of per-token rewards in GAE (1: none, the usual choice for language)."""
     lam: float = 0.95
+    """GAE's lambda: 1 is the Monte-Carlo return, 0 the one-step TD error."""
     whiten_advantages: bool = True
+    """Normalise advantages to zero mean and unit variance over the rollout buffer."""
     grpo_normalize_std: bool = True
     """GRPO: divide by the group's standard deviation."""
 
@@ -158,6 +178,7 @@ class PPOConfig:
     eval_temperature: float = 1.0
     """Sampling temperature of eval/accuracy (pass@1 at this temperature); greedy is logged too."""
     eval_samples_per_prompt: int = 1
+    """Responses sampled per held-out prompt; eval/accuracy averages pass@1 over them."""
 
     # --- where and how ---
     device: str = "auto"
@@ -310,9 +331,13 @@ class TinyModelConfig:
     """Shape of the embedded default model (gin name: `tiny_model`); a Llama architecture."""
 
     hidden_size: int = 64
+    """Width of the residual stream (the model dimension)."""
     num_layers: int = 2
+    """Transformer blocks."""
     num_heads: int = 4
+    """Attention heads; must divide hidden_size."""
     intermediate_size: int = 256
+    """Width of each block's MLP hidden layer."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
@@ -332,7 +357,9 @@ class TaskConfig:
     eval_path: str = ""
     """Held-out JSONL or parquet (task.name = 'file'); empty holds out eval_fraction of train_path."""
     prompt_key: str = "prompt"
+    """The column holding the prompt (format 'plain'): a string or chat messages."""
     answer_key: str = "answer"
+    """The column holding the reference answer (format 'plain'), what the rule reward checks."""
     reward_fn: str = "arithmetic"
     """A name in the reward registry (rlhf/rewards.py): 'arithmetic', 'gsm8k', 'exact_match'."""
     eval_size: int = 128
@@ -399,6 +426,7 @@ class RewardConfig:
     """How the reward model reads a conversation: 'auto' (its tokenizer's chat template when it has
     one, else raw prompt + response text), 'none', or a Jinja template file."""
     rule_weight: float = 1.0
+    """Weight of the rule's reward when kind = 'combined'."""
     model_weight: float = 1.0
     """Weights of the two terms when kind = 'combined'."""
     normalize: str = "none"
@@ -434,8 +462,11 @@ class SFTConfig:
     """Supervised warm start of the embedded default (gin name: `sft`)."""
 
     steps: int = 500
+    """Optimizer steps of the warm start."""
     batch_size: int = 64
+    """Examples per SFT step."""
     learning_rate: float = 3e-3
+    """AdamW learning rate of the warm start."""
     seed: int = 1234
     """Fixed apart from ppo.seed, so every PPO seed starts from the same SFT policy."""
 
@@ -451,11 +482,17 @@ class RunConfig:
     """Everything one run depends on."""
 
     ppo: PPOConfig
+    """The algorithm, rollouts and schedule (gin `ppo`)."""
     model: ModelConfig
+    """The policy (gin `model`)."""
     task: TaskConfig
+    """Prompts and the rule reward (gin `task`)."""
     sft: SFTConfig
+    """The embedded default's warm start (gin `sft`)."""
     tiny_model: TinyModelConfig
+    """The embedded default's shape (gin `tiny_model`)."""
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    """What PPO trains on: the rule, a reward model, or both (gin `reward`)."""
 
     def __post_init__(self) -> None:
         # Cross-scope rules: each names the binding to change.
