@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     p.add_argument("--json-dir", default=str(REPO / "bench" / "results"))
     p.add_argument("--suffix", default="h200")
     p.add_argument("--tiny", action="store_true", help="tiny shape on the CPU with the HF backend (smoke test)")
+    p.add_argument("--rollout-parity", action="store_true",
+                   help="one-process vLLM variants: also time vLLM's own generate on the same requests")
+    p.add_argument("--variant-timeout", type=int, default=0, help="seconds per variant (0: none)")
     args = p.parse_args(argv)
 
     if len(args.variant) > 1:  # one process per variant: vLLM allows one sleep-mode engine per process
@@ -60,7 +63,11 @@ def main(argv=None) -> int:
             if not a.startswith("--variant="):
                 base.append(a)
         for spec in args.variant:
-            subprocess.run([sys.executable, __file__, *base, "--variant", spec])
+            try:
+                subprocess.run([sys.executable, __file__, *base, "--variant", spec],
+                               timeout=args.variant_timeout or None)
+            except subprocess.TimeoutExpired:
+                print(f"variant {spec} ran past {args.variant_timeout} s", file=sys.stderr)
         return 0
 
     import ppo_step
@@ -82,8 +89,10 @@ def main(argv=None) -> int:
         extra_bindings = [b.strip() for b in extra.split(";") if b.strip()]
         out = Path(args.json_dir) / f"gpu_ppo_{name}_{args.suffix}.json"
         try:
+            parity = args.rollout_parity and not any("placement" in b for b in extra_bindings)
             ppo_step.main(["--recipe", str(REPO / "recipes" / "base" / "ppo.gin"), "--steps", str(args.steps),
-                           "--json", str(out)] + [x for b in bindings + extra_bindings for x in ("-b", b)])
+                           "--json", str(out)] + (["--rollout-parity"] if parity else [])
+                          + [x for b in bindings + extra_bindings for x in ("-b", b)])
         except Exception as err:  # keep the other variants
             import traceback
             traceback.print_exc()

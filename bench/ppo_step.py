@@ -21,12 +21,54 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+def rollout_parity(trainer, repeats: int = 3) -> dict:
+    """The PPO generate phase (prompt encoding, vLLM, batch assembly, decoding) against vLLM's own
+    `LLM.generate` on the same token ids and sampling parameters, engine awake, best of `repeats`."""
+    import torch
+
+    ppo = trainer.ppo
+    rollout = trainer.actor.rollout  # one process: the actor role itself
+    prompts = trainer.sampler.next(ppo.rollout_micro_batch_size * ppo.num_rollout_batches)
+    rollout.set_sleep(False)
+
+    def phase():
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        batch = trainer.generate(prompts, trainer.sampling, (ppo.seed, 10**6), ppo.samples_per_prompt,
+                                 ppo.num_rollout_batches)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, batch
+
+    phase_times, batch = [], None
+    for _ in range(repeats):
+        seconds, batch = phase()
+        phase_times.append(seconds)
+    requests = [{"prompt_token_ids": [t for t, m in zip(ids, mask) if m]}
+                for ids, mask in zip(batch["prompt_ids"].tolist(), batch["prompt_mask"].tolist())]
+    params = rollout._sampling_params(trainer.sampling, None)
+    alone = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outputs = rollout.llm.generate(requests, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        alone.append(time.perf_counter() - t)
+    tokens = int(batch["response_mask"].sum())
+    alone_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"requests": len(requests), "ppo_generate_s": min(phase_times), "vllm_generate_s": min(alone),
+            "ppo_generated_tokens": tokens, "vllm_generated_tokens": alone_tokens,
+            "ppo_tokens_per_s": tokens / min(phase_times), "vllm_tokens_per_s": alone_tokens / min(alone),
+            "ratio_ppo_over_vllm_time": min(phase_times) / min(alone) * alone_tokens / max(tokens, 1)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--recipe", default=str(REPO / "recipes" / "tiny.gin"))
     p.add_argument("-b", "--binding", action="append", default=[])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--json", default=str(REPO / "bench" / "results" / "ppo_step_cpu.json"))
+    p.add_argument("--rollout-parity", action="store_true",
+                   help="vLLM, one process: also time vLLM's own generate on the generate phase's requests")
     args = p.parse_args(argv)
 
     import torch
@@ -45,9 +87,12 @@ def main(argv=None) -> int:
             record = trainer.train_step()
             if i > 0:  # the first iteration is a warm-up
                 records.append(record)
+        parity = rollout_parity(trainer) if args.rollout_parity else None
         t0 = time.perf_counter()
         trainer.evaluate()
         eval_s = time.perf_counter() - t0
+        placement = trainer.placement
+        trainer.close()
 
     phases = sorted({k for r in records for k in r if k.startswith("timing_s/")})
     result = {
@@ -68,7 +113,10 @@ def main(argv=None) -> int:
         "generated_tokens_per_s": statistics.median(r["perf/generated_tokens_per_s"] for r in records),
         "response_length_mean": statistics.mean(r["response_length_mean"] for r in records),
     }
-    for key in ("perf/max_memory_allocated_gb", "perf/max_rss_gb"):
+    result["placement"] = placement
+    if parity is not None:
+        result["rollout_parity"] = parity
+    for key in ("perf/max_memory_allocated_gb", "perf/max_rss_gb", "perf/gpu_utilization"):
         if key in records[-1]:
             result[key.split("/", 1)[1]] = records[-1][key]
     step = result["median_s"]["step"]

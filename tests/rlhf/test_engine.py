@@ -133,10 +133,18 @@ def test_diverging_run_exits_3(tmp_path):
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_run_logs_memory_and_utilization_for_the_advisor(tmp_path):
+@pytest.mark.parametrize("placement", ["local", "colocated"])
+def test_gpu_run_logs_memory_and_utilization_for_the_advisor(tmp_path, placement):
+    """On every placement: the ranks report their device memory and utilisation, and the memory
+    plan (offload / vLLM sleep) is recorded."""
     pytest.importorskip("pynvml", reason="GPU utilisation is read through nvidia-ml-py")
+    if placement != "local":
+        pytest.importorskip("ray")
     run_train(["recipes/tiny.gin", "-b", "ppo.device = 'cuda'", "-b", "ppo.total_steps = 3", "-b", "task.eval_size = 32",
-               "--quiet", "--out", tmp_path])
+               "-b", f"ppo.placement = '{placement}'", "--quiet", "--out", tmp_path])
     steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] > 0]
     assert all(0.0 <= r["perf/gpu_utilization"] <= 1.0 and r["perf/max_memory_allocated_gb"] > 0 for r in steps)
-    assert json.loads((tmp_path / "provenance.json").read_text())["hardware"]["gpu_memory_gb"] > 1
+    prov = json.loads((tmp_path / "provenance.json").read_text())
+    assert prov["hardware"]["gpu_memory_gb"] > 1
+    plan = prov["placement"]["memory"]
+    assert plan["fits"] and plan["offload"] is False and plan["rollout_sleep"] is False  # a tiny model fits
