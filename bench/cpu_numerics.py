@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 # name -> environment; every setting starts from an environment without numerics variables.
 SETTINGS = {
     "portable": {},  # the engine's default profile
+    "avx2": {"RLHF_NUMERICS": "avx2"},  # MKL's AVX2 branch: free, reproducible across Intel CPUs
     "native": {"RLHF_NUMERICS": "native"},
     "native_aten_avx2": {"RLHF_NUMERICS": "native", "ATEN_CPU_CAPABILITY": "avx2"},
     "native_mkl_compatible": {"RLHF_NUMERICS": "native", "MKL_CBWR": "COMPATIBLE"},
@@ -40,7 +41,7 @@ SETTINGS = {
     "aten_default_mkl_compatible": {"RLHF_NUMERICS": "native", "ATEN_CPU_CAPABILITY": "default",
                                     "MKL_CBWR": "COMPATIBLE"},
 }
-DEFAULT_SETTINGS = "portable,native,native_aten_avx2,native_mkl_compatible,aten_avx2_mkl_avx2"
+DEFAULT_SETTINGS = "portable,avx2,native,native_aten_avx2,native_mkl_compatible"
 
 
 def _children_cpu() -> float:

@@ -15,8 +15,9 @@ On x86-64 the same torch op is routed to different kernels by the machine it run
 The `portable` profile (the default) pins all four: ATen's AVX2 kernels (every x86-64 CPU of
 the last decade has AVX2), MKL's COMPATIBLE branch in strict mode, oneDNN capped at AVX2, and
 a fixed thread count for the embedded default's SFT warm start and for CPU runs that do not set
-one. `RLHF_NUMERICS=native` turns pinning off (each machine's fastest kernels). A variable the
-user set always wins over the profile. The variables are read when torch loads its libraries,
+one. `RLHF_NUMERICS=avx2` is the same with MKL on its AVX2 branch (no slower than native; MKL
+documents it as reproducible across Intel CPUs only), `RLHF_NUMERICS=native` turns pinning off
+(each machine's fastest kernels). A variable the user set always wins over the profile. The variables are read when torch loads its libraries,
 so `apply()` must run before `import torch`: the engine's entry points (`python -m rlhf.train`,
 the pipeline's SFT stage), the tests' conftest and the Ray ranks (through the forwarded
 environment) call it or inherit its result. `settings()` is what provenance records.
@@ -30,7 +31,6 @@ import warnings
 from typing import Dict, Mapping, MutableMapping, Optional
 
 PROFILE_ENV = "RLHF_NUMERICS"
-PROFILES = ("portable", "native")
 DEFAULT_PROFILE = "portable"
 THREADS_ENV = "RLHF_CPU_THREADS"
 """Threads of a CPU run that sets no `ppo.torch_threads` (and of the SFT warm start)."""
@@ -41,6 +41,14 @@ PORTABLE_ENV: Dict[str, str] = {
     "MKL_CBWR": "COMPATIBLE,STRICT",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "DNNL_MAX_CPU_ISA": "AVX2",
+}
+# Each profile's variables. 'avx2' keeps MKL on its AVX2 branch: as fast as native, the same on
+# Intel CPUs with AVX2 (MKL's documented guarantee), unknown between Intel and AMD (MKL ignores the
+# branch on other vendors); 'portable' pays MKL's slower COMPATIBLE branch for the vendor guarantee.
+PROFILES: Dict[str, Dict[str, str]] = {
+    "portable": PORTABLE_ENV,
+    "avx2": {**PORTABLE_ENV, "MKL_CBWR": "AVX2,STRICT"},
+    "native": {},
 }
 # Every variable that changes which CPU kernel runs or how its work is split; provenance records
 # them and the Ray ranks receive them.
@@ -73,16 +81,15 @@ def pinned_threads(environ: Mapping[str, str] = os.environ) -> Optional[int]:
         if not raw.isdigit() or int(raw) < 1:
             raise NumericsError(f"{THREADS_ENV} = {raw!r} is invalid: must be an integer >= 1")
         return int(raw)
-    return DEFAULT_THREADS if profile(environ) == "portable" else None
+    return DEFAULT_THREADS if PROFILES[profile(environ)] else None
 
 
 def apply(environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
     """Sets the profile's variables that are not set yet; returns those it set. Call before torch
     is imported: torch reads them when it loads (a warning says so if it is already loaded)."""
-    if profile(environ) != "portable":
-        return {}
+    pinned = PROFILES[profile(environ)]
     pinned_threads(environ)  # validates RLHF_CPU_THREADS
-    added = {k: v for k, v in PORTABLE_ENV.items() if not environ.get(k)}
+    added = {k: v for k, v in pinned.items() if not environ.get(k)}
     if added and environ is os.environ and "torch" in sys.modules:
         warnings.warn(f"rlhf.numerics.apply() after torch was imported: {', '.join(added)} may not take effect",
                       stacklevel=2)
@@ -150,6 +157,7 @@ def settings() -> Dict:
 
 def cache_tag() -> str:
     """What of the numeric settings shapes a cached artefact (the tiny default's SFT warm start)."""
-    if profile() == "native":
-        return "native"
-    return "portable:" + ",".join(f"{k}={os.environ.get(k)}" for k in PORTABLE_ENV) + f",threads={pinned_threads()}"
+    name = profile()
+    if not PROFILES[name]:
+        return name
+    return f"{name}:" + ",".join(f"{k}={os.environ.get(k)}" for k in PORTABLE_ENV) + f",threads={pinned_threads()}"

@@ -28,9 +28,12 @@ def test_native_profile_pins_nothing_and_bad_values_are_refused():
     env = {"RLHF_NUMERICS": "native"}
     assert numerics.apply(env) == {} and env == {"RLHF_NUMERICS": "native"}
     assert numerics.pinned_threads(env) is None
+    env = {"RLHF_NUMERICS": "avx2"}
+    numerics.apply(env)
+    assert env["MKL_CBWR"] == "AVX2,STRICT" and env["ATEN_CPU_CAPABILITY"] == "avx2"
     assert numerics.pinned_threads({}) == numerics.DEFAULT_THREADS
     assert numerics.pinned_threads({"RLHF_CPU_THREADS": "3"}) == 3
-    with pytest.raises(numerics.NumericsError, match="RLHF_NUMERICS = 'fast' is invalid: must be one of 'portable', 'native'"):
+    with pytest.raises(numerics.NumericsError, match="RLHF_NUMERICS = 'fast' is invalid: must be one of 'portable', 'avx2', 'native'"):
         numerics.apply({"RLHF_NUMERICS": "fast"})
     with pytest.raises(numerics.NumericsError, match="RLHF_CPU_THREADS = '0' is invalid"):
         numerics.apply({"RLHF_CPU_THREADS": "0"})
@@ -41,7 +44,7 @@ def test_bad_profile_is_one_line_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "rlhf.train", "recipes/tiny.gin", "--out", str(tmp_path / "run")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: RLHF_NUMERICS = 'fast' is invalid: must be one of 'portable', 'native'"
+    assert proc.stderr.strip() == "error: RLHF_NUMERICS = 'fast' is invalid: must be one of 'portable', 'avx2', 'native'"
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="the portable profile needs AVX2")
@@ -72,7 +75,7 @@ def test_fixed_threads_pins_and_restores(monkeypatch):
 
 
 def test_ray_ranks_receive_the_numerics_settings(monkeypatch):
-    from rlhf.distributed.placement import rank_env
+    from rlhf.placement.cluster import rank_env
     monkeypatch.setenv("MKL_CBWR", "COMPATIBLE,STRICT")
     monkeypatch.setenv("RLHF_NUMERICS", "portable")
     env = rank_env()
