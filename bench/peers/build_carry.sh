@@ -15,7 +15,8 @@ rm -rf "$OUT"; mkdir -p "$OUT/site" "$OUT/verl-site"
 python3 "$WH" download "$OUT/site" trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 python3 "$WH" download "$OUT/verl-site" verl==0.9.1 hydra-core==1.3.8 omegaconf==2.3.0 codetiming==1.4.0 \
   tensordict==0.10.0 pyvers==0.1.0 orjson cloudpickle importlib_metadata zipp torchdata==0.11.0 pylatexenc==2.11 \
-  transferqueue==0.1.11 prometheus_client uvicorn h11 einops transformers==5.9.0 tokenizers==0.22.2
+  transferqueue==0.1.11 prometheus_client uvicorn h11 einops model-hosting-container-standards==0.1.16 jmespath \
+  transformers==5.9.0 tokenizers==0.22.2
 # hydra-core needs antlr4-python3-runtime 4.9.*, published as source only: build its pure-Python wheel here.
 python3 -m pip wheel -q --no-deps -w "$OUT/verl-site" antlr4-python3-runtime==4.9.3
 (cd "$OUT" && sha256sum site/*.whl verl-site/*.whl > SHA256SUMS)

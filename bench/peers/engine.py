@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         try:
             for i in range(args.warmup + args.steps):
                 if i == args.warmup:
-                    if torch.cuda.is_available():
+                    if args.placement == "local" and torch.cuda.is_available():  # the driver of Ray ranks holds no GPU
                         torch.cuda.reset_peak_memory_stats()
                     gpu.reset()
                 trainer.step += 1

@@ -3,7 +3,7 @@
 #   bash DIR/install.sh [DIR]
 # DIR/site/*.whl -> /tmp/site (beside Ray and vLLM); DIR/verl-site/*.whl -> /tmp/site-verl.
 set -euo pipefail
-D=${1:-$(cd "$(dirname "$0")" && pwd)}
+D=$(cd "${1:-$(dirname "$0")}" && pwd)
 SITE=${PEERS_SITE:-/tmp/site}
 VSITE=${PEERS_VERL_SITE:-/tmp/site-verl}
 cd "$D" && sha256sum -c --quiet SHA256SUMS

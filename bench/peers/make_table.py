@@ -40,6 +40,10 @@ PHASES = [
 ]
 
 
+def skipped(d: Path) -> list[str]:
+    return [f.name.split(".")[0] for f in sorted(d.glob("*.skipped.json"))]
+
+
 def load(d: Path) -> list[dict]:
     out = []
     for f in sorted(d.glob("*.json")):
@@ -172,6 +176,8 @@ def main(argv=None) -> int:
             if "engine_git" in vers:
                 out.append(f"Engine commit: {', '.join(sorted(vers['engine_git']))}")
         out.append("")
+    if skipped(Path(args.dir)):
+        out += ["Skipped for lack of time in the call: " + ", ".join(skipped(Path(args.dir))), ""]
     text = "\n".join(out).rstrip() + "\n"
     if args.out:
         Path(args.out).write_text(text)

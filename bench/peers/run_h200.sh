@@ -21,6 +21,8 @@ R=$OUT/peers
 mkdir -p "$R"
 ASSETS=${PEERS_ASSETS:-/tmp/peer-assets}
 TOTAL=${PEERS_TOTAL_S:-575}
+ST=${PEERS_STEPS:-2}          # timed iterations after 1 warm-up (engine, verl)
+TST=${PEERS_TRL_STEPS:-3}     # timed steps after 1 warm-up (TRL: its steps are the cheapest)
 START=$(date +%s)
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
   WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0 PYTHONUNBUFFERED=1
@@ -58,8 +60,8 @@ part() {  # part NAME BUDGET_S [ENV=VAL ...] -- COMMAND...
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
   local var="PEERS_BUDGET_${name^^}"; budget=${!var:-$budget}
   local left=$(( TOTAL - ($(date +%s) - START) - 5 ))
+  if [ "$left" -lt 30 ]; then log "$name: skipped (no time left)"; echo "{\"part\": \"$name\", \"skipped\": \"no time left in the call\"}" > "$R/$name.skipped.json"; return; fi
   [ "$left" -lt "$budget" ] && budget=$left
-  if [ "$budget" -lt 30 ]; then log "$name: skipped (no time left)"; echo "{\"part\": \"$name\", \"skipped\": \"no time left in the call\"}" > "$R/$name.skipped.json"; return; fi
   gpu_idle
   log "$name: start (limit ${budget}s): ${envs[*]} $*"
   local t0=$(date +%s)
@@ -74,15 +76,15 @@ part() {  # part NAME BUDGET_S [ENV=VAL ...] -- COMMAND...
 
 case "$MODE" in
   grpo)
-    part trl_grpo_no_gc 150 -- python3 bench/peers/trl_grpo.py --assets "$ASSETS" --json "$R/trl_grpo_no_gc.json"
-    part engine_grpo_local 150 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo grpo --placement local --json "$R/engine_grpo_local.json"
-    part trl_grpo_gc 130 -- python3 bench/peers/trl_grpo.py --assets "$ASSETS" --json "$R/trl_grpo_gc.json" --gradient-checkpointing
-    RAY_PART=1 part engine_grpo_colocated 170 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo grpo --placement colocated --json "$R/engine_grpo_colocated.json"
+    part trl_grpo_no_gc 150 -- python3 bench/peers/trl_grpo.py --assets "$ASSETS" --json "$R/trl_grpo_no_gc.json" --steps "$TST"
+    part engine_grpo_local 150 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo grpo --placement local --json "$R/engine_grpo_local.json" --steps "$ST"
+    part trl_grpo_gc 130 -- python3 bench/peers/trl_grpo.py --assets "$ASSETS" --json "$R/trl_grpo_gc.json" --steps "$TST" --gradient-checkpointing
+    RAY_PART=1 part engine_grpo_colocated 170 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo grpo --placement colocated --json "$R/engine_grpo_colocated.json" --steps "$ST"
     ;;
   ppo)
-    part engine_ppo_local 150 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement local --json "$R/engine_ppo_local.json"
-    RAY_PART=1 part verl_ppo 270 PYTHONPATH=/tmp/site-verl:/tmp/site -- python3 bench/peers/verl_ppo.py --assets "$ASSETS" --json "$R/verl_ppo.json"
-    RAY_PART=1 part engine_ppo_colocated 170 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement colocated --json "$R/engine_ppo_colocated.json"
+    part engine_ppo_local 150 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement local --json "$R/engine_ppo_local.json" --steps "$ST"
+    RAY_PART=1 part verl_ppo 270 PYTHONPATH=/tmp/site-verl:/tmp/site -- python3 bench/peers/verl_ppo.py --assets "$ASSETS" --json "$R/verl_ppo.json" --steps "$ST"
+    RAY_PART=1 part engine_ppo_colocated 170 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement colocated --json "$R/engine_ppo_colocated.json" --steps "$ST"
     ;;
   *) echo "unknown part $MODE"; exit 2 ;;
 esac

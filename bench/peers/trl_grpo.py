@@ -74,6 +74,9 @@ def grpo_config_kwargs(args, out_dir: str) -> dict:
         seed=0,
         shuffle_dataset=True,
         dataloader_num_workers=0,
+        # RANK/LOCAL_RANK/WORLD_SIZE (which vLLM's external launcher needs) make accelerate wrap the model in
+        # a one-process DDP; every parameter gets a gradient, so skip the unused-parameter search it adds.
+        ddp_find_unused_parameters=False,
         disable_tqdm=True,
         use_cpu=tiny,
     )

@@ -94,7 +94,8 @@ def overrides(inputs: dict, files: dict, steps: int, trainer: str) -> list[str]:
         "trainer.experiment_name=verl_ppo", f"trainer.default_local_dir={files['ckpt']}",
         f"trainer.use_v1={'True' if trainer == 'v1' else 'False'}",
         "ray_kwargs.ray_init.num_cpus=16",
-    ]
+    ] + [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{os.environ[k]}'"  # the carried sites, in every worker
+         for k in ("PYTHONPATH", "VLLM_USE_FLASHINFER_SAMPLER") if os.environ.get(k)]
 
 
 def prepare(args) -> tuple[dict, dict]:
