@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import sys
 import time
 from argparse import ArgumentParser, Namespace
 from pathlib import Path

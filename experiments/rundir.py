@@ -9,7 +9,6 @@ is whatever is on disk, whoever wrote it and however it stopped.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
@@ -146,8 +145,3 @@ def tail_metrics(run_dir: str | Path, max_bytes: int = 65536) -> Dict:
         except ValueError:
             continue
     return {}
-
-
-def finite(value) -> bool:
-    v = scalar(value)
-    return v is not None and math.isfinite(v)

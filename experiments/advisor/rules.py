@@ -120,9 +120,6 @@ class Rule:
     def check(self, window: Window) -> Optional[Suggestion]:
         raise NotImplementedError
 
-    def thresholds(self) -> Dict[str, object]:
-        return dataclasses.asdict(self)
-
     def _suggest(self, window: Window, proposed, evidence: Dict[str, float], severity: float,
                  rationale: str = "") -> Optional[Suggestion]:
         current = window.param(self.parameter)

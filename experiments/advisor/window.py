@@ -6,8 +6,7 @@ per-step values of every seed. A `Window` holds them as (seeds x steps) arrays, 
 did not log a metric at a step, together with the parameter values the variant ran with (rules
 propose a change relative to them) and the device's memory when it is known.
 
-`Window.from_arrays` builds one from synthetic traces (the tests); `load_window` reads a study's
-results dir (`RESULTS/<study>/`, via its aggregate.json and run dirs).
+`load_window` reads a study's results dir (`RESULTS/<study>/`, via its aggregate.json and run dirs).
 """
 
 from __future__ import annotations
@@ -51,21 +50,6 @@ class Window:
     config: Mapping[str, object]
     device_memory_gb: Optional[float] = None
     seeds: Sequence[int] = ()
-
-    @classmethod
-    def from_arrays(cls, traces: Mapping[str, Sequence], config: Mapping[str, object] = None,
-                    variant: str = "baseline", device_memory_gb: Optional[float] = None) -> "Window":
-        """A window from synthetic traces: each a 1-D curve (one seed) or 2-D (seeds x steps)."""
-        values = {}
-        for name, trace in traces.items():
-            arr = np.atleast_2d(np.asarray(trace, float))
-            values[name] = arr
-        length = max((a.shape[1] for a in values.values()), default=0)
-        values = {k: np.pad(a, ((0, 0), (0, length - a.shape[1])), constant_values=np.nan)
-                  for k, a in values.items()}
-        n_seeds = max((a.shape[0] for a in values.values()), default=0)
-        return cls(variant=variant, steps=np.arange(length), values=values, config=dict(config or {}),
-                   device_memory_gb=device_memory_gb, seeds=tuple(range(n_seeds)))
 
     def has(self, metric: str) -> bool:
         a = self.values.get(metric)

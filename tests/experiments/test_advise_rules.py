@@ -18,6 +18,16 @@ CONFIG = {"ppo.kl_coef": 0.1, "ppo.clip_range": 0.1, "ppo.actor_learning_rate": 
           "ppo.num_rollout_batches": 8, "ppo.samples_per_prompt": 1, "ppo.mini_batch_size": 32}
 
 
+def window_from_arrays(traces, config=None, variant="baseline", device_memory_gb=None) -> Window:
+    """A window from synthetic traces: each a 1-D curve (one seed) or 2-D (seeds x steps)."""
+    values = {name: np.atleast_2d(np.asarray(trace, float)) for name, trace in traces.items()}
+    length = max((a.shape[1] for a in values.values()), default=0)
+    values = {k: np.pad(a, ((0, 0), (0, length - a.shape[1])), constant_values=np.nan) for k, a in values.items()}
+    n_seeds = max((a.shape[0] for a in values.values()), default=0)
+    return Window(variant=variant, steps=np.arange(length), values=values, config=dict(config or {}),
+                  device_memory_gb=device_memory_gb, seeds=tuple(range(n_seeds)))
+
+
 def _seeds(fn):
     return np.stack([fn(np.random.default_rng(seed)) for seed in range(SEEDS)])
 
@@ -41,7 +51,7 @@ def healthy(**replace) -> dict:
 
 
 def window(config=None, **replace) -> Window:
-    return Window.from_arrays(healthy(**replace), {**CONFIG, **(config or {})}, device_memory_gb=141)
+    return window_from_arrays(healthy(**replace), {**CONFIG, **(config or {})}, device_memory_gb=141)
 
 
 def flat(value, noise=0.03):
@@ -108,7 +118,7 @@ def test_low_rollout_success_is_a_flag_not_a_change():
 
 
 def test_missing_metrics_keep_rules_silent():
-    w = Window.from_arrays({"reward_mean": flat(1.5)[:, :3]}, CONFIG)
+    w = window_from_arrays({"reward_mean": flat(1.5)[:, :3]}, CONFIG)
     assert advise(w).changes == []
 
 

@@ -1,6 +1,5 @@
 """Plan expansion: counts, unique hashes, the same seeds in every variant, what changes a hash."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
