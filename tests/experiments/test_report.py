@@ -127,3 +127,20 @@ def test_baseline_only_study_reports_and_keeps_the_baseline(write_study, tmp_pat
     agg = agg.to_json()
     assert list(agg["variants"]) == ["baseline"] and agg["decision"]["chosen"] == "baseline"
     assert agg["variants"]["baseline"]["summary"]["n"] == 2
+
+
+def test_runs_from_different_hardware_are_named_in_the_report(study_dir):
+    study, specs, out = study_dir
+    for spec in specs:
+        cpu = {"vendor": "AuthenticAMD", "model_name": "AMD EPYC 9654"} if spec.seed == 3 else \
+            {"vendor": "GenuineIntel", "model_name": "Intel Xeon Platinum 8480+"}
+        write_json(Path(spec.run_dir) / "provenance.json", {"versions": {"torch": "x"},
+                                                           "hardware": {"hostname": "h", "cpu_info": cpu}})
+    agg = write_report(study, out, specs)
+    mixed = agg.provenance["hardware_mixed"]
+    assert len(mixed) == 2 and sum(len(runs) for runs in mixed.values()) == len(specs)
+    amd = next(runs for fp, runs in mixed.items() if "EPYC" in fp)
+    assert sorted(amd) == sorted(s.key for s in specs if s.seed == 3)
+    assert "**Runs from different hardware:** 2 machines" in (out / "report.md").read_text()
+    write_report(study, out, specs[:1])  # one machine: nothing to say
+    assert "different hardware" not in (out / "report.md").read_text()
