@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import subprocess
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -21,6 +20,7 @@ from rlhf.checkpoint import latest_checkpoint as engine_latest_checkpoint
 from rlhf.config import ConfigError, flat_dict
 from rlhf.configurable import resolve
 from rlhf.data import dataset_hash, load_task
+from rlhf.provenance import _git  # the engine's one git runner (its provenance uses it too)
 from rlhf.provenance import hash_directory
 from rlhf.train import without_placement
 
@@ -66,14 +66,6 @@ class RunSpec:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _git(*args: str) -> Optional[str]:
-    try:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                              check=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _engine_files() -> List[Path]:
