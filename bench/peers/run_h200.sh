@@ -84,6 +84,10 @@ case "$MODE" in
   ppo)
     part engine_ppo_local 150 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement local --json "$R/engine_ppo_local.json" --steps "$ST"
     RAY_PART=1 part verl_ppo 270 PYTHONPATH=/tmp/site-verl:/tmp/site -- python3 bench/peers/verl_ppo.py --assets "$ASSETS" --json "$R/verl_ppo.json" --steps "$ST"
+    # verl's default (v1) trainer failed early with no step logged: try its legacy trainer (no TransferQueue)
+    if python3 -c "import json, sys; r = json.load(open('$R/verl_ppo.json')); sys.exit(0 if not r.get('steps') and r.get('wall_s', 999) < 150 else 1)" 2>/dev/null; then
+      RAY_PART=1 part verl_ppo_v0 220 PYTHONPATH=/tmp/site-verl:/tmp/site -- python3 bench/peers/verl_ppo.py --assets "$ASSETS" --json "$R/verl_ppo_v0.json" --steps "$ST" --trainer v0
+    fi
     RAY_PART=1 part engine_ppo_colocated 170 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement colocated --json "$R/engine_ppo_colocated.json" --steps "$ST"
     ;;
   *) echo "unknown part $MODE"; exit 2 ;;

@@ -99,7 +99,7 @@ def overrides(inputs: dict, files: dict, steps: int, trainer: str) -> list[str]:
 
 
 def prepare(args) -> tuple[dict, dict]:
-    inputs = common.build_inputs(args.assets, tiny=False)
+    inputs = common.build_inputs(args.assets, tiny=args.tiny)
     common.check_assets(inputs)
     root = Path(args.assets) / "verl"
     root.mkdir(parents=True, exist_ok=True)
@@ -138,9 +138,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--trainer", choices=("v1", "v0"), default="v1",
                    help="v1: verl's default trainer (needs TransferQueue); v0: the deprecated RayPPOTrainer")
-    p.add_argument("--timeout", type=float, default=float(os.environ.get("PEERS_PART_LIMIT_S", 495)) - 15,
-                   help="seconds before verl is stopped (default: run_h200.sh's limit for the part, less 15 s)")
+    p.add_argument("--timeout", type=float, default=float(os.environ.get("PEERS_PART_LIMIT_S", 510)) - 30,
+                   help="seconds before verl is stopped (default: run_h200.sh's limit for the part, less 30 s)")
     p.add_argument("--config-only", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="tiny inputs (to test this script's plumbing only)")
     p.add_argument("extra", nargs="*", help="more hydra overrides (last wins)")
     args = p.parse_args(argv)
 
@@ -169,62 +170,73 @@ def main(argv=None) -> int:
     log_path = Path(args.json).with_suffix(".log")
     gpu = common.GPUMemorySampler().start()
     t0 = time.perf_counter()
+
+    def collect(final: bool) -> list:
+        """Reads verl's file logger and (re)writes the JSON: a hard kill still leaves the steps so far."""
+        result["wall_s"] = time.perf_counter() - t0
+        steps = []
+        if Path(files["log"]).is_file():
+            for line in Path(files["log"]).read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                data = rec.get("data", {})
+                steps.append({"step": rec.get("step"),
+                              **{k: v for k, v in data.items() if isinstance(v, (int, float))}})
+        result["steps"] = steps
+        times = [s.get("timing_s/step") for s in steps if s.get("timing_s/step") is not None]
+        result.update(common.summarize(times, args.warmup))
+        timed = steps[args.warmup:]
+        if timed:
+            keys = sorted({k for s in timed for k in s if k.startswith("timing_s/")})
+            result["median_phases_s"] = {k.split("/", 1)[1]: statistics.median(s[k] for s in timed if k in s)
+                                         for k in keys}
+            thr = [s["perf/throughput"] for s in timed if "perf/throughput" in s]
+            result["tokens_per_s"] = statistics.median(thr) if thr else None  # verl: tokens/s per GPU (1 GPU)
+            lens = [s["response_length/mean"] for s in timed if "response_length/mean" in s]
+            result["response_length_mean"] = statistics.mean(lens) if lens else None
+            gen = result["median_phases_s"].get("gen")
+            if gen and lens:
+                result["generated_tokens_per_s"] = WORK["prompts_per_step"] * result["response_length_mean"] / gen
+            mem = [s["perf/max_memory_allocated_gb"] for s in timed if "perf/max_memory_allocated_gb" in s]
+            result["max_memory_allocated_gb"] = max(mem) if mem else None
+            result["gpu_memory_used_peak_gb"] = gpu.peak_gb
+        result.pop("error", None)
+        if not steps:
+            tail = log_path.read_text(errors="replace")[-6000:] if log_path.is_file() else ""
+            result["error"] = ("verl logged no step" + ("" if final else " yet") + "; the end of its log:\n" + tail)
+        result["partial"] = not final
+        common.write_json(args.json, result)
+        return steps
+
     print("running: " + result["verl_command"], flush=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(Path(args.assets)),
                                 start_new_session=True)
-        peaks = {}
+        reset, last_write = False, 0.0
         try:
             while proc.poll() is None and time.perf_counter() - t0 < args.timeout:
                 time.sleep(1.0)
-                n = _count_lines(files["log"])
-                if n not in peaks:  # the device's peak memory up to each logged step
-                    peaks[n] = gpu.peak_gb
-                    if n == args.warmup:
-                        gpu.reset()
+                if not reset and _count_lines(files["log"]) >= args.warmup:
+                    gpu.reset()  # the device's peak over the timed steps only
+                    reset = True
+                if time.perf_counter() - last_write > 10:
+                    collect(final=False)
+                    last_write = time.perf_counter()
         finally:
             if proc.poll() is None:
                 import signal
-                os.killpg(proc.pid, signal.SIGTERM)  # verl's own process group (and its Ray workers)
+                result["stopped_after_s"] = time.perf_counter() - t0
+                os.killpg(proc.pid, signal.SIGTERM)  # verl's own process group (its Ray is stopped by run_h200.sh)
                 try:
-                    proc.wait(30)
+                    proc.wait(10)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
-                result["stopped_after_s"] = args.timeout
+                    proc.wait(5)
     gpu.stop()
     result["returncode"] = proc.returncode
-    result["wall_s"] = time.perf_counter() - t0
-    steps = []
-    if Path(files["log"]).is_file():
-        for line in Path(files["log"]).read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            data = rec.get("data", {})
-            steps.append({"step": rec.get("step"), **{k: v for k, v in data.items() if isinstance(v, (int, float))}})
-    result["steps"] = steps
-    times = [s.get("timing_s/step") for s in steps if s.get("timing_s/step") is not None]
-    result.update(common.summarize(times, args.warmup))
-    timed = steps[args.warmup:]
-    if timed:
-        keys = sorted({k for s in timed for k in s if k.startswith("timing_s/")})
-        result["median_phases_s"] = {k.split("/", 1)[1]: statistics.median(s[k] for s in timed if k in s)
-                                     for k in keys}
-        thr = [s["perf/throughput"] for s in timed if "perf/throughput" in s]
-        result["tokens_per_s"] = statistics.median(thr) if thr else None  # verl: tokens per s per GPU (1 GPU)
-        lens = [s["response_length/mean"] for s in timed if "response_length/mean" in s]
-        result["response_length_mean"] = statistics.mean(lens) if lens else None
-        gen = result["median_phases_s"].get("gen")
-        if gen and lens:
-            result["generated_tokens_per_s"] = WORK["prompts_per_step"] * result["response_length_mean"] / gen
-        mem = [s[k] for s in timed for k in ("perf/max_memory_allocated_gb",) if k in s]
-        result["max_memory_allocated_gb"] = max(mem) if mem else None
-        result["gpu_memory_used_peak_gb"] = gpu.peak_gb
-    if not steps:
-        tail = log_path.read_text()[-6000:] if log_path.is_file() else ""
-        result["error"] = "verl logged no step; the end of its log:\n" + tail
-    common.write_json(args.json, result)
+    steps = collect(final=True)
     print(f"verl PPO: rc={proc.returncode}, {len(steps)} steps, median {result.get('median_step_s')} s; "
           f"wrote {args.json} (log {log_path})", flush=True)
     return 0 if steps else 1
