@@ -12,7 +12,8 @@
 # cut by its limit keeps the steps it finished), their logs, and $OUT/peers/peers_h200.md.
 # Each part runs under `timeout` with the budget written beside it below (seconds; override with
 # PEERS_BUDGET_<PART>=..., e.g. PEERS_BUDGET_VERL_PPO=300), cut to what is left of PEERS_TOTAL_S
-# (default 575) for the whole call; a part with under 30 s left is skipped and says so.
+# (default 575) for the whole call; a part with under 30 s left is skipped and says so. The last
+# part of each mode (the Ray placement) has the largest budget: it takes whatever the others left.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODE=${1:?usage: run_h200.sh grpo|ppo|smoke}
@@ -78,8 +79,8 @@ case "$MODE" in
   grpo)
     part trl_grpo_no_gc 150 -- python3 bench/peers/trl_grpo.py --assets "$ASSETS" --json "$R/trl_grpo_no_gc.json" --steps "$TST"
     part engine_grpo_local 150 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo grpo --placement local --json "$R/engine_grpo_local.json" --steps "$ST"
-    part trl_grpo_gc 130 -- python3 bench/peers/trl_grpo.py --assets "$ASSETS" --json "$R/trl_grpo_gc.json" --steps "$TST" --gradient-checkpointing
-    RAY_PART=1 part engine_grpo_colocated 170 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo grpo --placement colocated --json "$R/engine_grpo_colocated.json" --steps "$ST"
+    part trl_grpo_gc 120 -- python3 bench/peers/trl_grpo.py --assets "$ASSETS" --json "$R/trl_grpo_gc.json" --steps "$TST" --gradient-checkpointing
+    RAY_PART=1 part engine_grpo_colocated 250 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo grpo --placement colocated --json "$R/engine_grpo_colocated.json" --steps "$ST"
     ;;
   ppo)
     part engine_ppo_local 150 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement local --json "$R/engine_ppo_local.json" --steps "$ST"
@@ -88,7 +89,7 @@ case "$MODE" in
     if python3 -c "import json, sys; r = json.load(open('$R/verl_ppo.json')); sys.exit(0 if not r.get('steps') and r.get('wall_s', 999) < 150 else 1)" 2>/dev/null; then
       RAY_PART=1 part verl_ppo_v0 220 PYTHONPATH=/tmp/site-verl:/tmp/site -- python3 bench/peers/verl_ppo.py --assets "$ASSETS" --json "$R/verl_ppo_v0.json" --steps "$ST" --trainer v0
     fi
-    RAY_PART=1 part engine_ppo_colocated 170 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement colocated --json "$R/engine_ppo_colocated.json" --steps "$ST"
+    RAY_PART=1 part engine_ppo_colocated 250 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement colocated --json "$R/engine_ppo_colocated.json" --steps "$ST"
     ;;
   *) echo "unknown part $MODE"; exit 2 ;;
 esac
