@@ -22,12 +22,20 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     args = p.parse_args(argv)
 
+    from rlhf import numerics  # before torch loads: the same weights on every x86-64 CPU (rlhf/numerics.py)
+    try:
+        numerics.apply()
+    except numerics.NumericsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
     from rlhf.config import ConfigError
     from rlhf.reward_model.config import resolve
     from rlhf.reward_model.train import RewardModelTrainer
 
     try:
         cfg, operative = resolve(args.recipe, args.binding)
+        if cfg.device != "cuda":
+            numerics.set_threads(cfg.torch_threads)
         trainer = RewardModelTrainer(cfg, args.out, log=lambda m: print(m, file=sys.stderr))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -2,14 +2,16 @@
 conversations with the reward model's own tokenizer and template, score at the last non-pad token.
 
 A reward model is any local `AutoModelForSequenceClassification` checkpoint with one output
-(`num_labels = 1`). Sequences are packed with left padding and fed as `inputs_embeds` with
-explicit position ids, so the model's head reads the last position, which is every sequence's
-last real token, whatever the pad id (often the EOS id) and whatever padding the caller's batch
-had. The score of a sequence does not depend on its batch or micro-batch beyond float rounding.
+(`num_labels = 1`). Sequences are packed with left padding, with explicit position ids, and the
+classifier is made to pool at the last position (`reads_last_position`), which is every
+sequence's last real token, whatever the pad id (often the EOS id) and whatever padding the
+caller's batch had. The forward is an ordinary `model(input_ids=...)` call, so it works on a
+model sharded with FSDP2 too. The score of a sequence does not depend on its batch or micro-batch beyond float rounding.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -47,6 +49,7 @@ def check_reward_checkpoint(path: str | Path, binding: str = "reward.model_path"
 def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32, binding: str = "reward.model_path"):
     """The checkpoint as an eval-mode AutoModelForSequenceClassification (safetensors, local files only)."""
     check_reward_checkpoint(path, binding)
+    hf_logging.disable_progress_bar()
     try:
         model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=dtype, local_files_only=True)
     except (ValueError, OSError, KeyError) as err:
@@ -135,15 +138,28 @@ def pack_left(seqs: Sequence[Sequence[int]], pad_id: int, max_length: int = 0):
     return ids, mask, pos
 
 
-def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """[B] float32 scores of left-padded sequences at their last (real) token; differentiable."""
-    embeds = model.get_input_embeddings()(ids)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # "will not detect padding tokens in inputs_embeds": we pad on the left
+@contextlib.contextmanager
+def reads_last_position(model):
+    """While active, the classifier pools at the last position of every row: its pad id is set to
+    one that never occurs (-1), so "the rightmost non-pad token" is the last position, which for
+    left-packed rows is the last real token, even when the real pad id is the EOS id that ends a
+    response. The saved config keeps its own pad id."""
+    configs = {id(c): c for c in (model.config, model.config.get_text_config()
+                                 if hasattr(model.config, "get_text_config") else model.config)}.values()
+    saved = [(c, c.pad_token_id) for c in configs]
+    for c, _ in saved:
+        c.pad_token_id = -1
     try:
-        out = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=False)
+        yield model
     finally:
-        hf_logging.set_verbosity(verbosity)
+        for c, pad in saved:
+            c.pad_token_id = pad
+
+
+def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[B] float32 scores of left-packed sequences at their last (real) token; differentiable."""
+    with reads_last_position(model):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
     return out.logits[:, 0].float()
 
 

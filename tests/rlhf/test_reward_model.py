@@ -260,3 +260,16 @@ def test_rm_cli_bad_inputs_exit_2_with_one_line(rm_data, tmp_path, setup, capsys
     proc = train_rm(rm_data, tmp_path / "out", *cases[0][0], check=False)
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert proc.returncode == 2 and cases[0][1] in lines[-1] and "Traceback" not in proc.stderr, proc.stderr[-1500:]
+
+
+def test_arithmetic_pairs_from_policy_samples():
+    from rlhf.reward_model.pairs import make_pairs
+    rows = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "9-9=", "answer": "0"}]
+    samples = [["7", "8", "17", "7"], ["0", "0", "0", "0"]]
+    pairs = make_pairs(rows, seed=0, per_prompt=20, samples=samples, short_fraction=0.3)
+    assert all(p["chosen"] == r["answer"] for p, r in zip(pairs, [rows[0]] * 20 + [rows[1]] * 20))
+    first = [p["rejected"] for p in pairs[:20]]
+    assert set(first) <= {"8", "17"} | {str(d) for d in range(10) if d != 7} and {"8", "17"} <= set(first)
+    # a prompt the policy never got wrong gets one-digit guesses, never its right answer
+    assert all(len(p["rejected"]) == 1 and p["rejected"] != "0" for p in pairs[20:])
+    assert make_pairs(rows, seed=0, per_prompt=20, samples=samples) == pairs  # seeded
