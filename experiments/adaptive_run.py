@@ -22,6 +22,7 @@ from experiments.commands import (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_R
                                   sigterm_as_interrupt)
 from experiments.launch import StudyBusy, launch
 from experiments.plan import expand, study_dir
+from experiments.results import AdaptiveRecord, AdaptiveVariant
 from experiments.rundir import COMPLETED
 from experiments.study import Study
 
@@ -65,8 +66,9 @@ def _run(study: Study, args: Namespace, console: Console) -> int:
         looks.append({"seeds": n, "active": [v.name for v in active], "intervals": look})
         for v in active:
             if look[v.name]["decided"] or n >= cfg.max_seeds:
-                decided[v.name] = {**look[v.name], "look": len(looks), "stopped": "decided" if look[v.name]["decided"]
-                                   else "max_seeds"}
+                decided[v.name] = AdaptiveVariant(n=look[v.name]["n"], decided=look[v.name]["decided"],
+                                                  interval=tuple(look[v.name]["interval"]), look=len(looks),
+                                                  stopped="decided" if look[v.name]["decided"] else "max_seeds")
         active = [v for v in active if v.name not in decided]
         console.print(f"look {len(looks)} at {n} seeds: "
                       + ", ".join(f"{k} {'decided' if d['decided'] else 'undecided'} "
@@ -77,12 +79,12 @@ def _run(study: Study, args: Namespace, console: Console) -> int:
         n = min(n + cfg.step, cfg.max_seeds)
     out = study_dir(study, args.results)
     all_specs = list(specs_by_key.values())
-    full = dataclasses.replace(study, seeds=tuple(seeds[:max(d["n"] for d in decided.values())
+    full = dataclasses.replace(study, seeds=tuple(seeds[:max(d.n for d in decided.values())
                                                         if decided else n]))
     used, fixed = len(all_specs), (1 + len(study.variants)) * cfg.max_seeds
-    adaptive = {"max_seeds": cfg.max_seeds, "min_seeds": cfg.min_seeds, "step": cfg.step,
-                "confidence": confidence, "spend_alpha_over_looks": cfg.spend_alpha_over_looks,
-                "variants": decided, "looks": looks, "runs_used": used, "runs_fixed": fixed}
+    adaptive = AdaptiveRecord(max_seeds=cfg.max_seeds, min_seeds=cfg.min_seeds, step=cfg.step,
+                              confidence=confidence, spend_alpha_over_looks=cfg.spend_alpha_over_looks,
+                              variants=decided, looks=tuple(looks), runs_used=used, runs_fixed=fixed)
     agg = write_report(full, out, all_specs, adaptive=adaptive)
     console.print(f"{study.name}: {used} runs instead of {fixed} at a fixed {cfg.max_seeds} seeds "
                   f"({1 - used / fixed:.0%} saved); {decision_line(agg)}", highlight=False)

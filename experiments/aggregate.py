@@ -109,7 +109,7 @@ def _guardrails(study: Study, runs: Sequence[RunResult]) -> Dict[str, GuardrailC
 
 
 def aggregate(study: Study, results: Sequence[RunResult], provenance: Optional[Dict] = None,
-              plots: Optional[Dict[str, str]] = None, adaptive: Optional[Dict] = None) -> StudyAggregate:
+              plots: Optional[Dict[str, str]] = None, adaptive=None) -> StudyAggregate:
     """Study settings, per-variant stats and verdicts, their robustness, and the decision."""
     higher = study.direction == "higher"
     by_variant: Dict[str, List[RunResult]] = {v.name: [] for v in study.all_variants}

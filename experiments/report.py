@@ -15,7 +15,7 @@ from experiments.aggregate import aggregate
 from experiments.collect import RunResult, collect, load_plan
 from experiments.plan import RunSpec
 from experiments.plots import plot_study
-from experiments.results import StudyAggregate, VariantResult
+from experiments.results import AdaptiveRecord, StudyAggregate, VariantResult
 from experiments.rundir import read_json
 from experiments.study import Study
 
@@ -194,22 +194,21 @@ def provenance_lines(agg: StudyAggregate) -> List[str]:
     return lines
 
 
-def render_adaptive(adaptive: dict) -> str:
+def render_adaptive(adaptive: AdaptiveRecord) -> str:
     """The report section: seeds used per variant and why it stopped, runs saved."""
     lines = ["", "## Adaptive seeds", "",
-             f"Seeds were added to undecided variants from {adaptive['min_seeds']} up to {adaptive['max_seeds']} "
-             f"(Welch interval of the difference at {adaptive['confidence']:.4g} confidence).", "",
+             f"Seeds were added to undecided variants from {adaptive.min_seeds} up to {adaptive.max_seeds} "
+             f"(Welch interval of the difference at {adaptive.confidence:.4g} confidence).", "",
              "| variant | seeds | stopped | interval of the difference |", "|---|---|---|---|"]
-    for name, d in adaptive["variants"].items():
-        lines.append(f"| {name} | {d['n']} | {d['stopped']} at look {d['look']} | "
-                     f"[{d['interval'][0]:.4g}, {d['interval'][1]:.4g}] |")
-    used, fixed = adaptive["runs_used"], adaptive["runs_fixed"]
+    for name, d in adaptive.variants.items():
+        lines.append(f"| {name} | {d.n} | {d.stopped} at look {d.look} | {_ci(d.interval)} |")
+    used, fixed = adaptive.runs_used, adaptive.runs_fixed
     lines += ["", f"Runs used: {used} of {fixed} for a fixed design ({1 - used / fixed:.0%} saved).", ""]
     return "\n".join(lines)
 
 
 def write_report(study: Study, study_dir: Path, specs: Optional[List[RunSpec]] = None,
-                 adaptive: Optional[Dict] = None) -> StudyAggregate:
+                 adaptive: Optional[AdaptiveRecord] = None) -> StudyAggregate:
     """Collects, aggregates and writes aggregate.json, report.md and plots; returns the aggregate."""
     specs = specs if specs is not None else load_plan(study_dir)
     results: List[RunResult] = collect(specs, study)

@@ -144,6 +144,37 @@ class Decision:
 
 
 @dataclasses.dataclass(frozen=True)
+class AdaptiveVariant:
+    """How adaptive seeding ended for one variant."""
+
+    n: int
+    """Seeds it ran."""
+    decided: bool
+    interval: Tuple[Optional[float], Optional[float]]
+    """Welch interval of the difference at the study's adaptive confidence (null: unbounded)."""
+    look: int
+    stopped: str
+    """'decided' (the interval excludes zero) or 'max_seeds'."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveRecord:
+    """The adaptive-seeds run of a study (experiments/adaptive.py)."""
+
+    max_seeds: int
+    min_seeds: int
+    step: int
+    confidence: float
+    spend_alpha_over_looks: bool
+    variants: Dict[str, AdaptiveVariant]
+    looks: Tuple[Dict[str, Any], ...]
+    """Per look: seeds, the variants still active, their intervals."""
+    runs_used: int
+    runs_fixed: int
+    """Runs a fixed design at max_seeds would have taken."""
+
+
+@dataclasses.dataclass(frozen=True)
 class StudyAggregate:
     study: str
     study_file: str
@@ -158,7 +189,7 @@ class StudyAggregate:
     decision: Decision
     provenance: Dict[str, Any] = dataclasses.field(default_factory=dict)
     plots: Dict[str, str] = dataclasses.field(default_factory=dict)
-    adaptive: Optional[Dict[str, Any]] = None
+    adaptive: Optional[AdaptiveRecord] = None
 
     # ----------------------------------------------------------------- reading helpers
     @property

@@ -59,6 +59,12 @@ def test_smoke_study_end_to_end_then_skip_then_only_new_runs(workdir):
     assert prov["manager"]["start_time"] and prov["manager"]["end_time"] and prov["manager"]["run_hash"]
     assert "run" in prov["manager"]["manager_command"]
     assert "versions" in prov and "git" in prov  # the engine's own fields are kept
+    plan = {r["variant"] + str(r["seed"]): r for r in json.loads((study / "plan.json").read_text())["runs"]}
+    assert prov["data_sha256"] == plan["kl_coef_x21"]["data_hash"]  # one data hash, the engine's
+    assert prov["manager"]["engine_code"]["engine_sha256"] and "config_sha256_without_placement" in prov["manager"]
+    from rlhf.metrics import is_known_metric
+    logged = {k for line in (run_dir / "metrics.jsonl").read_text().splitlines() for k in json.loads(line)}
+    assert {k for k in logged if k != "step" and not is_known_metric(k)} == set()  # rlhf/metrics.py names them all
     assert "ppo.kl_coef = 0.1" in (run_dir / "config.gin").read_text()
 
     # Rerun: every run is finished with the same hash, so nothing runs (and Ray is not started).
