@@ -33,7 +33,15 @@ log() { echo "[peers $(( $(date +%s) - START ))s] $*"; }
 # Fail fast: the machine may have been replaced (empty /tmp).
 python3 -c "import ray, vllm, trl, datasets; print('ray', ray.__version__, 'vllm', vllm.__version__, 'trl', trl.__version__)" \
   || { log "missing carry: /tmp/site lacks ray/vllm/trl (install the carry batches first)"; exit 3; }
-if [ "$MODE" = ppo ] || [ "$MODE" = smoke ]; then
+if [ "$MODE" = smoke ]; then  # everything verl's processes import, vLLM's server side included
+  PYTHONPATH=/tmp/site-verl:/tmp/site python3 -c "
+import verl, transformers, tokenizers, tensordict, hydra, transfer_queue
+import vllm.entrypoints.openai.api_server, vllm.entrypoints.cli.serve
+import verl.trainer.main_ppo, verl.trainer.ppo.v1.trainer_sync, verl.workers.engine_workers
+import verl.workers.rollout.vllm_rollout.vllm_async_server, verl.experimental.agent_loop, verl.experimental.reward_loop
+print('verl', verl.__version__, 'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__)
+" 2>&1 | tail -n 3 | tee "$R/verl_imports.txt"
+elif [ "$MODE" = ppo ]; then
   PYTHONPATH=/tmp/site-verl:/tmp/site python3 -c "import verl, transformers, tensordict, hydra, transfer_queue; print('verl', verl.__version__, 'transformers', transformers.__version__)" \
     || log "verl site incomplete: the verl part will fail (see its log)"
 fi

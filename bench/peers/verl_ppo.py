@@ -93,7 +93,9 @@ def overrides(inputs: dict, files: dict, steps: int, trainer: str) -> list[str]:
         "trainer.critic_warmup=0", "trainer.logger=[console,file]", "trainer.project_name=peers",
         "trainer.experiment_name=verl_ppo", f"trainer.default_local_dir={files['ckpt']}",
         f"trainer.use_v1={'True' if trainer == 'v1' else 'False'}",
-        "ray_kwargs.ray_init.num_cpus=16",
+        # logical CPUs: TransferQueue (9 actors), 8 agent-loop and 2 reward workers, the task runner and the
+        # worker bundle each ask for CPUs; 16 (the cores) would leave some waiting forever
+        "ray_kwargs.ray_init.num_cpus=64",
     ] + [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{os.environ[k]}'"  # the carried sites, in every worker
          for k in ("PYTHONPATH", "VLLM_USE_FLASHINFER_SAMPLER") if os.environ.get(k)]
 
