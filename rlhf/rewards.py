@@ -206,17 +206,3 @@ class RewardRole:
     def load_state_dict(self, state: dict) -> None:
         self.combiner.load_state_dict(state)
 
-
-def build_reward_role(cfg, policy_tokenizer, policy_renderer, device="cpu", log=print) -> RewardRole:
-    """The run's reward role in this process: the rule alone, or with the reward model of
-    `reward.model_path` (loaded on `device`, bf16 on a GPU). Raises ConfigError (one line) for a
-    checkpoint that is not a one-output sequence classifier, before any compute."""
-    scorer = None
-    if cfg.reward.uses_model:
-        from rlhf.reward_model.score import RewardModelScorer
-        r = cfg.reward
-        scorer = RewardModelScorer(r.model_path, r.tokenizer_path, r.chat_template, policy_tokenizer=policy_tokenizer,
-                                   policy_renderer=policy_renderer, system_prompt=cfg.task.system_prompt,
-                                   instruction_suffix=cfg.task.instruction_suffix,
-                                   micro_batch_size=r.micro_batch_size, device=device, log=log)
-    return RewardRole(cfg.task, cfg.reward, scorer)

@@ -202,22 +202,27 @@ class RewardModelScorer:
     def __init__(self, model_path: str, tokenizer_path: str = "", chat_template: str = "auto", *,
                  policy_tokenizer=None, policy_renderer: Optional[PromptRenderer] = None,
                  system_prompt: str = "", instruction_suffix: str = "", micro_batch_size: int = 32,
-                 device: torch.device | str = "cpu", max_length: int = 0, log=print):
+                 device: torch.device | str = "cpu", max_length: int = 0, place=None, log=print):
+        """`place(model) -> model` puts the model on its device (a placement context's `place`, which
+        may shard it with FSDP2; default `model.to(device)`); `log=None` logs nothing."""
         self.device = torch.device(device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.tokenizer = load_reward_tokenizer(tokenizer_path or model_path,
                                                "reward.tokenizer_path" if tokenizer_path else "reward.model_path")
         self.renderer = PromptRenderer(self.tokenizer, chat_template, system_prompt, instruction_suffix,
                                        binding="reward.chat_template")
-        self.model = load_reward_model(model_path, dtype).to(self.device)
-        ensure_pad_id(self.model, self.tokenizer)
+        model = load_reward_model(model_path, dtype)
+        ensure_pad_id(model, self.tokenizer)
+        self.model = (place(model) if place is not None else model.to(self.device)).eval().requires_grad_(False)
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length
         self.reuse_policy_ids = (policy_tokenizer is not None and policy_renderer is not None
                                  and same_encoding(policy_tokenizer, policy_renderer, self.tokenizer, self.renderer))
-        log(f"reward model {model_path}: {self.renderer.describe()}; "
-            + ("scores the policy's token ids as they are" if self.reuse_policy_ids else
-               "re-encodes each decoded conversation with its own tokenizer"))
+        self.description = (f"reward model {model_path}: {self.renderer.describe()}; "
+                            + ("scores the policy's token ids as they are" if self.reuse_policy_ids else
+                               "re-encodes each decoded conversation with its own tokenizer"))
+        if log is not None:
+            log(self.description)
 
     def sequences(self, batch) -> List[List[int]]:
         if self.reuse_policy_ids:
