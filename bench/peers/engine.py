@@ -14,8 +14,8 @@ Both: the shared inputs of `bench/peers/common.py` (Qwen2.5-0.5B shape, random w
 full-vocabulary tokenizer, prompts of exactly 256 tokens), vLLM rollouts at 0.3 of the GPU's
 memory, bf16, `ppo.torch_compile = True` (this engine's fast path; `-b 'ppo.torch_compile = False'`
 for eager). --placement local: every role in this process; colocated: Ray ranks (world size 1)
-sharing one GPU bundle (`ppo.offload_idle_models = False` by default: every model fits, as in TRL;
-pass `-b 'ppo.offload_idle_models = True'` for the offloading default). Each iteration's
+sharing one GPU bundle (`ppo.offload_idle_models = 'auto'`, the default: every model fits here, so
+none is offloaded; `-b 'ppo.offload_idle_models = True'` forces offloading). Each iteration's
 `timing_s/*` phases come from the engine; the JSON is rewritten after every iteration.
 """
 
@@ -66,8 +66,6 @@ def bindings(inputs: dict, algo: str, placement: str, tiny: bool = False) -> lis
               "ppo.actor_learning_rate = 1e-6", "ppo.critic_learning_rate = 5e-6",
               "ppo.clip_range = 0.2", "ppo.value_clip_range = 0.5", "ppo.loss_aggregation = 'token_mean'"]
     b += [f"ppo.placement = '{placement}'", "ppo.world_size = 1"]
-    if placement == "colocated":
-        b += ["ppo.offload_idle_models = False"]
     if tiny:
         b += ["ppo.device = 'cpu'", "ppo.dtype = 'float32'", "ppo.rollout_backend = 'hf'", "ppo.torch_compile = False",
               "ppo.max_prompt_length = 16", "ppo.max_response_length = 8", "task.eval_size = 8"]
