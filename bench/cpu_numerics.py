@@ -50,6 +50,19 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def weights_sha256(model_dir: Path) -> str:
+    """sha256 over a checkpoint's tensors (names, dtypes, shapes, bytes): unlike the directory hash,
+    blind to the library versions written into config.json and the safetensors header."""
+    from safetensors.numpy import load_file
+    h = hashlib.sha256()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        tensors = load_file(str(path))
+        for name in sorted(tensors):
+            t = tensors[name]
+            h.update(f"{name}:{t.dtype}:{t.shape}".encode() + t.tobytes())
+    return h.hexdigest()
+
+
 def metrics_sha256(path: Path) -> str:
     """sha256 of metrics.jsonl with timing_s/ and perf/ fields dropped (they vary run to run)."""
     h = hashlib.sha256()
@@ -89,6 +102,8 @@ def run_setting(name: str, steps: int, recipe: str, extra_bindings: list) -> dic
             "setting": name, "env": spec, "bindings": bindings + extra_bindings, "steps": steps,
             "metrics_sha256": metrics_sha256(out / "metrics.jsonl"),
             "sft_sha256": hash_directory(sft_root / "sft_model"),
+            "sft_weights_sha256": weights_sha256(sft_root / "sft_model"),
+            "final_actor_weights_sha256": weights_sha256(out / "checkpoints" / f"step_{steps}" / "actor"),
             "final_checkpoint_sha256": hash_directory(out / "checkpoints" / f"step_{steps}"),
             "seconds_per_step_median": statistics.median(step_times),
             "seconds_per_step_mean": statistics.fmean(step_times),
@@ -119,12 +134,17 @@ def compare(a_path: str, b_path: str) -> int:
         if rb is None or "error" in ra or "error" in rb:
             print(f"{ra['setting']:30s} not comparable")
             continue
-        same = {k: ra[k] == rb[k] for k in ("sft_sha256", "metrics_sha256", "final_checkpoint_sha256")}
+        # Weights where both files have them (library versions change config.json, not the numbers).
+        sft = "sft_weights_sha256" if "sft_weights_sha256" in ra and "sft_weights_sha256" in rb else "sft_sha256"
+        final = ("final_actor_weights_sha256" if "final_actor_weights_sha256" in ra and "final_actor_weights_sha256" in rb
+                 else "final_checkpoint_sha256")
+        same = {k: ra[k] == rb[k] for k in (sft, "metrics_sha256", final)}
         same_all &= all(same.values())
-        print(f"{ra['setting']:30s} sft {'same' if same['sft_sha256'] else 'DIFFERS'}, metrics "
-              f"{'same' if same['metrics_sha256'] else 'DIFFER'}, final checkpoint "
-              f"{'same' if same['final_checkpoint_sha256'] else 'DIFFERS'}; s/step A {ra['seconds_per_step_median']:.3f} "
-              f"B {rb['seconds_per_step_median']:.3f}")
+        print(f"{ra['setting']:30s} sft {'same' if same[sft] else 'DIFFERS'}, metrics "
+              f"{'same' if same['metrics_sha256'] else 'DIFFER'}, final weights "
+              f"{'same' if same[final] else 'DIFFER'}; s/step A {ra['seconds_per_step_median']:.3f} "
+              f"B {rb['seconds_per_step_median']:.3f}, cpu s A {ra.get('cpu_s', float('nan')):.1f} "
+              f"B {rb.get('cpu_s', float('nan')):.1f}")
     return 0 if same_all else 1
 
 
