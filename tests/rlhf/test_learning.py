@@ -1,27 +1,59 @@
 """PPO measurably learns: from the SFT warm start, the tiny default's held-out accuracy rises by
-a clear margin within a few minutes on 2 cores (recipes/tiny.gin as shipped: 250 steps, ~80 s
-on one quiet core). Measured: seed 0 eval/accuracy 0.234 -> 0.453 (+21.9 points), greedy
-0.391 -> 0.492; seed 1 0.266 -> 0.508 (+24.2), greedy 0.391 -> 0.625."""
+a clear margin within a few minutes on 2 cores (recipes/tiny.gin as shipped: 250 steps).
+
+One run's gain is not the measure: a different CPU (other kernels, other rounding) sends a run
+down another trajectory, as a different seed does, and one seed's gain was seen to range from
++14 to +24 points. So the test runs three seeds and evaluates each on the whole held-out split
+(169 prompts) with 4 samples per prompt (676 samples: the sampling noise of one gain is ~2.6
+points), and asks for a mean gain far above that noise plus a gain from every seed.
+Measured on an AMD EPYC (AVX-512), default portable CPU numerics (rlhf/numerics.py), eval/accuracy
+initial -> final: seed 0 0.215 -> 0.414 (+20.0 points), seed 1 0.220 -> 0.487 (+26.6), seed 2
+0.232 -> 0.429 (+19.7); mean +22.1, greedy 0.266 -> 0.54-0.63. With each machine's own kernels
+(RLHF_NUMERICS=native), another numeric path as another CPU would take: +17.8, +18.2, +17.5.
+The thresholds (mean >= 10, each seed >= 5) sit 3-5 standard deviations of the seed-to-seed
+spread (~3-4 points) below the lowest of these.
+"""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from rlhf.metrics import read_metrics
 from tests.conftest import run_train
 
+SEEDS = (0, 1, 2)
+HELD_OUT = ["-b", "task.eval_size = 1000", "-b", "ppo.eval_samples_per_prompt = 4", "-b", "ppo.eval_every = 250"]
+MEAN_GAIN = 0.10  # held-out accuracy gain (fraction), mean over the seeds
+SEED_GAIN = 0.05  # and of every seed
+
 
 @pytest.mark.slow
 def test_ppo_raises_held_out_accuracy(tmp_path):
-    run_train(["recipes/tiny.gin", "--quiet", "--out", tmp_path])
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    initial, final = summary["initial"], summary["final"]
-    # The warm start is imperfect but non-trivial.
-    assert 0.1 < initial["eval/accuracy"] < 0.6
-    gain = final["eval/accuracy"] - initial["eval/accuracy"]
-    assert gain >= 0.15, f"held-out accuracy {initial['eval/accuracy']:.3f} -> {final['eval/accuracy']:.3f}"
-    assert final["eval/greedy_accuracy"] > initial["eval/greedy_accuracy"]
-    records = read_metrics(tmp_path / "metrics.jsonl")
-    early = sum(r["reward_mean"] for r in records[1:21]) / 20
-    late = sum(r["reward_mean"] for r in records[-20:]) / 20
-    assert late > early + 0.05
+    def run(seed):
+        out = tmp_path / f"seed{seed}"
+        run_train(["recipes/tiny.gin", "--quiet", "-b", f"ppo.seed = {seed}", *HELD_OUT, "--out", out])
+        return seed, out
+
+    with ThreadPoolExecutor(max_workers=len(SEEDS)) as pool:  # one thread each (ppo.torch_threads = 1)
+        outs = dict(pool.map(run, SEEDS))
+    gains, lines = {}, []
+    for seed, out in outs.items():
+        summary = json.loads((out / "summary.json").read_text())
+        initial, final = summary["initial"], summary["final"]
+        # The warm start is imperfect but non-trivial.
+        assert 0.1 < initial["eval/accuracy"] < 0.6, (seed, initial)
+        gains[seed] = final["eval/accuracy"] - initial["eval/accuracy"]
+        assert final["eval/greedy_accuracy"] > initial["eval/greedy_accuracy"], (seed, initial, final)
+        lines.append(f"seed {seed}: {initial['eval/accuracy']:.3f} -> {final['eval/accuracy']:.3f} "
+                     f"({100 * gains[seed]:+.1f}), greedy {initial['eval/greedy_accuracy']:.3f} -> "
+                     f"{final['eval/greedy_accuracy']:.3f}")
+        records = read_metrics(out / "metrics.jsonl")
+        early = sum(r["reward_mean"] for r in records[1:21]) / 20
+        late = sum(r["reward_mean"] for r in records[-20:]) / 20
+        assert late > early + 0.05, (seed, early, late)
+    report = "; ".join(lines)
+    print(report)
+    mean_gain = sum(gains.values()) / len(gains)
+    assert mean_gain >= MEAN_GAIN, f"mean held-out gain {100 * mean_gain:+.1f} points < {100 * MEAN_GAIN:.0f}: {report}"
+    assert min(gains.values()) >= SEED_GAIN, f"a seed gained < {100 * SEED_GAIN:.0f} points: {report}"
