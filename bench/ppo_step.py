@@ -1,9 +1,13 @@
 """Benchmark: time per phase and tokens/s of PPO iterations (not a test).
 
     python bench/ppo_step.py [--recipe recipes/tiny.gin] [-b BINDING]... [--steps 5] [--json PATH]
+                             [--reward-model random|DIR]
 
 Builds the trainer from a recipe, runs one warm-up iteration, then `--steps` timed iterations,
 and reports the median of each phase. Figures go to stdout and to a JSON file.
+`--reward-model` trains against a reward model (reward.kind = 'model'): a checkpoint dir, or
+'random', a one-output classifier with the policy's own architecture, shape and tokenizer and
+random weights (built locally); its phase is `reward_model`, with its tokens/s.
 """
 
 from __future__ import annotations
@@ -61,12 +65,32 @@ def rollout_parity(trainer, repeats: int = 3) -> dict:
             "ratio_ppo_over_vllm_time": min(phase_times) / min(alone) * alone_tokens / max(tokens, 1)}
 
 
+def random_reward_model(cfg, out_dir: Path) -> Path:
+    """A one-output sequence classifier shaped like the run's policy (random weights), with its tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf.trainer import resolve_model_paths
+    model_dir, tokenizer_dir = resolve_model_paths(cfg, log=lambda m: print(m, file=sys.stderr))
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    config.num_labels = 1
+    config.architectures = None
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if cfg.ppo.dtype == "bfloat16" else torch.float32
+    model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+    model.save_pretrained(str(out_dir))
+    AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True).save_pretrained(str(out_dir))
+    return out_dir
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--recipe", default=str(REPO / "recipes" / "tiny.gin"))
     p.add_argument("-b", "--binding", action="append", default=[])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--json", default=str(REPO / "bench" / "results" / "ppo_step_cpu.json"))
+    p.add_argument("--reward-model", default="", help="'random' (the policy's shape, random weights) or a reward-model "
+                                                       "checkpoint dir: train against it (reward.kind = 'model')")
     p.add_argument("--rollout-parity", action="store_true",
                    help="vLLM, one process: also time vLLM's own generate on the generate phase's requests")
     args = p.parse_args(argv)
@@ -76,10 +100,14 @@ def main(argv=None) -> int:
     from rlhf import configurable
     from rlhf.trainer import PPOTrainer
 
-    cfg, _ = configurable.resolve(args.recipe, args.binding + [f"ppo.total_steps = {args.steps + 1}"])
+    bindings = args.binding + [f"ppo.total_steps = {args.steps + 1}"]
+    cfg, _ = configurable.resolve(args.recipe, bindings)
     with tempfile.TemporaryDirectory() as out:
+        if args.reward_model:
+            path = args.reward_model if args.reward_model != "random" else str(random_reward_model(cfg, Path(out) / "rm"))
+            cfg, _ = configurable.resolve(args.recipe, bindings + ["reward.kind = 'model'", f"reward.model_path = '{path}'"])
         t0 = time.perf_counter()
-        trainer = PPOTrainer(cfg, out, log=lambda m: print(m, file=sys.stderr))
+        trainer = PPOTrainer(cfg, Path(out) / "run", log=lambda m: print(m, file=sys.stderr))
         setup_s = time.perf_counter() - t0
         records = []
         for i in range(args.steps + 1):
@@ -114,6 +142,15 @@ def main(argv=None) -> int:
         "response_length_mean": statistics.mean(r["response_length_mean"] for r in records),
     }
     result["placement"] = placement
+    if "reward_model" in result["median_s"]:
+        # The reward model reads every prompt and response token of the step's batch.
+        tokens = [r["perf/tokens_per_s"] * r["timing_s/step"] for r in records]
+        result["reward_model"] = {"kind": "random" if args.reward_model == "random" else args.reward_model,
+                                  "micro_batch_size": cfg.reward.micro_batch_size,
+                                  "phase_s": result["median_s"]["reward_model"],
+                                  "tokens_per_s": statistics.median(t / r["timing_s/reward_model"]
+                                                                    for t, r in zip(tokens, records)),
+                                  "share_of_step": result["median_s"]["reward_model"] / result["median_s"]["step"]}
     if parity is not None:
         result["rollout_parity"] = parity
     for key in ("perf/max_memory_allocated_gb", "perf/max_rss_gb", "perf/gpu_utilization"):
@@ -127,6 +164,8 @@ def main(argv=None) -> int:
             print(f"  {name:<14} {seconds * 1000:8.1f} ms  {100 * seconds / step:5.1f}%")
     print(f"  tokens/s (prompt + response, whole iteration): {result['tokens_per_s']:.0f}")
     print(f"  generated tokens/s (generate phase):           {result['generated_tokens_per_s']:.0f}")
+    if "reward_model" in result:
+        print(f"  reward-model tokens/s (reward_model phase):    {result['reward_model']['tokens_per_s']:.0f}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")

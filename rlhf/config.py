@@ -428,7 +428,7 @@ class RewardConfig:
     rule_weight: float = 1.0
     """Weight of the rule's reward when kind = 'combined'."""
     model_weight: float = 1.0
-    """Weights of the two terms when kind = 'combined'."""
+    """Weight of the reward model's (normalised, clipped) score when kind = 'combined'."""
     normalize: str = "none"
     """The model score: 'none', 'batch' (whiten over each rollout batch) or 'running' (running
     mean / std over all rollouts so far, kept in checkpoints)."""

@@ -21,6 +21,7 @@ import transformers
 from rlhf import algos, checkpoint
 from rlhf.batch import Batch
 from rlhf.config import RunConfig
+from rlhf.chat import PromptRenderer
 from rlhf.data import Example, PromptSampler, dataset_hash, load_task
 from rlhf.metrics import MetricLogger, read_metrics, window_means
 from rlhf.models import load_tokenizer
@@ -86,6 +87,8 @@ class PPOTrainer:
 
         self.model_dir, self.tokenizer_dir = resolve_model_paths(cfg, log)
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
+        self.prompts = PromptRenderer.from_task(self.tokenizer, cfg.task)  # rollout, evaluation and reward model alike
+        log(self.prompts.describe())
         self.train_examples, held = load_task(cfg.task)
         self.eval_examples: List[Example] = held[:cfg.task.eval_size]
         if not self.eval_examples:
@@ -119,7 +122,7 @@ class PPOTrainer:
             repeated = [ex for ex in examples[call * per_call:(call + 1) * per_call] for _ in range(samples_per_prompt)]
             if repeated:
                 calls_made.append(repeated)
-                requests.append(([ex.prompt for ex in repeated], derive_seed(*seed_parts, call)))
+                requests.append(([self.prompts.ids(ex.prompt) for ex in repeated], derive_seed(*seed_parts, call)))
         parts = self.actor.generate(requests, sampling)
         for out, repeated in zip(parts, calls_made):
             out["prompts"] = [ex.prompt for ex in repeated]
@@ -169,6 +172,9 @@ class PPOTrainer:
                                   ppo.num_rollout_batches)
         with timer("rollout_release"):  # vLLM sleep mode: frees its KV cache and weights until the next sync
             self.actor.release_memory()
+        if self.roles.reward_model is not None:
+            with timer("reward_model"):
+                batch["rm_scores"] = self.reward.model_scores(batch)
         with timer("reward"):
             for key, value in self.reward.score(batch).items():
                 batch[key] = value
@@ -201,6 +207,7 @@ class PPOTrainer:
             "reward_mean": float(batch["scores"].mean()),
             "reward_std": float(batch["scores"].std()) if len(batch) > 1 else 0.0,
             "accuracy": float(batch["correct"].float().mean()),
+            **({"rollout/rm_score_mean": float(batch["rm_scores"].mean())} if "rm_scores" in batch else {}),
             "clip_fraction": record.get("actor/clip_fraction"),
             "clip_fraction_lower": record.get("actor/clip_fraction_lower"),
             "clip_fraction_upper": record.get("actor/clip_fraction_upper"),
@@ -243,8 +250,10 @@ class PPOTrainer:
                                       max_prompt_length=ppo.max_prompt_length)
             calls = math.ceil(len(self.eval_examples) * n / 64)
             batch = self.generate(self.eval_examples, sampling, (ppo.seed, EVAL_SEED_SALT, self.step), n, calls)
-            scored = self.reward.score(batch)
+            scored = self.reward.score(batch, update=False)  # evaluation never moves the reward's running statistics
             out[f"eval/{prefix}accuracy"] = float(scored["correct"].float().mean())
+            if "rm_scores" in scored:
+                out[f"eval/{prefix}rm_score"] = float(scored["rm_scores"].mean())
             out[f"eval/{prefix}reward_mean"] = float(scored["scores"].mean())
             if not prefix:
                 out["eval/response_length_mean"] = float(batch["response_mask"].float().sum(-1).mean())
@@ -255,13 +264,15 @@ class PPOTrainer:
     def save(self) -> Path:
         return checkpoint.save_checkpoint(
             self.out / "checkpoints", self.step, actor=self.actor, critic=self.critic, tokenizer=self.tokenizer,
-            trainer_state={"sampler": self.sampler.state_dict(), "kl_controller": self.kl_ctl.state_dict()},
+            trainer_state={"sampler": self.sampler.state_dict(), "kl_controller": self.kl_ctl.state_dict(),
+                           "reward": self.reward.state_dict()},
             keep=self.ppo.keep_checkpoints)
 
     def restore(self, ckpt: Path) -> None:
         state = checkpoint.restore_training(ckpt, actor=self.actor, critic=self.critic)
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.reward.load_state_dict(state.get("reward", {}))
         self.step = checkpoint.load_state(ckpt)["step"]
         self.actor.sync_weights()
 

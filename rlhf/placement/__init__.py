@@ -36,20 +36,27 @@ def role_specs(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, start_di
         specs.append(RoleSpec("critic", "rlhf.roles.critic:Critic",
                               dict(ppo=ppo, model_dir=str(model_dir), random_init=cfg.model.critic_init == "random",
                                    total_updates=total_updates)))
+    if cfg.reward.uses_model:
+        specs.append(RoleSpec("reward_model", "rlhf.roles.reward_model:RewardModel",
+                              dict(reward=cfg.reward, task=cfg.task, policy_tokenizer_dir=str(tokenizer_dir)),
+                              extra=dict(policy_tokenizer=tokenizer, log=log) if tokenizer is not None else {}))
     return specs
 
 
 def build_roles(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, tokenizer, start_dir: Path,
                 device: torch.device, autocast_dtype, ray_address: Optional[str] = None, log=print) -> Roles:
-    from rlhf.roles.reward import RuleReward
+    from rlhf.roles.reward_model import Reward
     controller = DeviceContext(torch.device("cpu"))
-    controller_roles = {"reward": RuleReward(controller, cfg.task)}
     if cfg.ppo.resolved_placement == "local":
         from rlhf.placement.local import build_local_roles
         specs = role_specs(cfg, model_dir=model_dir, tokenizer_dir=tokenizer_dir, start_dir=start_dir,
                            tokenizer=tokenizer, log=log)
-        return build_local_roles(specs, device=device, autocast_dtype=autocast_dtype,
-                                 controller_roles=controller_roles, log=log)
-    from rlhf.placement.ray_roles import build_ray_roles
-    specs = role_specs(cfg, model_dir=model_dir, tokenizer_dir=tokenizer_dir, start_dir=start_dir)
-    return build_ray_roles(cfg, specs, controller_roles=controller_roles, ray_address=ray_address, log=log)
+        roles = build_local_roles(specs, device=device, autocast_dtype=autocast_dtype, controller_roles={}, log=log)
+    else:
+        from rlhf.placement.ray_roles import build_ray_roles
+        specs = role_specs(cfg, model_dir=model_dir, tokenizer_dir=tokenizer_dir, start_dir=start_dir)
+        roles = build_ray_roles(cfg, specs, controller_roles={}, ray_address=ray_address, log=log)
+    # The reward phase runs in the controller (normalisation sees the whole batch); the reward
+    # model it calls is a device role like the reference.
+    roles.reward = Reward(controller, cfg.task, cfg.reward, roles.reward_model)
+    return roles

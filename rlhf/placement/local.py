@@ -30,4 +30,5 @@ def build_local_roles(specs: List[RoleSpec], *, device: torch.device, autocast_d
         record["memory"] = plan
     monitor = DeviceMonitor(device).start()
     return Roles(actor=roles["actor"], critic=roles.get("critic"), reference=roles["reference"],
-                 reward=roles["reward"], placement=record, device_report=monitor.take, close=monitor.close)
+                 reward=roles.get("reward"), reward_model=roles.get("reward_model"), placement=record,
+                 device_report=monitor.take, close=monitor.close)

@@ -87,4 +87,5 @@ def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, controller_roles: 
         record["memory"] = plan
     roles = {**controller_roles, **proxies}
     return Roles(actor=roles["actor"], critic=roles.get("critic"), reference=roles["reference"],
-                 reward=roles["reward"], placement=record, device_report=device_report, close=close)
+                 reward=roles.get("reward"), reward_model=roles.get("reward_model"), placement=record,
+                 device_report=device_report, close=close)

@@ -4,6 +4,8 @@
     critic.Critic         the value model (GAE only)
     reference.Reference   the frozen starting policy
     reward.RuleReward     the task's rule, in the controller's process
+    reward_model.RewardModel   a reward model (one-output sequence classifier), on the device
+    reward_model.Reward   the reward phase in the controller: rule, reward model or both
 
 A role receives a context (rlhf/placement/context.py) saying where it runs and declares on each
 method how a call is spread over ranks (rlhf/roles/dispatch.py). `rlhf/placement/` builds the
@@ -63,7 +65,15 @@ class ReferenceRole(Protocol):
 
 
 class RewardRole(Protocol):
-    def score(self, batch: Batch) -> Dict[str, torch.Tensor]: ...
+    def score(self, batch: Batch, update: bool = True) -> Dict[str, torch.Tensor]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class RewardModelRole(Protocol):
+    def score(self, batch: Batch) -> torch.Tensor: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,3 +104,5 @@ class Roles:
     """Device memory and utilisation since the last call, over every process holding a role
     (`perf/max_memory_allocated_gb`, `perf/gpu_utilization`; {} on CPU)."""
     close: Callable[[], None] = lambda: None
+    reward_model: Optional["RewardModelRole"] = None
+    """The reward model (reward.kind 'model' or 'combined'), which `reward` calls."""

@@ -39,9 +39,12 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_length: int):
-    """Left-padded prompt ids and mask; prompts longer than the limit keep their last tokens."""
-    ids = [tokenizer(p, add_special_tokens=True)["input_ids"][-max_prompt_length:] for p in prompts]
+def encode_prompts(tokenizer, prompts: Sequence[str | Sequence[int]], max_prompt_length: int):
+    """Left-padded prompt ids and mask; prompts longer than the limit keep their last tokens. A
+    prompt is text (encoded with the tokenizer's special tokens) or token ids already rendered
+    (rlhf/chat.py: the chat template's ids, as the trainer passes them)."""
+    ids = [(tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else list(p))[-max_prompt_length:]
+           for p in prompts]
     width = max(len(x) for x in ids)
     out = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
