@@ -181,28 +181,3 @@ class RewardCombiner:
         if "running" in state:
             self.running.load_state_dict(state["running"])
 
-
-class RewardRole:
-    """The reward phase in one process: the rule, a reward model, or both (`reward.kind`).
-
-    `score(batch, update=True)` returns scores [B] (what the policy trains on), correct and
-    well_formed [B] (the rule's, gold accuracy whenever the task has ground truth) and, with a
-    reward model, rm_scores [B] (its raw score). Evaluation passes update=False so it never moves
-    the running normalisation."""
-
-    def __init__(self, task, reward, scorer=None):
-        if reward.kind != "rule" and scorer is None:
-            raise ValueError("a reward model scorer is needed for reward.kind = " + repr(reward.kind))
-        self.combiner = RewardCombiner(task, reward)
-        self.scorer = scorer
-
-    def score(self, batch, update: bool = True) -> dict:
-        rm = self.scorer.score_batch(batch) if self.scorer is not None and self.combiner.cfg.kind != "rule" else None
-        return self.combiner.combine(batch["responses"], batch["answers"], batch["finished"], rm, update)
-
-    def state_dict(self) -> dict:
-        return self.combiner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.combiner.load_state_dict(state)
-

@@ -207,3 +207,23 @@ def test_train_cli_bad_data_file_exits_2_with_one_line(tmp_path, random_policy, 
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_study_plan_bad_data_file_exits_2_with_one_line(tmp_path, random_policy):
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9=", "answer": "2"}\n')
+    study = tmp_path / "study.gin"
+    study.write_text(f"""study.name = 'bad_data'
+study.baseline_recipe = '{REPO / "recipes" / "tiny.gin"}'
+study.baseline_bindings = ["model.name_or_path = '{random_policy / 'model'}'",
+                           "model.tokenizer_path = '{random_policy / 'tok'}'",
+                           "task.name = 'file'", "task.train_path = '{path}'"]
+study.variants = {{'kl': 'ppo.kl_coef = 0.1'}}
+study.seeds = 1
+study.metric = 'eval/accuracy'
+""")
+    proc = subprocess.run([sys.executable, "-m", "experiments", "plan", str(study), "--results", str(tmp_path / "r")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "latin.jsonl:2: not UTF-8 text" in lines[-1]

@@ -17,7 +17,6 @@ from rlhf.batch import Batch
 from rlhf.chat import PromptRenderer
 from rlhf.config import ConfigError, RewardConfig, SFTConfig, TaskConfig, TinyModelConfig
 from rlhf.reward_model.score import RewardModelScorer, check_reward_checkpoint
-from rlhf.rewards import RewardRole
 from rlhf.tiny import CHARACTERS, build_char_tokenizer, build_tiny_model
 
 from tests.conftest import REPO
@@ -129,9 +128,16 @@ def test_reward_kinds_and_normalisation(setup):
     root, tok, _ = setup
     renderer = PromptRenderer(tok, "auto")
     batch = policy_batch(tok, renderer)
-    scorer = RewardModelScorer(str(root / "same"), policy_tokenizer=tok, policy_renderer=renderer, log=lambda m: None)
-    raw = scorer.score_batch(batch)
+    from rlhf.placement.context import DeviceContext
+    from rlhf.roles.reward_model import Reward, RewardModel
+    ctx = DeviceContext(torch.device("cpu"))
+    scorer = RewardModel(ctx, RewardConfig(kind="model", model_path=str(root / "same")), TaskConfig(),
+                         str(root / "policy_tok"), log=lambda m: None)
+    raw = scorer.score(batch)
     task = TaskConfig()
+
+    def RewardRole(task, reward, rm=None):  # noqa: N802: the reward phase in one process
+        return Reward(ctx, task, reward, rm)
     rule = RewardRole(task, RewardConfig()).score(batch)
     assert rule["correct"].tolist() == [True, True, False, False, True, False] and "rm_scores" not in rule
     penalty = torch.tensor([0.0, 0.0, 0.5, 0.0, 0.0, 0.0])
