@@ -10,6 +10,14 @@ perf fields (the numeric path of the whole run), the SFT warm start's and the fi
 hashes, the seconds per PPO step (median) and of the SFT build, the settings in force and the
 machine's fingerprint (rlhf.provenance). `compare` lines up two such files (two machines) and says,
 setting by setting, whether the numbers agree. Not a test: figures go to stdout and the JSON.
+
+On the lent GPU machine's CPU (Python 3.12, torch 2.11, transformers 5.17, no gin): carry the
+gin-config wheel (pure Python, importable from the zip) and hide the GPU:
+    echo '/.carry/' >> .git/info/exclude; pip download --no-deps gin-config==0.5.0 -d .carry
+    device run, carry [".carry"]: export PYTHONPATH=$PWD/.carry/gin_config-0.5.0-py3-none-any.whl;
+        python3 bench/cpu_numerics.py --steps 30 --settings portable,avx2,native --json $OUT/cpu_numerics_h200host.json
+    python bench/cpu_numerics.py compare bench/results/cpu_numerics_epyc_torch211.json FILES_AT/cpu_numerics_h200host.json
+(bench/results/cpu_numerics_epyc_torch211.json: this machine with the same torch 2.11 and transformers 5.17.)
 """
 
 from __future__ import annotations
