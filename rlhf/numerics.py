@@ -99,14 +99,6 @@ def apply(environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
     return added
 
 
-def child_env(base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    """A copy of `base` (default: this process's environment) with the profile applied: the
-    environment to start an engine subprocess with."""
-    env = dict(os.environ if base is None else base)
-    apply(env)
-    return env
-
-
 def forwarded_env(environ: Mapping[str, str] = os.environ) -> Dict[str, str]:
     """The numeric variables set here that another process (a Ray worker on any node) must get."""
     return {k: environ[k] for k in FORWARDED_ENV if environ.get(k)}
