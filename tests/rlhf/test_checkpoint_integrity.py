@@ -95,3 +95,14 @@ def test_resume_skips_a_truncated_latest_checkpoint_and_matches_an_uninterrupted
     proc = run_train([*ARGS, "--out", out, "--resume"])
     assert "skipped damaged checkpoint" not in proc.stderr
     assert comparable(read_metrics(out / "metrics.jsonl")) == expected
+
+
+def test_resume_with_every_checkpoint_damaged_starts_over_and_keeps_none_of_them(tmp_path, capsys):
+    from rlhf.train import resume_checkpoint
+    for step in (3, 6):
+        (fake_checkpoint(tmp_path, step) / "state.json").write_text("{}")  # shorter than in the manifest
+    assert resume_checkpoint(tmp_path) is None
+    err = capsys.readouterr().err
+    assert err.count("skipped damaged checkpoint") == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt-step_3", "corrupt-step_6"]
+    assert checkpoint.latest_checkpoint(tmp_path) is None
