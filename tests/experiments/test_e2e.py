@@ -152,6 +152,14 @@ def test_failures_are_recorded_retried_or_not_and_do_not_stop_others(workdir):
     assert again.returncode == 1 and len(attempts(bad)) == 1 and len(attempts(base)) == 2
 
 
+def _alive(proc) -> bool:
+    import psutil
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _completed(study: Path) -> list:
     out = []
     for d in sorted((study / "runs").glob("*/seed*")):
@@ -222,12 +230,21 @@ def test_interrupt_and_kill_then_rerun_loses_nothing_and_repeats_nothing(workdir
     proc = _start(results)
     _wait_for(lambda: any(_checkpoint_steps(d)[-1] > saved_before.get(d, 0)
                           for d in _midway(study, latest_at_most=12)), proc)
+    import psutil
+    ray_daemons = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "watchdog" not in " ".join(p.cmdline())]  # GCS, raylet, dashboard and runtime-env agents...
     proc.kill()
     proc.wait(timeout=30)
     deadline = time.monotonic() + 60
     while _engines_writing_to(study) and time.monotonic() < deadline:
         time.sleep(1)
     assert not _engines_writing_to(study), "an engine outlived its killed manager"
+    deadline = time.monotonic() + 30
+    lingering = ray_daemons
+    while lingering and time.monotonic() < deadline:
+        time.sleep(1)
+        lingering = [p for p in lingering if _alive(p)]
+    assert not lingering, f"Ray processes outlived the killed manager: {[p.name() for p in lingering]}"
     for d in _midway(study, latest_at_most=16):
         interrupted.setdefault(d, len(attempts(d)))
 
