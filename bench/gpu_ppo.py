@@ -46,6 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--rollout-parity", action="store_true",
                    help="one-process vLLM variants: also time vLLM's own generate on the same requests")
     p.add_argument("--variant-timeout", type=int, default=0, help="seconds per variant (0: none)")
+    p.add_argument("--reward-model", default="", help="train against a reward model: 'random' (a one-output classifier "
+                                                       "of the policy's shape, random weights) or a checkpoint dir")
     args = p.parse_args(argv)
 
     if len(args.variant) > 1:  # one process per variant: vLLM allows one sleep-mode engine per process
@@ -92,6 +94,7 @@ def main(argv=None) -> int:
             parity = args.rollout_parity and not any("placement" in b for b in extra_bindings)
             ppo_step.main(["--recipe", str(REPO / "recipes" / "base" / "ppo.gin"), "--steps", str(args.steps),
                            "--json", str(out)] + (["--rollout-parity"] if parity else [])
+                          + (["--reward-model", args.reward_model] if args.reward_model else [])
                           + [x for b in bindings + extra_bindings for x in ("-b", b)])
         except Exception as err:  # keep the other variants
             import traceback
