@@ -269,8 +269,28 @@ def parse(recipe: str | os.PathLike | None, bindings: Iterable[str] = ()) -> Non
         raise ConfigError(f"cannot parse {_unbalanced(texts)}: a bracket or quote is not closed") from None
 
 
+def _required_unset() -> list[str]:
+    """Bindings a recipe leaves as `%gin.REQUIRED` (it cannot run without them) and nothing set."""
+    import dataclasses
+    unset = []
+    for scope, cls in SCOPES.items():
+        for f in dataclasses.fields(cls):
+            try:
+                value = gin.query_parameter(f"{scope}.{f.name}")
+            except ValueError:  # not bound: the dataclass default applies
+                continue
+            if repr(value) == "%gin.REQUIRED":  # gin's reference to its REQUIRED constant
+                unset.append(f"{scope}.{f.name}")
+    return unset
+
+
 def build() -> RunConfig:
     """Calls every configurable with the parsed bindings; validation runs here."""
+    unset = _required_unset()
+    if unset:
+        raise ConfigError(f"{', '.join(unset)} {'is' if len(unset) == 1 else 'are'} required: the recipe leaves "
+                          f"{'it' if len(unset) == 1 else 'them'} %gin.REQUIRED; set "
+                          f"{'it' if len(unset) == 1 else 'each'} with -b (e.g. -b \"{unset[0]} = ...\")")
     try:
         parts = {name: gin.get_configurable(name)() for name in SCOPES}
     except ConfigError as err:  # gin appends "In call to configurable ..." lines: keep the first

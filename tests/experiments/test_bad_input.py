@@ -75,3 +75,19 @@ def test_vllm_runs_sharing_a_gpu_must_fit_their_share(capsys, tmp_path):
     assert main(["plan", SMOKE, "-b", "study.gpus_per_run = 0.25", "-b", "ppo.rollout_backend = 'vllm'",
                  "-b", "ppo.device = 'cuda'", "-b", "ppo.vllm_gpu_memory_utilization = 0.2",
                  "--results", str(tmp_path)]) == 0
+
+
+def test_a_required_binding_left_unset_is_one_line(capsys, tmp_path):
+    from rlhf.configurable import resolve
+    recipe = tmp_path / "needs_model.gin"
+    recipe.write_text("include 'tiny.gin'\nmodel.name_or_path = %gin.REQUIRED  # the policy to tune\n")
+    engine = subprocess.run([sys.executable, "-m", "rlhf.train", str(recipe), "--out", str(tmp_path / "o")],
+                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert engine.returncode == 2 and engine.stderr.strip().count("\n") == 0, engine.stderr
+    assert "model.name_or_path is required: the recipe leaves it %gin.REQUIRED" in engine.stderr
+    study = tmp_path / "s.gin"
+    study.write_text(f"study.name = 's'\nstudy.baseline_recipe = {str(recipe)!r}\nstudy.variants = {{}}\n")
+    err = one_line_error(capsys, ["plan", str(study), "--results", str(tmp_path / "r")])
+    assert "model.name_or_path is required" in err
+    cfg, _ = resolve(recipe, ["model.name_or_path = 'tiny'"])
+    assert cfg.model.name_or_path == "tiny"
