@@ -76,3 +76,39 @@ def test_verl_chat_prompts_through_a_chat_template_end_to_end(tmp_path):
     want = tok.apply_chat_template(msgs, chat_template=template.read_text(), add_generation_prompt=True)["input_ids"]
     ids, mask = encode_prompts(tok, [renderer.ids(rows[34]["prompt"])], 40)
     assert ids[0][mask[0].bool()].tolist() == list(want)
+
+
+def test_resume_with_running_normalisation_equals_uninterrupted(tiny_rm, tmp_path):
+    from rlhf import checkpoint, configurable
+    from rlhf.metrics import JsonlSink, MetricLogger
+    from rlhf.trainer import PPOTrainer
+
+    cfg, _ = configurable.resolve(RECIPE, ["reward.kind = 'model'", f"reward.model_path = '{tiny_rm}'",
+                                           "reward.normalize = 'running'", "ppo.total_steps = 6",
+                                           "ppo.eval_every = 3", "ppo.save_every = 2", "task.eval_size = 32"])
+    quiet = dict(log=lambda m: None)
+    for name in ("whole", "cut"):
+        (tmp_path / name).mkdir()
+    whole = PPOTrainer(cfg, tmp_path / "whole", **quiet)
+    whole.run(MetricLogger([JsonlSink(tmp_path / "whole" / "metrics.jsonl")]))
+
+    class StopAt:  # the run is interrupted as it logs step 5 (its last checkpoint: step 4)
+        def write(self, record):
+            if record["step"] == 5:
+                raise KeyboardInterrupt
+
+        def close(self):
+            pass
+    cut = PPOTrainer(cfg, tmp_path / "cut", **quiet)
+    with pytest.raises(KeyboardInterrupt):
+        cut.run(MetricLogger([StopAt(), JsonlSink(tmp_path / "cut" / "metrics.jsonl")]))
+    ckpt = checkpoint.latest_checkpoint(tmp_path / "cut" / "checkpoints")
+    assert ckpt.name == "step_4"
+    resumed = PPOTrainer(cfg, tmp_path / "cut", **quiet)
+    resumed.run(MetricLogger([JsonlSink(tmp_path / "cut" / "metrics.jsonl", truncate_after_step=4)]), resume_from=ckpt)
+    assert resumed.reward.state_dict() == whole.reward.state_dict()
+
+    def comparable(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
+    assert comparable(read_metrics(tmp_path / "cut" / "metrics.jsonl")) == \
+        comparable(read_metrics(tmp_path / "whole" / "metrics.jsonl"))
