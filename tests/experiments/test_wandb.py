@@ -72,6 +72,18 @@ def _fake_run_dir(path: Path, steps: int) -> None:
             f.write(json.dumps({"step": s, "reward_mean": 0.1 * s}) + "\n")
 
 
+def _read_back(wandb_dir, timeout_s: float = 20.0) -> list:
+    """The offline run files, once each holds its run record: W&B's service may still be writing
+    them for a moment after finish() returns on a loaded machine."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = [read_run(p) for p in find_runs(wandb_dir)]
+        if (runs and all("id" in r for r in runs)) or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.2)
+
+
 def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     run_dir = tmp_path / "run"
@@ -88,7 +100,7 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     second = RunDirStreamer(run_dir, start())
     assert second.last_step == 2
     second.close(exit_code=0)
-    runs = [read_run(p) for p in find_runs(tmp_path / "wandb")]
+    runs = _read_back(tmp_path / "wandb")
     assert {r["id"] for r in runs} == {"s-abc"}
     steps = sorted(row["_step"] for r in runs for row in r["history"])
     assert steps == [0, 1, 2, 3, 4, 5]
