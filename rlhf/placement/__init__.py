@@ -37,6 +37,8 @@ def role_specs(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, start_di
                               dict(ppo=ppo, model_dir=str(model_dir), random_init=cfg.model.critic_init == "random",
                                    total_updates=total_updates)))
     if cfg.reward.uses_model:
+        from rlhf.roles.reward_model import check_reward_model
+        check_reward_model(cfg.reward, cfg.task)  # in this process: a bad checkpoint is one line, before any rank starts
         specs.append(RoleSpec("reward_model", "rlhf.roles.reward_model:RewardModel",
                               dict(reward=cfg.reward, task=cfg.task, policy_tokenizer_dir=str(tokenizer_dir)),
                               extra=dict(policy_tokenizer=tokenizer, log=log) if tokenizer is not None else {}))

@@ -15,6 +15,7 @@ from tests.rlhf.test_reward_model import (FINISHED, PROMPTS, RESPONSES, direct_s
                                           setup)
 
 from rlhf.chat import PromptRenderer
+from tests.conftest import REPO
 
 
 def expected(root, tok, rm_tok, which):
@@ -87,3 +88,23 @@ def test_role_on_ray_ranks_scores_equal_direct_forward(setup, ray_cpu, world_siz
             ray_cpu.get(h.shutdown.remote())
             ray_cpu.kill(h)
         ray_cpu.util.remove_placement_group(pg)
+
+
+def test_bad_reward_model_is_one_line_before_any_rank_starts(setup, tmp_path):
+    from rlhf import configurable
+    from rlhf.config import ConfigError
+    from rlhf.placement import role_specs
+    from tests.rlhf.test_reward_model import save_rm
+    root, tok, _ = setup
+    save_rm(tmp_path / "two", tok, num_labels=2)
+    (tmp_path / "bad.jinja").write_text("{% for %}")
+    cases = [([f"reward.model_path = '{tmp_path / 'two'}'"], "num_labels = 2"),
+             ([f"reward.model_path = '{tmp_path / 'nowhere'}'"], "no config.json"),
+             ([f"reward.model_path = '{root / 'same'}'", f"reward.chat_template = '{tmp_path / 'bad.jinja'}'"],
+              "does not render")]
+    for bindings, message in cases:
+        cfg, _ = configurable.resolve(str(REPO / "recipes" / "tiny.gin"),
+                                      ["reward.kind = 'model'", "ppo.world_size = 2", *bindings])
+        with pytest.raises(ConfigError, match=message) as e:
+            role_specs(cfg, model_dir=root, tokenizer_dir=root / "policy_tok", start_dir=root)
+        assert "\n" not in str(e.value)
