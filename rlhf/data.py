@@ -152,7 +152,7 @@ def _columns(records: Sequence[dict]) -> List[str]:
 
 
 def _accepted(prompt_key_: str, answer_key: str) -> str:
-    return (f"plain ({prompt_key_!r} and {answer_key!r}: task.prompt_key / task.answer_key), "
+    return (f"plain (columns task.prompt_key={prompt_key_!r} and task.answer_key={answer_key!r}), "
             f"verl ('data_source', 'prompt' as chat messages, 'reward_model' with 'ground_truth'), "
             f"preference ('chosen' and 'rejected', optional 'prompt')")
 
