@@ -112,3 +112,28 @@ def test_resume_with_running_normalisation_equals_uninterrupted(tiny_rm, tmp_pat
         return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
     assert comparable(read_metrics(tmp_path / "cut" / "metrics.jsonl")) == \
         comparable(read_metrics(tmp_path / "whole" / "metrics.jsonl"))
+
+
+def test_real_model_recipes_need_only_the_two_paths(tmp_path):
+    """recipes/gsm8k.gin (instruct model + reward model + verl GSM8K): unset, each path is a one-line
+    error naming it; with the two paths set (local checkpoints here, on the CPU) it builds."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+
+    from rlhf import configurable
+    from rlhf.config import ConfigError
+    from rlhf.tiny import build_char_tokenizer
+    tok = build_char_tokenizer(tmp_path / "policy")
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, num_labels=1)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "policy")
+    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    recipe = REPO / "recipes" / "gsm8k.gin"
+    cpu = ["ppo.device = 'cpu'", "ppo.dtype = 'float32'", "ppo.rollout_backend = 'hf'"]
+    with pytest.raises(ConfigError, match="model.name_or_path, reward.model_path are required") as e:
+        configurable.resolve(recipe, cpu)
+    assert "\n" not in str(e.value)
+    cfg, _ = configurable.resolve(recipe, cpu + [f"model.name_or_path = '{tmp_path / 'policy'}'",
+                                                 f"reward.model_path = '{tmp_path / 'rm'}'"])
+    assert (cfg.task.format, cfg.task.reward_fn, cfg.reward.kind) == ("verl", "gsm8k", "model")
+    assert cfg.task.chat_template == "auto" and cfg.reward.normalize == "running"
