@@ -63,6 +63,9 @@ def clone(tmp_path_factory):
         (repo / "recipes" / "studies" / name).write_text(text.lstrip())
     tiny = repo / "recipes" / "models" / "tiny.gin"
     tiny.write_text(tiny.read_text() + "sft.steps = 40  # a short warm start: the test checks the pipeline, not learning\n")
+    rm = repo / "recipes" / "rm" / "tiny.gin"  # a short reward model, for the same reason
+    assert "rm.steps = 1500" in rm.read_text()
+    rm.write_text(rm.read_text().replace("rm.steps = 1500", "rm.steps = 20"))
     sh(f"dvc remote modify --local local url {root / 'remote'}", repo)
     sh("git add -A && git -c user.name=t -c user.email=t@t commit -qm small", repo)
     env = dict(os.environ, WANDB_MODE="disabled", RLHF_CACHE=str(root / "cache"))
