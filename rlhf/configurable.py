@@ -198,53 +198,6 @@ def iter_statements(recipe: str | os.PathLike):
     yield from walk(top, ())
 
 
-def find_recipe(name: str | os.PathLike, relative_to: str | os.PathLike | None = None) -> Path | None:
-    """Where gin finds recipe `name` (given on the command line, or included by `relative_to`):
-    as given from the working directory, then next to `relative_to`, the working directory,
-    recipes/ and the repository root. None when it is nowhere. The one lookup of recipes: the
-    engine's includes and a study's `baseline_recipe` use it."""
-    path = Path(name).expanduser()
-    if path.is_absolute():
-        return path if path.is_file() else None
-    for base in ("", *_search_paths(relative_to)):
-        candidate = Path(base) / path if base else path
-        if candidate.is_file():
-            return candidate.resolve()
-    return None
-
-
-def iter_statements(recipe: str | os.PathLike):
-    """(file, statement) for every statement of `recipe` and its includes, in gin's order (an
-    include's statements where it is included). Includes resolve like gin's (`find_recipe`
-    relative to the top recipe); one that is missing or does not parse is left to gin to report.
-    Raises ConfigError naming the chain when includes form a cycle (gin would recurse until
-    Python's limit)."""
-    from gin import config as gin_config
-    from gin import config_parser
-
-    top = Path(recipe).resolve()
-
-    def walk(path: Path, chain: tuple):
-        if path in chain:
-            names = " -> ".join(p.name for p in (*chain[chain.index(path):], path))
-            raise ConfigError(f"include cycle: {names} ({path}); a recipe may not include itself, "
-                              f"directly or through another recipe")
-        try:
-            statements = list(config_parser.ConfigParser(path.read_text(),
-                                                         gin_config.ParserDelegate(skip_unknown=True)))
-        except (OSError, ValueError, SyntaxError, TypeError, KeyError):
-            return
-        for statement in statements:
-            if isinstance(statement, config_parser.IncludeStatement):
-                found = find_recipe(statement.filename, top)
-                if found is not None:
-                    yield from walk(found, (*chain, path))
-            else:
-                yield path, statement
-
-    yield from walk(top, ())
-
-
 def parse(recipe: str | os.PathLike | None, bindings: Iterable[str] = ()) -> None:
     """Clears gin and parses `recipe` then `bindings` (later wins). Raises ConfigError."""
     gin.clear_config()
@@ -252,9 +205,6 @@ def parse(recipe: str | os.PathLike | None, bindings: Iterable[str] = ()) -> Non
         gin.add_config_file_search_path(p)
     if recipe is not None and not Path(recipe).is_file():
         raise ConfigError(f"recipe {str(recipe)!r} does not exist")
-    if recipe is not None:
-        for _ in iter_statements(recipe):  # an include cycle: one line, not a RecursionError
-            pass
     if recipe is not None:
         for _ in iter_statements(recipe):  # an include cycle: one line, not a RecursionError
             pass
