@@ -47,7 +47,7 @@ def role_specs(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, start_di
 
 def build_roles(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, tokenizer, start_dir: Path,
                 device: torch.device, autocast_dtype, ray_address: Optional[str] = None, log=print) -> Roles:
-    from rlhf.roles.reward_model import Reward
+    from rlhf.roles.reward import Reward
     controller = DeviceContext(torch.device("cpu"))
     if cfg.ppo.resolved_placement == "local":
         from rlhf.placement.local import build_local_roles

@@ -11,7 +11,8 @@ from typing import Any, List
 import torch
 
 from rlhf.batch import Batch
-from rlhf.roles.dispatch import ALL, CALLS, ROWS, calls_per_rank, dispatched_methods, gather_rows, split_rows
+from rlhf.roles.dispatch import (ALL, CALLS, ROWS, calls_per_rank, dispatched_methods, gather_rows, split_rows,
+                                 take_rows)
 
 
 def _shared(value: Any) -> Any:
@@ -35,9 +36,13 @@ class RoleProxy:
         import ray
         if mode is ROWS:
             batch, rest = args[0], args[1:]
+            n, extra = len(batch), (-len(batch)) % self.world_size
+            if extra:  # sharded models need equal shares: pad with copies of the last row, drop their results
+                batch = batch.select(list(range(n)) + [n - 1] * extra)
             parts = split_rows(batch, self.world_size, f"{self.name}.{method}")
-            return gather_rows(ray.get([h.call.remote(self.name, method, part, *rest, **kwargs)
-                                        for h, part in zip(self.hosts, parts)]))
+            out = gather_rows(ray.get([h.call.remote(self.name, method, part, *rest, **kwargs)
+                                       for h, part in zip(self.hosts, parts)]))
+            return take_rows(out, n) if extra else out
         if mode is CALLS:
             requests, rest = args[0], args[1:]
             per_rank = calls_per_rank(len(requests), self.world_size)

@@ -3,9 +3,8 @@
     actor.Actor           the trained policy and its rollout engine
     critic.Critic         the value model (GAE only)
     reference.Reference   the frozen starting policy
-    reward.RuleReward     the task's rule, in the controller's process
     reward_model.RewardModel   a reward model (one-output sequence classifier), on the device
-    reward_model.Reward   the reward phase in the controller: rule, reward model or both
+    reward.Reward         the reward phase in the controller: the rule, the reward model or both
 
 A role receives a context (rlhf/placement/context.py) saying where it runs and declares on each
 method how a call is spread over ranks (rlhf/roles/dispatch.py). `rlhf/placement/` builds the

@@ -2,7 +2,9 @@
 
     @dispatch(ROWS)   the first argument is a `Batch`; rank r gets the r-th contiguous share of
                       its rows, and the results (a tensor, or a tuple or dict of tensors) are
-                      concatenated back in row order. Forward-only phases (log-probs, values).
+                      concatenated back in row order. Forward-only phases (log-probs, values,
+                      reward-model scores); rows that do not split evenly are padded with copies
+                      of the last row, whose results are dropped.
     @dispatch(ALL)    every rank gets the same arguments (a `Batch` travels once through Ray's
                       object store) and runs the call; rank 0's result is returned. Anything
                       with a collective inside (updates, weight gathers, checkpoint state).
@@ -79,6 +81,17 @@ def gather_rows(parts: Sequence[Any]) -> Any:
     if isinstance(first, list):
         return [x for p in parts for x in p]
     raise TypeError(f"cannot gather rows of a {type(first).__name__}")
+
+
+def take_rows(result: Any, n: int) -> Any:
+    """The first `n` rows of a gathered result (same structures as `gather_rows`)."""
+    if isinstance(result, torch.Tensor):
+        return result[:n]
+    if isinstance(result, tuple):
+        return tuple(take_rows(r, n) for r in result)
+    if isinstance(result, dict):
+        return {k: take_rows(v, n) for k, v in result.items()}
+    return result[:n]
 
 
 def calls_per_rank(n: int, world_size: int) -> List[List[int]]:

@@ -1,33 +1,45 @@
-"""The rule reward: a registered rule function applied to decoded responses. It holds no model,
-so every placement runs it in the controller's process."""
+"""The reward phase, in the controller's process for every placement and `reward.kind`: the
+task's rule (gold accuracy whenever the task has ground truth), the reward model's raw scores when
+there is one (the device role `rlhf/roles/reward_model.py`), and what the policy trains on
+(rlhf/rewards.py: weights, normalisation over the whole batch, clipping, the missing-EOS penalty).
+It runs in the controller so batch and running normalisation see every row."""
 
 from __future__ import annotations
 
 import torch
 
 from rlhf.batch import Batch
-from rlhf.config import TaskConfig
-from rlhf.rewards import REWARD_FUNCTIONS
+from rlhf.config import RewardConfig, TaskConfig
+from rlhf.rewards import RewardCombiner
 from rlhf.roles.common import Role
-from rlhf.roles.dispatch import ROWS, dispatch
 
 
-class RuleReward(Role):
+class Reward(Role):
     name = "reward"
     on_device = False
 
-    def __init__(self, ctx, task: TaskConfig):
+    def __init__(self, ctx, task: TaskConfig, reward: RewardConfig, reward_model=None):
         super().__init__(ctx)
-        self.fn = REWARD_FUNCTIONS[task.reward_fn]
-        self.params = dict(format_reward=task.format_reward, missing_eos_penalty=task.missing_eos_penalty)
+        if reward.uses_model and reward_model is None:
+            raise ValueError(f"reward.kind = {reward.kind!r} needs the reward-model role")
+        self.combiner = RewardCombiner(task, reward)
+        self.reward_model = reward_model if reward.uses_model else None
 
-    @dispatch(ROWS)
-    def score(self, batch: Batch) -> dict:
-        """Scores [B] (float), correct [B] and well_formed [B] (bool) from `responses`, `answers`, `finished`."""
-        results = [self.fn(r, a, bool(f), **self.params)
-                   for r, a, f in zip(batch["responses"], batch["answers"], batch["finished"].tolist())]
-        return {
-            "scores": torch.tensor([r.reward for r in results], dtype=torch.float32),
-            "correct": torch.tensor([r.correct for r in results], dtype=torch.bool),
-            "well_formed": torch.tensor([r.well_formed for r in results], dtype=torch.bool),
-        }
+    def score(self, batch: Batch, update: bool = True) -> dict:
+        """scores [B] (what the policy trains on), correct / well_formed [B] (the rule's) and, with a
+        reward model, rm_scores [B] (its raw score). `update=False` (evaluation) leaves the running
+        normalisation as it is."""
+        rm = None
+        if self.reward_model is not None:
+            rm = batch["rm_scores"] if "rm_scores" in batch else self.model_scores(batch)
+        return self.combiner.combine(batch["responses"], batch["answers"], batch["finished"], rm, update)
+
+    def model_scores(self, batch: Batch) -> torch.Tensor:
+        """The reward model's raw scores [B] (the trainer times this as its own phase)."""
+        return self.reward_model.score(batch).float()
+
+    def state_dict(self) -> dict:
+        return self.combiner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.combiner.load_state_dict(state)

@@ -129,7 +129,8 @@ def test_reward_kinds_and_normalisation(setup):
     renderer = PromptRenderer(tok, "auto")
     batch = policy_batch(tok, renderer)
     from rlhf.placement.context import DeviceContext
-    from rlhf.roles.reward_model import Reward, RewardModel
+    from rlhf.roles.reward import Reward
+    from rlhf.roles.reward_model import RewardModel
     ctx = DeviceContext(torch.device("cpu"))
     scorer = RewardModel(ctx, RewardConfig(kind="model", model_path=str(root / "same")), TaskConfig(),
                          str(root / "policy_tok"), log=lambda m: None)

@@ -10,7 +10,8 @@ from rlhf.config import PPOConfig, RewardConfig, TaskConfig
 from rlhf.placement.context import DeviceContext
 from rlhf.roles import RoleSpec
 from rlhf.roles.dispatch import ROWS, dispatched_methods
-from rlhf.roles.reward_model import Reward, RewardModel
+from rlhf.roles.reward import Reward
+from rlhf.roles.reward_model import RewardModel
 from tests.rlhf.test_reward_model import (FINISHED, PROMPTS, RESPONSES, direct_scores, policy_batch,  # noqa: F401
                                           setup)
 

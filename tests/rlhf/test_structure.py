@@ -98,13 +98,13 @@ def test_every_role_is_one_class_and_its_proxy_comes_from_its_declarations():
     from rlhf.roles.critic import Critic
     from rlhf.roles.dispatch import ALL, CALLS, ROWS, dispatched_methods
     from rlhf.roles.reference import Reference
-    from rlhf.roles.reward import RuleReward
+    from rlhf.roles.reward_model import RewardModel
 
     assert dispatched_methods(Actor)["compute_logprobs"] is ROWS
     assert dispatched_methods(Actor)["update"] is ALL and dispatched_methods(Actor)["generate"] is CALLS
     assert dispatched_methods(Critic)["compute_values"] is ROWS and dispatched_methods(Critic)["model_state"] is ALL
     assert dispatched_methods(Reference) == {"compute_logprobs": ROWS}
-    assert dispatched_methods(RuleReward) == {"score": ROWS}
+    assert dispatched_methods(RewardModel) == {"score": ROWS}
     proxy = RoleProxy("critic", Critic, hosts=[])
     assert set(proxy.methods) == set(dispatched_methods(Critic))
     assert all(callable(getattr(proxy, m)) for m in proxy.methods)
