@@ -234,6 +234,17 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
     if inherited:
         study = dataclasses.replace(study, baseline_bindings=(*inherited, *study.baseline_bindings))
     start_hashes = {p: hash_directory(p) for p in set(starts.values())}
+    checkpoint_hashes: dict = {}
+
+    def checkpoints_of(cfg) -> dict:
+        """Hashes of the local checkpoints a run reads besides its start (the policy, the reward
+        model): retraining one of them reruns the runs that use it."""
+        paths = {"model": cfg.model.name_or_path if cfg.model.name_or_path != "tiny" else "",
+                 "reward_model": cfg.reward.model_path if cfg.reward.uses_model else ""}
+        for path in paths.values():
+            if path and path not in checkpoint_hashes:
+                checkpoint_hashes[path] = hash_directory(path)
+        return {k: checkpoint_hashes[p] for k, p in paths.items() if p}
     base_cfg, _ = resolve_config(study.baseline_recipe, study.baseline_bindings, "study.baseline_bindings")
     base_flat = flat_dict(base_cfg)
     train, held_out = load_task(base_cfg.task)
@@ -269,8 +280,8 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
             config_hash = _sha(without_placement(operative))
             init_hash = start_hashes.get(init_from) if init_from else None
             run_hash = _sha(json.dumps({"config": config_hash, "code": code["engine_sha256"],
-                                        "data": data_hashes[task_key], "init_from": init_hash},
-                                       sort_keys=True))
+                                        "data": data_hashes[task_key], "init_from": init_hash,
+                                        **checkpoints_of(cfg)}, sort_keys=True))
             specs.append(RunSpec(
                 study=study.name, variant=variant.name, seed=seed, recipe=study.baseline_recipe,
                 bindings=bindings, changes=changes, run_dir=str(study_dir / "runs" / variant.name / f"seed{seed}"),

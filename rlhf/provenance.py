@@ -181,7 +181,9 @@ def hash_directory(path: str | Path) -> Optional[str]:
     return h.hexdigest()
 
 
-def collect(argv, seed: int, data_hash: str, start_checkpoint: str, operative_config: str) -> Dict:
+def collect(argv, seed: int, data_hash: str, start_checkpoint: str, operative_config: str,
+            reward_model: str = "") -> Dict:
+    """`reward_model`: the reward model's checkpoint dir when the run scores with one."""
     return {
         "command": [sys.executable, "-m", "rlhf.train", *argv],
         "cwd": os.getcwd(),
@@ -192,6 +194,7 @@ def collect(argv, seed: int, data_hash: str, start_checkpoint: str, operative_co
         "data_sha256": data_hash,
         "start_checkpoint": start_checkpoint,
         "start_checkpoint_sha256": hash_directory(start_checkpoint),
+        **({"reward_model": reward_model, "reward_model_sha256": hash_directory(reward_model)} if reward_model else {}),
         "config_sha256": hashlib.sha256(operative_config.encode()).hexdigest(),
         "numerics": numerics.settings(),
     }

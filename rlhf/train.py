@@ -69,7 +69,8 @@ def main(argv=None) -> int:
         return EXIT_CONFIG
 
     (out / "config.gin").write_text(operative)
-    prov = provenance.collect(argv, cfg.ppo.seed, trainer.data_hash, trainer.start_checkpoint, operative)
+    prov = provenance.collect(argv, cfg.ppo.seed, trainer.data_hash, trainer.start_checkpoint, operative,
+                              reward_model=cfg.reward.model_path if cfg.reward.uses_model else "")
     prov["placement"] = trainer.placement
     prov_path = out / "provenance.json"
     if prov_path.exists():  # keep fields others (the experiment manager) added

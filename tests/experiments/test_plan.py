@@ -140,3 +140,18 @@ def test_baseline_only_study(write_study, tmp_path):
                          "study.variants = {}")
     specs = expand(load_study(write_study(text)), tmp_path)
     assert [s.key for s in specs] == ["baseline/seed0", "baseline/seed1", "baseline/seed2"]
+
+
+def test_retraining_the_policy_checkpoint_changes_the_run_hash(write_study, tmp_path):
+    """A run reads its local policy checkpoint (and reward model): new weights at the same path rerun it."""
+    from rlhf.config import TinyModelConfig
+    from rlhf.tiny import build_char_tokenizer, build_tiny_model
+    model = tmp_path / "policy"
+    tok = build_char_tokenizer(model)
+    build_tiny_model(TinyModelConfig(), tok, seed=0).save_pretrained(str(model))
+    study = load_study(write_study(STUDY.replace("'ppo.total_steps = 4'",
+                                                 f"'ppo.total_steps = 4', \"model.name_or_path = '{model}'\"")))
+    before = {s.run_hash for s in expand(study, tmp_path / "results")}
+    build_tiny_model(TinyModelConfig(), tok, seed=1).save_pretrained(str(model))
+    after = {s.run_hash for s in expand(study, tmp_path / "results")}
+    assert len(before) == len(after) == 9 and not before & after
