@@ -110,16 +110,9 @@ def _init_ray(address: Optional[str], num_cpus: Optional[int], num_gpus: Optiona
     """Joins `address` (or RAY_ADDRESS) or starts a local instance. Returns None when it joined
     (or Ray was already up), else the watchdog process that ties the local instance's daemons to
     this process's life (experiments/watchdog.py): stop it with `_stop_ray`."""
-    import ray
-    if ray.is_initialized():
+    from rlhf.placement.cluster import connect
+    if not connect(address, num_cpus=num_cpus, num_gpus=num_gpus, private=True):
         return None
-    address = address or os.environ.get("RAY_ADDRESS")
-    kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    if address:
-        ray.init(address=address, **kwargs)
-        return None
-    # 'local': a private instance, even when other Ray clusters run on this machine
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
     return subprocess.Popen([sys.executable, "-m", "experiments.watchdog", str(os.getpid())],
                             cwd=str(REPO_ROOT), start_new_session=True, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

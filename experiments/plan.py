@@ -20,7 +20,7 @@ from rlhf.checkpoint import latest_checkpoint as engine_latest_checkpoint
 from rlhf.config import ConfigError, flat_dict
 from rlhf.configurable import resolve
 from rlhf.data import dataset_hash, load_task
-from rlhf.provenance import _git  # the engine's one git runner (its provenance uses it too)
+from rlhf.provenance import run_git  # the engine's one git runner (its provenance uses it too)
 from rlhf.provenance import hash_directory
 from rlhf.train import without_placement
 
@@ -69,7 +69,7 @@ class RunSpec:
 
 
 def _engine_files() -> List[Path]:
-    listed = _git("ls-files", "-co", "--exclude-standard", "--", *ENGINE_PATHS)
+    listed = run_git("ls-files", "-co", "--exclude-standard", "--", *ENGINE_PATHS)
     if listed is not None:
         return sorted(REPO_ROOT / p for p in listed.split("\n") if p and (REPO_ROOT / p).is_file())
     return sorted(p for d in ENGINE_PATHS for p in (REPO_ROOT / d).rglob("*.py"))
@@ -83,9 +83,9 @@ def code_version() -> dict:
     h = hashlib.sha256()
     for p in _engine_files():
         h.update(str(p.relative_to(REPO_ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
-    sha = _git("rev-parse", "HEAD")
-    diff = _git("diff", "HEAD", "--", *ENGINE_PATHS) if sha else None
-    untracked = _git("ls-files", "--others", "--exclude-standard", "--", *ENGINE_PATHS) if sha else None
+    sha = run_git("rev-parse", "HEAD")
+    diff = run_git("diff", "HEAD", "--", *ENGINE_PATHS) if sha else None
+    untracked = run_git("ls-files", "--others", "--exclude-standard", "--", *ENGINE_PATHS) if sha else None
     return {"git_sha": sha.strip() if sha else None,
             "engine_dirty": bool((diff and diff.strip()) or (untracked and untracked.strip())) if sha else None,
             "engine_diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,

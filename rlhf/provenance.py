@@ -19,7 +19,7 @@ PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "ray", "vllm",
             "scipy", "wandb", "dvc")
 
 
-def _git(*args: str, cwd: Path = REPO_ROOT) -> Optional[str]:
+def run_git(*args: str, cwd: Path = REPO_ROOT) -> Optional[str]:
     try:
         return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True,
                               timeout=30).stdout
@@ -29,11 +29,11 @@ def _git(*args: str, cwd: Path = REPO_ROOT) -> Optional[str]:
 
 def git_info(root: Path = REPO_ROOT) -> Dict:
     """SHA, dirty flag and the diff of tracked files (untracked files are listed, not diffed)."""
-    sha = _git("rev-parse", "HEAD", cwd=root)
+    sha = run_git("rev-parse", "HEAD", cwd=root)
     if sha is None:
         return {"sha": None, "dirty": None, "diff": None, "diff_sha256": None}
-    diff = _git("diff", "HEAD", "--", ".", cwd=root) or ""
-    untracked = (_git("ls-files", "--others", "--exclude-standard", cwd=root) or "").split()
+    diff = run_git("diff", "HEAD", "--", ".", cwd=root) or ""
+    untracked = (run_git("ls-files", "--others", "--exclude-standard", cwd=root) or "").split()
     return {"sha": sha.strip(), "dirty": bool(diff.strip()), "diff": diff,
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest(), "untracked": untracked[:200]}
 

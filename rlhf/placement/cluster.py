@@ -23,14 +23,22 @@ FORWARDED_ENV = ("RLHF_CACHE", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "TRAN
 PLACEMENT_TIMEOUT_S = 300
 
 
-def connect(address: Optional[str]) -> None:
-    """Joins `address` (or RAY_ADDRESS) or starts a local Ray instance; no-op when already connected."""
+def connect(address: Optional[str], num_cpus: Optional[float] = None, num_gpus: Optional[float] = None,
+            private: bool = False) -> bool:
+    """Joins `address` (or RAY_ADDRESS), or else starts a local Ray instance (`private`: one of its
+    own even when other Ray clusters run on this machine; `num_cpus` / `num_gpus`: its resources).
+    No dashboard, no log forwarding. Returns True when it started a local instance, False when it
+    joined one or Ray was already up: the one Ray start-up of the engine and the manager."""
     import ray
     if ray.is_initialized():
-        return
+        return False
     address = address or os.environ.get("RAY_ADDRESS") or None
-    ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             ignore_reinit_error=True)
+    kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if address:
+        ray.init(address=address, **kwargs)
+        return False
+    ray.init(address="local" if private else None, num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+    return True
 
 
 def device_type(ppo: PPOConfig) -> str:

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-EXIT_OK, EXIT_ERROR, EXIT_CONFIG = 0, 1, 2
+from rlhf.train import EXIT_CONFIG, EXIT_ERROR, EXIT_OK  # the engine's exit codes
 
 
 def main(argv=None) -> int:
