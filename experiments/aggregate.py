@@ -108,6 +108,22 @@ def _guardrails(study: Study, runs: Sequence[RunResult]) -> Dict[str, GuardrailC
     return out
 
 
+BESIDE_METRICS = ("eval/accuracy", "eval/rm_score")
+"""Final held-out metrics every report shows beside the decision metric when the runs log them:
+gold accuracy and the reward model's score, so over-optimisation of a reward model is visible."""
+
+
+def _beside(study: Study, runs: Sequence[RunResult]) -> Dict[str, Summary]:
+    out = {}
+    for metric in BESIDE_METRICS:
+        if metric == study.metric:
+            continue
+        values = [r.final[metric] for r in runs if r.status == COMPLETED and r.final and r.final.get(metric) is not None]
+        if values:
+            out[metric] = _summary(values)
+    return out
+
+
 def aggregate(study: Study, results: Sequence[RunResult], provenance: Optional[Dict] = None,
               plots: Optional[Dict[str, str]] = None, adaptive=None) -> StudyAggregate:
     """Study settings, per-variant stats and verdicts, their robustness, and the decision."""
@@ -135,7 +151,7 @@ def aggregate(study: Study, results: Sequence[RunResult], provenance: Optional[D
                                   run_dir=_relative(r.run_dir, study.name), guardrails=r.guardrails)
                        for r in runs),
             completed=completed, failed=sum(r.status == "failed" for r in runs), incomplete=len(runs) - completed,
-            guardrails=rails, guardrails_ok=all(g.ok for g in rails.values()))
+            guardrails=rails, guardrails_ok=all(g.ok for g in rails.values()), beside=_beside(study, runs))
         if name == BASELINE:
             variants[name] = VariantResult(**fields)
             continue

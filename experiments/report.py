@@ -138,7 +138,23 @@ def decision_table(agg: StudyAggregate) -> List[str]:
                      f"{_fmt(c.prob_improvement if c else None, 3)} | "
                      f"{_fmt(c.min_detectable_effect if c else None)} | "
                      f"{_fmt(c.seeds_needed if c else None)} | {_verdict_text(v)} |")
+    beside = beside_metrics(agg)
+    if beside:
+        lines += ["", f"Beside {agg.metric} (final held-out, mean +- std over the completed seeds):", "",
+                  "| variant | " + " | ".join(beside) + " |", "|---|" + "---|" * len(beside)]
+        lines += [f"| {name} | " + " | ".join(beside_text(v, m) for m in beside) + " |"
+                  for name, v in agg.variants.items()]
     return lines
+
+
+def beside_metrics(agg: StudyAggregate) -> List[str]:
+    """The metrics some variant reports beside the decision metric, in first-seen order."""
+    return list(dict.fromkeys(m for v in agg.variants.values() for m in v.beside))
+
+
+def beside_text(variant, metric: str) -> str:
+    s = variant.beside.get(metric)
+    return f"{_fmt(s.mean)} +- {_fmt(s.std)}" if s and s.mean is not None else "–"
 
 
 def explanations(agg: StudyAggregate) -> List[str]:
@@ -228,7 +244,7 @@ def render_summary(rounds: Sequence[tuple], results_dir: Path) -> str:
 
     lines = ["# Tuning path", ""]
     setting: Dict[str, object] = {}
-    last, start = None, None
+    last, start, start_beside = None, None, {}
     fmt = lambda x: "" if x is None else f"{x:.4g}"  # noqa: E731
     for study, agg in rounds:
         decision = agg.decision
@@ -237,17 +253,19 @@ def render_summary(rounds: Sequence[tuple], results_dir: Path) -> str:
             lines += advice_lines(Path(study.resume_from), agg)
         if start is None:
             start = heldout_start(agg, Path(results_dir) / study.name, agg.metric)
+            start_beside = {m: heldout_start(agg, Path(results_dir) / study.name, m) for m in beside_metrics(agg)}
         lines += [f"Decision: **{decision.chosen}**: {decision.reason}." if decision.chosen
                   else f"Decision: none: {decision.reason}.", "",
-                  "| variant | change | n | mean | std | diff vs baseline | Holm p | verdict |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| variant | change | n | mean | std | diff vs baseline | Holm p | verdict |"
+                  + "".join(f" {m} |" for m in beside_metrics(agg)),
+                  "|---|---|---|---|---|---|---|---|" + "---|" * len(beside_metrics(agg))]
         for name, var in agg.variants.items():
             cmp = var.comparison
             verdict = var.verdict + (" (fragile)" if var.fragile else "")
             lines.append(f"| {name} | {'; '.join(var.bindings) or '-'} | {var.summary.n} | "
                          f"{fmt(var.summary.mean)} | {fmt(var.summary.std)} | "
                          f"{fmt(cmp.difference if cmp else None)} | {fmt(cmp.p_value_holm if cmp else None)} | "
-                         f"{verdict} |")
+                         f"{verdict} |" + "".join(f" {beside_text(var, m)} |" for m in beside_metrics(agg)))
         if decision.guardrail_violations:
             lines.append(f"\nGuardrail violations: {list(decision.guardrail_violations)}")
         chosen = agg.chosen
@@ -261,9 +279,11 @@ def render_summary(rounds: Sequence[tuple], results_dir: Path) -> str:
         name, chosen_name, chosen, metric = last
         s = chosen.summary
         mean = s.mean if s.mean is not None else float("nan")
+        also = "".join(f"; {m} = {beside_text(chosen, m)}" for m in chosen.beside)
         lines += ["## Held-out evaluation", "",
                   f"Final choice `{chosen_name}` of {name}: {metric} = {mean:.4f} "
-                  f"+- {s.std or 0:.4f} (n = {s.n}, 95% CI {list(s.ci95)}).", ""]
+                  f"+- {s.std or 0:.4f} (n = {s.n}, 95% CI {list(s.ci95)}){also}.", ""]
         if start is not None:
-            lines += [f"At the start of the first round (the warm start): {metric} = {start:.4f}.", ""]
+            also = "".join(f"; {m} = {v:.4f}" for m, v in start_beside.items() if v is not None)
+            lines += [f"At the start of the first round (the warm start): {metric} = {start:.4f}{also}.", ""]
     return "\n".join(lines)

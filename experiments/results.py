@@ -123,6 +123,9 @@ class VariantResult:
     underpowered: bool = False
     explanation: str = ""
     robustness: Optional[Robustness] = None
+    beside: Dict[str, Summary] = dataclasses.field(default_factory=dict)
+    """Final held-out metrics reported beside the decision metric (gold accuracy and the reward
+    model's score, `aggregate.BESIDE_METRICS`), over the completed seeds that logged them."""
 
     @property
     def values(self) -> List[float]:

@@ -144,3 +144,30 @@ def test_runs_from_different_hardware_are_named_in_the_report(study_dir):
     assert "**Runs from different hardware:** 2 machines" in (out / "report.md").read_text()
     write_report(study, out, specs[:1])  # one machine: nothing to say
     assert "different hardware" not in (out / "report.md").read_text()
+
+
+def test_reward_model_score_is_reported_beside_gold_accuracy(write_study, tmp_path):
+    """A study deciding on gold accuracy shows the reward model's final score next to it (and the
+    other way round), so a reward model pushed up while accuracy falls is visible in the report."""
+    study = load_study(write_study(STUDY), ["study.variants = {'good': 'ppo.kl_coef = 0.1'}"])
+    specs = expand(study, tmp_path / "results")
+    rm = {"baseline": [1.0, 1.2, 1.1, 0.9], "good": [2.0, 2.2, 2.1, 1.9]}
+    for spec in specs:
+        fake_run(spec, ACCURACY[spec.variant][spec.seed])
+        summary = Path(spec.run_dir) / "summary.json"
+        data = json.loads(summary.read_text())
+        data["final"]["eval/rm_score"] = rm[spec.variant][spec.seed]
+        data["initial"]["eval/rm_score"] = 0.5
+        write_json(summary, data)
+    agg = write_report(study, tmp_path / "results" / "synthetic", specs)
+    beside = agg.variant("good").beside
+    assert set(beside) == {"eval/rm_score"} and beside["eval/rm_score"].mean == pytest.approx(2.05)
+    assert "eval/accuracy" not in agg.variant("baseline").beside  # the decision metric is not repeated
+    assert agg.to_json()["variants"]["good"]["beside"]["eval/rm_score"]["n"] == 4
+    report = (tmp_path / "results" / "synthetic" / "report.md").read_text()
+    assert "| variant | eval/rm_score |" in report and "2.05 +- " in report
+    from experiments.report import render_summary
+    from experiments.results import StudyAggregate
+    assert StudyAggregate.from_json(agg.to_json()) == agg
+    text = render_summary([(study, agg)], tmp_path / "results")
+    assert "eval/rm_score" in text and "(the warm start): eval/accuracy = 0.3000; eval/rm_score = 0.5000" in text
