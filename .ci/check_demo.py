@@ -5,8 +5,13 @@ run directories hold them, so results/round1 itself is not.
 
     python .ci/check_demo.py          # after `dvc repro round1`
 
-Exit 0 when everything matches, 1 with one line per difference otherwise.
+Exit 0 when everything matches, 1 with one line per difference otherwise. Bitwise equality is
+asked of the same kind of machine (`hardware` in round 1's metrics.json: the engine's hardware
+fingerprint of the runs); on another CPU model the differences are printed but do not fail,
+since the pinned CPU numerics (rlhf/numerics.py) do not yet give the same bits on every vendor.
 """
+
+import json
 
 from __future__ import annotations
 
@@ -40,11 +45,17 @@ def main() -> int:
         diff = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", report], cwd=REPO)
         if diff.returncode:
             problems.append(f"{report}: differs from the committed one (git diff HEAD -- {report})")
+    made_on = json.loads(subprocess.run(["git", "show", f"HEAD:{REPORTS[0]}"], cwd=REPO, check=True,
+                                        capture_output=True, text=True).stdout).get("hardware")
+    here = json.loads((REPO / REPORTS[0]).read_text()).get("hardware")
+    same_machine = made_on == here
     for line in problems:
         print(f"demo does not reproduce: {line}")
     if not problems:
         print(f"demo reproduces: {', '.join(OUTPUTS)} and round 1's report equal what is committed")
-    return 1 if problems else 0
+    elif not same_machine:
+        print(f"(the committed demo was made on {made_on}, this run on {here}: reported, not failed)")
+    return 1 if problems and same_machine else 0
 
 
 if __name__ == "__main__":

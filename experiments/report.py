@@ -18,6 +18,7 @@ from experiments.plots import plot_study
 from experiments.results import AdaptiveRecord, StudyAggregate, VariantResult
 from experiments.rundir import read_json
 from experiments.study import Study
+from rlhf.provenance import hardware_fingerprint
 
 
 def _fmt(x, digits: int = 4) -> str:
@@ -32,20 +33,6 @@ def _ci(pair) -> str:
     if not pair or pair[0] is None:
         return "–"
     return f"[{_fmt(pair[0])}, {_fmt(pair[1])}]"
-
-
-def hardware_fingerprint(provenance: Dict) -> str:
-    """The machine a run ran on, as one comparable string: the engine's fingerprint (CPU model,
-    ISA flags, GPU) when it has one, else the hardware fields of its provenance."""
-    try:
-        from rlhf.provenance import hardware_fingerprint as engine_fingerprint
-    except ImportError:
-        engine_fingerprint = None
-    if engine_fingerprint is not None:
-        return engine_fingerprint(provenance)
-    hw = provenance.get("hardware") or {}
-    keys = ("cpu_model", "cpu", "isa_flags", "gpus")
-    return "; ".join(f"{k}={hw[k]}" for k in keys if hw.get(k) not in (None, "", []))
 
 
 def provenance_summary(specs: Sequence[RunSpec]) -> Dict:
@@ -70,6 +57,8 @@ def provenance_summary(specs: Sequence[RunSpec]) -> Dict:
             out["hardware"] = {k: hw.get(k) for k in ("hostname", "platform", "cpu", "cpu_count", "cuda", "gpus",
                                                       "driver") if hw.get(k) is not None}
             out["manager_command"] = (prov.get("manager") or {}).get("manager_command")
+    if machines:
+        out["hardware_fingerprint"] = sorted(machines)
     if len(machines) > 1:
         out["hardware_mixed"] = machines
     return out

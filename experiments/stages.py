@@ -169,7 +169,10 @@ def cmd_export(args) -> int:
     aggregate = _load(study_dir)
     out = Path(args.out) / study.name
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(headline(aggregate), indent=1, sort_keys=True))
+    metrics = headline(aggregate)
+    # The machines the figures came from: a rerun elsewhere compares like with like (.ci/check_demo.py).
+    metrics["hardware"] = aggregate.provenance.get("hardware_fingerprint", [])
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
     rows = curves(study_dir, aggregate)
     with open(out / "curves.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["variant", "step", *[m.replace("/", "_") for m in CURVE_METRICS]])
