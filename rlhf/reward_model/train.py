@@ -285,8 +285,10 @@ class RewardModelTrainer:
         summary = {"status": "completed", "steps": self.step, "seed": cfg.seed, "train_pairs": len(self.train),
                    "held_out_pairs": len(self.held), "data_sha256": self.data_hash,
                    "initial": {k: v for k, v in initial.items() if k.startswith("eval/")}, "final": final,
-                   "wall_time_s": time.time() - start, "chat": self.renderer.describe()}
+                   "chat": self.renderer.describe()}
+        # No wall time in the checkpoint: the same seed and data give the same bytes (a DVC output).
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.log(f"reward model trained in {time.time() - start:.0f} s")
         return summary
 
 
