@@ -11,10 +11,9 @@ fingerprint of the runs); on another CPU model the differences are printed but d
 since the pinned CPU numerics (rlhf/numerics.py) do not yet give the same bits on every vendor.
 """
 
-import json
-
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
