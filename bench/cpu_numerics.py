@@ -23,6 +23,7 @@ gin-config wheel (pure Python, importable from the zip) and hide the GPU:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -156,10 +157,228 @@ def compare(a_path: str, b_path: str) -> int:
     return 0 if same_all else 1
 
 
+PROBE_SETTINGS = "portable,avx2,native"
+
+
+def _fixed(shape, seed, scale=64.0):
+    """Inputs that are the same bits on every machine: small integers over a power of two (numpy's
+    PCG64 integers are specified exactly; no libm, no vector RNG kernel involved)."""
+    import numpy as np
+    import torch
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(rng.integers(-256, 257, size=shape).astype(np.float32) / np.float32(scale))
+
+
+def probe_worker(out_npz: str) -> None:
+    """In a process whose numerics variables are set: computes each stage of the embedded default
+    on fixed inputs (data, RNG, single ops, one forward/backward, SFT steps) and saves every output,
+    so two machines' files show the first stage at which they part."""
+    from rlhf import numerics
+    numerics.apply()
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from rlhf.config import SFTConfig, TaskConfig, TinyModelConfig
+    from rlhf.data import load_task
+    from rlhf.tiny import build_char_tokenizer, build_tiny_model, sft_batch, train_sft
+
+    numerics.set_threads()
+    out: dict = {}
+
+    def put(name, value):
+        if isinstance(value, torch.Tensor):
+            value = value.detach().contiguous().numpy().copy()
+        out[name] = np.asarray(value)
+
+    task, tiny = TaskConfig(), TinyModelConfig()
+    train, held_out = load_task(task)
+    put("data/train", np.frombuffer(json.dumps([[e.prompt, e.answer] for e in train]).encode(), dtype=np.uint8))
+    put("data/eval", np.frombuffer(json.dumps([[e.prompt, e.answer] for e in held_out]).encode(), dtype=np.uint8))
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = build_char_tokenizer(tmp)
+    put("data/token_ids", np.array(sum((tok(e.prompt)["input_ids"] for e in train[:256]), []), dtype=np.int64))
+    torch.manual_seed(0)
+    put("rng/randn", torch.randn(4099))
+    put("rng/rand", torch.rand(4099))
+    put("rng/normal_inplace", torch.empty(64, 129).normal_(0.0, 0.02))
+
+    a, b, c = _fixed((640, 64), 1), _fixed((64, 256), 2), _fixed((256, 64), 3)
+    w, bias = _fixed((88, 64), 4), _fixed((88,), 5)
+    put("op/matmul_640x64x256", a @ b)
+    put("op/matmul_640x256x64", (a @ b) @ c)
+    put("op/linear_bias", F.linear(a, w, bias))
+    put("op/matmul_t", a.t() @ a)
+    put("op/bmm", torch.bmm(a.view(10, 64, 64), a.view(10, 64, 64).transpose(1, 2)))
+    x = _fixed((64, 88), 6)
+    put("op/exp", torch.exp(x))
+    put("op/log", torch.log(x.abs() + 1))
+    put("op/tanh", torch.tanh(x))
+    put("op/sigmoid", torch.sigmoid(x))
+    put("op/silu", F.silu(x))
+    put("op/rsqrt", torch.rsqrt(x.abs() + 1))
+    put("op/pow", torch.pow(x, 2))
+    put("op/softmax", torch.softmax(x, dim=-1))
+    put("op/log_softmax", torch.log_softmax(x, dim=-1))
+    put("op/sum_all", _fixed((100003,), 7, scale=1000.0).sum())
+    put("op/mean_dim", x.pow(2).mean(-1, keepdim=True))
+    put("op/cross_entropy", F.cross_entropy(x, torch.arange(64) % 88))
+    q, k, v = (_fixed((8, 4, 24, 16), s) for s in (8, 9, 10))
+    put("op/sdpa_causal", F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    put("op/sdpa_plain", torch.softmax((q @ k.transpose(-1, -2)) / 4.0, dim=-1) @ v)
+    p = torch.nn.Parameter(_fixed((64, 64), 11))
+    p.grad = _fixed((64, 64), 12, scale=4096.0)
+    torch.optim.AdamW([p], lr=3e-3, weight_decay=0.0).step()
+    put("op/adamw_step", p)
+
+    # AdamW's step, op by op (torch.optim's single-tensor path on CPU), and its other implementations.
+    g = _fixed((4099,), 13, scale=4096.0)
+    v = g * g * 0.001
+    put("adam/py_scalars", np.array([(1 - 0.999) ** 0.5, (1 - 0.999 ** 2) ** 0.5, 3e-3 / (1 - 0.9)], dtype=np.float64))
+    put("adam/lerp", torch.zeros_like(g).lerp_(g, 1 - 0.9))
+    put("adam/addcmul", torch.zeros_like(g).mul_(0.999).addcmul_(g, g, value=1 - 0.999))
+    put("adam/sqrt", v.sqrt())
+    put("adam/div_scalar", v.sqrt() / (1 - 0.999) ** 0.5)
+    put("adam/add_scalar", (v.sqrt() / (1 - 0.999) ** 0.5).add_(1e-8))
+    put("adam/addcdiv", _fixed((4099,), 14).addcdiv_(g * 0.1, (v.sqrt() / (1 - 0.999) ** 0.5).add_(1e-8), value=-0.03))
+    for impl in ("single", "foreach", "fused"):
+        prm = torch.nn.Parameter(_fixed((4099,), 14))
+        opt = torch.optim.AdamW([prm], lr=3e-3, weight_decay=0.0, foreach=impl == "foreach", fused=impl == "fused" or None)
+        for step in range(3):
+            prm.grad = _fixed((4099,), 20 + step, scale=4096.0)
+            opt.step()
+        put(f"adam/adamw_{impl}", prm)
+    # The unary ops ATen hands to MKL's vector maths (VML, in its high-accuracy mode), on inputs spread
+    # over their domains (exact float32s: random mantissas and exponents), at a long and short length.
+    def spread(seed, lo_exp, hi_exp, signed, n=65537):
+        rng = np.random.default_rng(seed)
+        m = rng.integers(0, 2 ** 23, size=n).astype(np.float64) / 2.0 ** 23 + 1.0
+        x = np.ldexp(m, rng.integers(lo_exp, hi_exp + 1, size=n))
+        if signed:
+            x = x * np.where(rng.integers(0, 2, size=n) == 1, 1.0, -1.0)
+        return torch.from_numpy(x.astype(np.float32))
+    domains = {"sqrt": (-30, 30, False), "exp": (-10, 4, True), "log": (-30, 30, False), "tanh": (-10, 3, True),
+               "sin": (-10, 6, True), "cos": (-10, 6, True), "erf": (-10, 2, True), "log2": (-30, 30, False),
+               "expm1": (-10, 4, True), "log1p": (-30, 30, False), "sigmoid": (-10, 4, True),
+               "rsqrt": (-30, 30, False)}
+    for i, (op, (lo, hi, signed)) in enumerate(domains.items()):
+        x = spread(100 + i, lo, hi, signed)
+        put(f"vml/{op}", getattr(torch, op)(x))
+        put(f"vml/{op}_short", torch.stack([getattr(torch, op)(x[j:j + 7]) for j in range(0, 700, 7)]))
+    # Sampling as the rollout does it (softmax, top-p's sort and cumsum, multinomial) and the RNG kernels behind it.
+    logits = _fixed((64, 88), 15, scale=16.0)
+    torch.manual_seed(1)
+    put("sample/multinomial", torch.multinomial(torch.softmax(logits, -1), 1))
+    sorted_logits, _ = torch.sort(logits, descending=True)
+    put("sample/top_p_cumsum", torch.softmax(sorted_logits, -1).cumsum(-1))
+    torch.manual_seed(2)
+    put("sample/exponential", torch.empty(4099).exponential_())
+    put("sample/bernoulli", torch.bernoulli(torch.full((4099,), 0.3)))
+    put("sample/randperm", torch.randperm(4099))
+
+    sft = SFTConfig()
+    model = build_tiny_model(tiny, tok, seed=sft.seed)
+    for name, t in sorted(model.state_dict().items()):
+        put(f"init/{name}", t)
+    ids, mask, labels = sft_batch(train[:64], tok)
+    model.train()
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    put("fwd/loss", loss)
+    loss.backward()
+    for name, prm in sorted(model.named_parameters()):
+        put(f"grad/{name}", prm.grad)
+    put("grad/clip_norm", torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    for steps in (1, 10, sft.steps):
+        m = build_tiny_model(tiny, tok, seed=sft.seed)
+        losses = train_sft(m, tok, train, dataclasses.replace(sft, steps=steps), log=lambda *_: None)
+        put(f"sft{steps}/losses", np.array(losses, dtype=np.float64))
+        for name, t in sorted(m.state_dict().items()):
+            put(f"sft{steps}/{name}", t)
+    put("meta/settings", np.frombuffer(json.dumps(numerics.settings(), default=str).encode(), dtype=np.uint8))
+    np.savez(out_npz, **out)
+
+
+def probe(settings: str, out_dir: str) -> int:
+    """Runs probe_worker once per setting (each in its own process, its variables set before torch
+    loads) and writes OUT_DIR/probe_<setting>.npz plus OUT_DIR/probe.json (machine, hashes)."""
+    from rlhf.numerics import NUMERIC_ENV
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine(), "results": {}}
+    for name in [s.strip() for s in settings.split(",") if s.strip()]:
+        spec = {k: v for k, v in SETTINGS[name].items() if not k.startswith("@")}
+        env = {k: v for k, v in os.environ.items() if k not in NUMERIC_ENV}
+        env.update(spec, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        path = Path(out_dir) / f"probe_{name}.npz"
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, __file__, "_probe-worker", str(path)], cwd=REPO, env=env,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"{name}: failed: {proc.stderr.strip().splitlines()[-1:]}")
+            report["results"][name] = {"error": proc.stderr[-2000:]}
+            continue
+        import numpy as np
+        arrays = np.load(path)
+        report["results"][name] = {"seconds": time.perf_counter() - start,
+                                   "sha256": {k: hashlib.sha256(arrays[k].tobytes()).hexdigest() for k in arrays.files
+                                              if not k.startswith("meta/")}}
+        print(f"{name}: {len(arrays.files)} outputs in {time.perf_counter() - start:.1f} s")
+    (Path(out_dir) / "probe.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def probe_compare(a_dir: str, b_dir: str) -> int:
+    """Lines up two probe directories: per setting, each stage's outputs equal or, where they part,
+    the largest difference in units of the values' spacing (ulps)."""
+    import numpy as np
+    a_rep, b_rep = (json.loads((Path(d) / "probe.json").read_text()) for d in (a_dir, b_dir))
+    print(f"A: {a_rep['machine']['fingerprint']}  python {a_rep['machine']['versions'].get('python')} "
+          f"numpy {a_rep['machine']['versions'].get('numpy')} torch {a_rep['machine']['versions'].get('torch')}")
+    print(f"B: {b_rep['machine']['fingerprint']}  python {b_rep['machine']['versions'].get('python')} "
+          f"numpy {b_rep['machine']['versions'].get('numpy')} torch {b_rep['machine']['versions'].get('torch')}")
+    all_same = True
+    for name in a_rep["results"]:
+        pa, pb = Path(a_dir) / f"probe_{name}.npz", Path(b_dir) / f"probe_{name}.npz"
+        if not (pa.is_file() and pb.is_file()):
+            print(f"{name}: not on both")
+            continue
+        a, b = np.load(pa), np.load(pb)
+        differ = []
+        for key in a.files:
+            if key.startswith("meta/"):
+                continue
+            x, y = a[key], b[key]
+            if x.shape != y.shape or x.tobytes() != y.tobytes():
+                if x.dtype.kind == "f" and x.shape == y.shape:
+                    ulp = np.spacing(np.maximum(np.abs(x), np.abs(y))).astype(np.float64)
+                    worst = float(np.max(np.abs(x.astype(np.float64) - y) / np.where(ulp > 0, ulp, 1)))
+                    frac = float(np.mean(x != y))
+                    differ.append(f"{key} ({frac:.0%} of values, up to {worst:.0f} ulp)")
+                else:
+                    differ.append(f"{key} (shape/bytes)")
+        all_same &= not differ
+        stages = sorted({k.split("/")[0] for k in a.files if not k.startswith("meta/")})
+        print(f"{name}: {len(a.files) - 1} outputs, {len(differ)} differ")
+        for stage in stages:
+            bad = [d for d in differ if d.startswith(stage + "/")]
+            print(f"  {stage:8s} {'same' if not bad else 'DIFFERS: ' + '; '.join(bad[:6]) + (' ...' if len(bad) > 6 else '')}")
+    return 0 if all_same else 1
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["compare"]:
         return compare(*argv[1:3])
+    if argv[:1] == ["_probe-worker"]:
+        probe_worker(argv[1])
+        return 0
+    if argv[:1] == ["probe"]:
+        p = argparse.ArgumentParser(prog="cpu_numerics.py probe")
+        p.add_argument("--settings", default=PROBE_SETTINGS)
+        p.add_argument("--out", default=str(REPO / "bench" / "results" / "cpu_probe"))
+        args = p.parse_args(argv[1:])
+        return probe(args.settings, args.out)
+    if argv[:1] == ["probe-compare"]:
+        return probe_compare(*argv[1:3])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--settings", default=DEFAULT_SETTINGS, help=f"comma-separated, of: {', '.join(SETTINGS)}")

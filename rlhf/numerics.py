@@ -10,15 +10,24 @@ On x86-64 the same torch op is routed to different kernels by the machine it run
   falls back to the automatic branch elsewhere);
 - oneDNN (used by torch for some ops) dispatches on the ISA too (`ONEDNN_MAX_CPU_ISA`);
 - parallel reductions split their work by the number of threads, so the thread count changes
-  the order of additions (measured: a full `sum()` differs between 1 and 2 threads).
+  the order of additions (measured: a full `sum()` differs between 1 and 2 threads);
+- MKL's vector maths (VML), which ATen calls for sqrt, exp, log, tanh, sin, cos, erf and a few more,
+  follows `MKL_CBWR` for all of them but `sqrt`: under COMPATIBLE it still rounds ~5% of square
+  roots differently on Intel and AMD CPUs. So the engine calls no `torch.sqrt` and trains with
+  torch's fused AdamW (`rlhf.models.adamw`), whose square root is the ISA's exact one.
 
 The `portable` profile (the default) pins all four: ATen's AVX2 kernels (every x86-64 CPU of
 the last decade has AVX2), MKL's COMPATIBLE branch in strict mode, oneDNN capped at AVX2, and
 a fixed thread count for the embedded default's SFT warm start and for CPU runs that do not set
 one. `RLHF_NUMERICS=avx2` is the same with MKL on its AVX2 branch (no slower than native; MKL
 documents it as reproducible across Intel CPUs only), `RLHF_NUMERICS=native` turns pinning off
-(each machine's fastest kernels). A variable the user set always wins over the profile. The variables are read when torch loads its libraries,
-so `apply()` must run before `import torch`: the engine's entry points (`python -m rlhf.train`,
+(each machine's fastest kernels).
+
+Measured with `bench/cpu_numerics.py` (results in bench/results/): under `portable` an AMD EPYC
+(Zen 4, AVX-512) and an Intel Xeon (Sapphire Rapids, AVX-512 + AMX) give bit-identical data,
+initial weights, gradients, SFT warm start and PPO metrics; under `avx2` and `native` they part at
+the first matmul. A variable the user set always wins over the profile. The variables are read
+when torch loads its libraries, so `apply()` must run before `import torch`: the engine's entry points (`python -m rlhf.train`,
 the pipeline's SFT stage), the tests' conftest and the Ray ranks (through the forwarded
 environment) call it or inherit its result. `settings()` is what provenance records.
 """

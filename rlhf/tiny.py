@@ -24,11 +24,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from rlhf import numerics
 from rlhf.config import TINY_MAX_POSITIONS, SFTConfig, TaskConfig, TinyModelConfig
 from rlhf.data import Example, load_task
+from rlhf.models import adamw
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARACTERS = list("0123456789+-=*/ .,#?:()\n") + [chr(c) for c in range(ord("a"), ord("z") + 1)] \
     + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
-FORMAT_VERSION = 1  # bump when the tokenizer, model or SFT recipe below changes meaning
+FORMAT_VERSION = 2  # bump when the tokenizer, model or SFT recipe below changes meaning
 
 
 def build_char_tokenizer(out_dir: str | Path) -> PreTrainedTokenizerFast:
@@ -79,7 +80,7 @@ def train_sft(model, tokenizer, train: Sequence[Example], cfg: SFTConfig, log=pr
     """Plain next-token SFT on the answers; deterministic under cfg.seed."""
     rng = np.random.default_rng(cfg.seed)
     torch.manual_seed(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
+    opt = adamw(model.parameters(), lr=cfg.learning_rate)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     model.train()
     losses = []

@@ -31,6 +31,7 @@ from rlhf import checkpoint as ckpt_io
 from rlhf.chat import PromptRenderer, prompt_key
 from rlhf.config import ConfigError
 from rlhf.data import PreferencePair, _unit_hash, load_pairs
+from rlhf.models import adamw
 from rlhf.reward_model.config import RMTrainConfig
 from rlhf.reward_model.score import (encode_conversation, ensure_pad_id, last_token_scores, load_reward_tokenizer,
                                      pack_left)
@@ -140,8 +141,8 @@ class RewardModelTrainer:
                                      torch.float32).to(self.device)
         ensure_pad_id(self.model, self.tokenizer)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
-                                           weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.optimizer = adamw(self.model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                               betas=(0.9, 0.95))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.step = 0
 

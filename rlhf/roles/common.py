@@ -13,7 +13,7 @@ from transformers import get_scheduler
 
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
-from rlhf.models import position_ids_from_mask
+from rlhf.models import adamw, position_ids_from_mask
 from rlhf.roles.compiled import compile_layers, logprobs_and_entropy
 from rlhf.roles.dispatch import ALL, dispatch
 
@@ -77,12 +77,7 @@ def response_logprobs(model, batch: Batch, device, temperature: float = 1.0, aut
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], lr: float, cfg) -> torch.optim.Optimizer:
-    """AdamW; on a GPU its fused kernel (one launch for all parameters instead of ~10 per tensor)."""
-    params = list(params)
-    on_gpu = bool(params) and all(p.device.type == "cuda" and not isinstance(p, DTensor) for p in params)
-    fast = dict(fused=True) if on_gpu else dict(foreach=False)
-    return torch.optim.AdamW(params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                             weight_decay=cfg.weight_decay, **fast)
+    return adamw(params, lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
 
 
 def build_scheduler(optimizer, cfg, total_optimizer_steps: int):

@@ -1,6 +1,7 @@
 """The CPU numerics profile (rlhf/numerics.py): pinned kernels by default, the user's settings win,
 and every process that computes (the engine, the warm start, Ray ranks) gets the same settings."""
 
+import ast
 import json
 import os
 import subprocess
@@ -96,3 +97,46 @@ def test_run_provenance_records_the_settings_and_the_machine(tmp_path):
     assert hw["cpu_info"]["kernel_flags"] == cpu_info()["kernel_flags"]
     assert hw["blas"].get("blas_info")  # e.g. "mkl"
     assert hw["fingerprint"] and hw["fingerprint"] == hardware_fingerprint(prov)
+
+
+def _calls(attr):
+    """(file, line) of every call to `<something>.<attr>(...)` or `<attr>(...)` in the engine."""
+    found = []
+    for path in sorted((REPO / "rlhf").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                owner = getattr(getattr(f, "value", None), "id", None)
+                if name == attr and owner not in ("math", "np", "numpy"):  # exact scalar / numpy maths
+                    found.append((str(path.relative_to(REPO)), node.lineno))
+    return found
+
+
+def test_every_trained_model_uses_the_engines_fused_adamw():
+    # torch's per-tensor AdamW takes its square root from MKL's vector maths, which rounds
+    # differently on Intel and AMD CPUs (bench/cpu_numerics.py probe); the fused kernel does not.
+    assert [c for c in _calls("AdamW") if c[0] != "rlhf/models.py"] == []
+    assert _calls("sqrt") == [], "torch.sqrt on a CPU tensor goes to MKL's vector maths: use rsqrt or a reduction"
+    import torch
+    from rlhf.models import adamw
+    opt = adamw([torch.nn.Parameter(torch.ones(3))], lr=1e-3)
+    assert opt.defaults["fused"] is True
+
+
+def test_adamw_steps_like_the_reference_adam_update():
+    import torch
+    from rlhf.models import adamw
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64).float())
+    g = torch.tensor([0.1, -0.3, 0.02])
+    opt = adamw([p], lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    m = v = torch.zeros(3, dtype=torch.float64)
+    ref = p.detach().double().clone()
+    for step in range(1, 4):
+        p.grad = g * step
+        opt.step()
+        gd = (g * step).double()
+        ref = ref * (1 - 0.01 * 0.1)
+        m, v = 0.9 * m + 0.1 * gd, 0.99 * v + 0.01 * gd * gd
+        ref = ref - 0.01 * (m / (1 - 0.9 ** step)) / ((v / (1 - 0.99 ** step)).sqrt() + 1e-8)
+    assert torch.allclose(p.detach().double(), ref, rtol=0, atol=1e-6)
