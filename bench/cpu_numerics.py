@@ -1,23 +1,42 @@
-"""Benchmark: do CPU runs of the tiny recipe give the same numbers on another machine, and at what cost?
+"""Benchmark: do CPU runs give the same numbers on another machine, and at what cost?
 
     python bench/cpu_numerics.py [--steps 30] [--settings portable,native,...] [--json PATH]
     python bench/cpu_numerics.py compare A.json B.json
+    python bench/cpu_numerics.py probe [--settings portable,avx2,native] [--out DIR]
+    python bench/cpu_numerics.py probe-compare DIR_A DIR_B
+    python bench/cpu_numerics.py demo [--steps 50] [--json PATH]
+    python bench/cpu_numerics.py demo-compare A.json B.json
 
-For each named setting of the CPU numerics (rlhf/numerics.py), runs `python -m rlhf.train
-recipes/tiny.gin -b 'ppo.total_steps = N'` on the CPU with a fresh cache (so the SFT warm start is
-built under the same setting) and records: the sha256 of metrics.jsonl without its timing and
-perf fields (the numeric path of the whole run), the SFT warm start's and the final checkpoint's
+Default mode: for each named setting of the CPU numerics (rlhf/numerics.py), runs `python -m
+rlhf.train recipes/tiny.gin -b 'ppo.total_steps = N'` on the CPU with a fresh cache (so the SFT warm
+start is built under the same setting) and records: the sha256 of metrics.jsonl without its timing
+and perf fields (the numeric path of the whole run), the SFT warm start's and the final checkpoint's
 hashes, the seconds per PPO step (median) and of the SFT build, the settings in force and the
 machine's fingerprint (rlhf.provenance). `compare` lines up two such files (two machines) and says,
-setting by setting, whether the numbers agree. Not a test: figures go to stdout and the JSON.
+setting by setting, whether the numbers agree.
 
-On the lent GPU machine's CPU (Python 3.12, torch 2.11, transformers 5.17, no gin): carry the
-gin-config wheel (pure Python, importable from the zip) and hide the GPU:
-    echo '/.carry/' >> .git/info/exclude; pip download --no-deps gin-config==0.5.0 -d .carry
-    device run, carry [".carry"]: export PYTHONPATH=$PWD/.carry/gin_config-0.5.0-py3-none-any.whl;
-        python3 bench/cpu_numerics.py --steps 30 --settings portable,avx2,native --json $OUT/cpu_numerics_h200host.json
-    python bench/cpu_numerics.py compare bench/results/cpu_numerics_epyc_torch211.json FILES_AT/cpu_numerics_h200host.json
-(bench/results/cpu_numerics_epyc_torch211.json: this machine with the same torch 2.11 and transformers 5.17.)
+`probe` finds where two machines part: per setting, in a fresh process, it saves every output of
+each stage of the embedded default on fixed inputs (data, token ids, torch's RNG, the initial
+weights, single ops: matmuls, softmax, SDPA, the unary ops ATen hands to MKL's vector maths, AdamW op
+by op and its three implementations, sampling; then one forward and backward, and SFT after 1, 10
+and all steps). `probe-compare` names, stage by stage, the outputs that differ and by how many ulps
+(from the JSON hashes alone when the .npz files are not there).
+
+`demo` runs the demo pipeline's numeric chain (dvc.yaml's data, sft and rm stages, then PPO of
+recipes/demo.gin against that reward model) in a scratch directory and hashes each stage's output:
+what a fresh clone's `dvc repro` on that machine would give, without DVC and the study layer.
+
+On the lent GPU machine's CPU (Python 3.12, torch 2.11, transformers 5.17; no gin, rich or pydantic):
+carry them and hide the GPU:
+    echo '/.carry/' >> .git/info/exclude
+    pip download --no-deps gin-config==0.5.0 rich markdown-it-py mdurl pygments -d .carry
+    pip install --target .carry/site --python-version 3.12 --platform manylinux2014_x86_64 \
+        --only-binary=:all: --implementation cp pydantic
+    device run, carry [".carry"]: export PYTHONPATH=$(ls $PWD/.carry/*.whl | tr '\n' ':')$PWD/.carry/site;
+        python3 bench/cpu_numerics.py demo --json $OUT/demo.json   (or probe --out $OUT/probe, or the default mode)
+and on this machine the same under torch 2.11 (a venv with torch==2.11.0 and transformers==5.17.0).
+Results: bench/results/cpu_numerics_*_{epyc,xeon_h200host}_torch211.json and cpu_probe_*/.
+Not a test: figures go to stdout and the JSON.
 """
 
 from __future__ import annotations
@@ -42,6 +61,7 @@ SETTINGS = {
     "portable": {},  # the engine's default profile
     "avx2": {"RLHF_NUMERICS": "avx2"},  # MKL's AVX2 branch: free, reproducible across Intel CPUs
     "native": {"RLHF_NUMERICS": "native"},
+    "native_threads1": {"RLHF_NUMERICS": "native", "RLHF_CPU_THREADS": "1"},  # native kernels, portable's thread count
     "native_aten_avx2": {"RLHF_NUMERICS": "native", "ATEN_CPU_CAPABILITY": "avx2"},
     "native_mkl_compatible": {"RLHF_NUMERICS": "native", "MKL_CBWR": "COMPATIBLE"},
     "aten_avx2_mkl_avx2": {"RLHF_NUMERICS": "native", "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"},
@@ -338,8 +358,14 @@ def probe_compare(a_dir: str, b_dir: str) -> int:
     all_same = True
     for name in a_rep["results"]:
         pa, pb = Path(a_dir) / f"probe_{name}.npz", Path(b_dir) / f"probe_{name}.npz"
-        if not (pa.is_file() and pb.is_file()):
+        ha, hb = a_rep["results"][name].get("sha256"), b_rep["results"].get(name, {}).get("sha256")
+        if not (ha and hb):
             print(f"{name}: not on both")
+            continue
+        if not (pa.is_file() and pb.is_file()):  # only the JSONs (as committed): equal or not, no ulps
+            differ = sorted(k for k in ha if ha[k] != hb.get(k))
+            all_same &= not differ
+            print(f"{name}: {len(ha)} outputs, {len(differ)} differ{': ' if differ else ''}{', '.join(differ)}")
             continue
         a, b = np.load(pa), np.load(pb)
         differ = []
@@ -364,6 +390,72 @@ def probe_compare(a_dir: str, b_dir: str) -> int:
     return 0 if all_same else 1
 
 
+def demo_chain(steps: int, out_json: str) -> int:
+    """The demo pipeline's numeric chain (dvc.yaml's data, sft and rm stages, then one PPO run of
+    recipes/demo.gin against that reward model) in a scratch directory under the default numerics,
+    without DVC or the study layer (which run the same commands); records each stage's hash, so two
+    machines' files say whether a fresh clone's `dvc repro` there gives the committed figures."""
+    from rlhf.numerics import NUMERIC_ENV
+    env = {k: v for k, v in os.environ.items() if k not in NUMERIC_ENV}
+    env.update(CUDA_VISIBLE_DEVICES="", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    py = sys.executable
+    commands = [
+        ("data", [py, "-m", "experiments", "data", "--recipe", str(REPO / "recipes/tiny.gin"), "--out", "data/arithmetic"]),
+        ("sft", [py, "-m", "experiments", "sft", "--recipe", str(REPO / "recipes/tiny.gin"), "--data", "data/arithmetic",
+                 "--out", "models/sft"]),
+        ("rm_pairs", [py, "-m", "rlhf.reward_model.pairs", "--data", "data/arithmetic", "--out", "data/rm_pairs",
+                      "--per-prompt", "8", "--samples", "16", "--policy", "models/sft/model",
+                      "--tokenizer", "models/sft/tokenizer"]),
+        ("rm", [py, "-m", "rlhf.reward_model", str(REPO / "recipes/rm/tiny.gin"), "--out", "models/rm"]),
+        ("ppo", [py, "-m", "rlhf.train", str(REPO / "recipes/demo.gin"), "--quiet", "--out", "run",
+                 "-b", f"ppo.total_steps = {steps}", "-b", f"ppo.save_every = {steps}"]),
+    ]
+    report = {"machine": machine(), "steps": steps, "stages": {}}
+    with tempfile.TemporaryDirectory(prefix="cpu_numerics_demo_") as tmp:
+        env["RLHF_CACHE"] = str(Path(tmp) / "cache")
+        for name, argv in commands:
+            start = time.perf_counter()
+            proc = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                report["stages"][name] = {"error": proc.stderr[-2000:], "exit_code": proc.returncode}
+                print(f"{name}: failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
+                break
+            root = Path(tmp)
+            if name in ("data", "rm_pairs"):
+                d = root / ("data/arithmetic" if name == "data" else "data/rm_pairs")
+                digest = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.glob("*.jsonl"))}
+            elif name == "sft":
+                digest = {"weights": weights_sha256(root / "models/sft/model")}
+            elif name == "rm":
+                digest = {"weights": weights_sha256(root / "models/rm")}
+            else:
+                records = [json.loads(x) for x in (root / "run/metrics.jsonl").read_text().splitlines() if x.strip()]
+                final = json.loads((root / "run/summary.json").read_text())["final"]
+                digest = {"metrics": metrics_sha256(root / "run/metrics.jsonl"),
+                          "final_actor_weights": weights_sha256(root / "run/checkpoints" / f"step_{steps}" / "actor"),
+                          "final": final, "records": len(records)}
+            report["stages"][name] = {"seconds": time.perf_counter() - start, **digest}
+            print(f"{name:8s} {time.perf_counter() - start:6.1f} s  " +
+                  " ".join(f"{k} {v[:12]}" for k, v in digest.items() if isinstance(v, str)))
+    Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_json).write_text(json.dumps(report, indent=1))
+    return 0 if all("error" not in v for v in report["stages"].values()) else 1
+
+
+def demo_compare(a_path: str, b_path: str) -> int:
+    a, b = (json.loads(Path(p).read_text()) for p in (a_path, b_path))
+    print(f"A: {a['machine']['fingerprint']}\nB: {b['machine']['fingerprint']}")
+    same_all = True
+    for name, sa in a["stages"].items():
+        sb = b["stages"].get(name, {})
+        keys = [k for k, v in sa.items() if isinstance(v, str) and k != "error"]
+        same = bool(keys) and all(sa.get(k) == sb.get(k) for k in keys) and "error" not in sb
+        same_all &= same
+        print(f"{name:8s} {'same' if same else 'DIFFERS'} ({', '.join(keys)})")
+    return 0 if same_all else 1
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["compare"]:
@@ -379,6 +471,14 @@ def main(argv=None) -> int:
         return probe(args.settings, args.out)
     if argv[:1] == ["probe-compare"]:
         return probe_compare(*argv[1:3])
+    if argv[:1] == ["demo"]:
+        p = argparse.ArgumentParser(prog="cpu_numerics.py demo")
+        p.add_argument("--steps", type=int, default=50)
+        p.add_argument("--json", default=str(REPO / "bench" / "results" / "cpu_numerics_demo.json"))
+        args = p.parse_args(argv[1:])
+        return demo_chain(args.steps, args.json)
+    if argv[:1] == ["demo-compare"]:
+        return demo_compare(*argv[1:3])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--settings", default=DEFAULT_SETTINGS, help=f"comma-separated, of: {', '.join(SETTINGS)}")

@@ -11,27 +11,36 @@ entry and one module. Exit codes: 0 success, 1 some runs failed (or nothing coul
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Union
 
 from rich.console import Console
 
-from experiments import commands, stages
-from experiments.advisor import command as advisor_command
-from experiments.study import StudyError
 from rlhf.config import ConfigError
+from rlhf.train import EXIT_CONFIG
+
+Hook = Union[str, Callable, None]
+"""A function, or 'module:function' imported when its subcommand is used: `data` and `sft` must not
+pay for (or need) Ray, W&B and scipy, which only the study subcommands use."""
+
+
+def _resolve(hook: Hook) -> Optional[Callable]:
+    if not isinstance(hook, str):
+        return hook
+    module, _, name = hook.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class Subcommand(NamedTuple):
     help: str
-    handler: Callable[[argparse.Namespace, Console], int]
-    add_arguments: Optional[Callable[[argparse.ArgumentParser], None]] = None
+    handler: Hook
+    """(args, console) -> exit code."""
+    add_arguments: Hook = None
     study: bool = True
     """Takes the study arguments (STUDY.gin, -b, --results); False: only its own."""
-
-
-def _stage(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace, Console], int]:
-    return lambda args, console: handler(args)
+    stage: bool = False
+    """A pipeline stage: its handler takes only the arguments."""
 
 
 def _add_rerun_failed(parser: argparse.ArgumentParser) -> None:
@@ -40,42 +49,54 @@ def _add_rerun_failed(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_arguments(parser: argparse.ArgumentParser) -> None:
-    commands.add_run_arguments(parser)
+    _resolve("experiments.commands:add_run_arguments")(parser)
     _add_rerun_failed(parser)
+
+
+def _recipe_arguments(needs_data: bool) -> Callable[[argparse.ArgumentParser], None]:
+    return lambda p: _resolve("experiments.stages:add_recipe_arguments")(p, needs_data=needs_data)
+
+
+def _studies_arguments(default_out: str, **kw) -> Callable[[argparse.ArgumentParser], None]:
+    return lambda p: _resolve("experiments.stages:add_studies_arguments")(p, default_out, **kw)
 
 
 SUBCOMMANDS: Dict[str, Subcommand] = {
     "plan": Subcommand("print the runs a study expands to, with their hashes; runs nothing",
-                       commands.cmd_plan, _add_rerun_failed),
+                       "experiments.commands:cmd_plan", _add_rerun_failed),
     "run": Subcommand("run what the plan needs on Ray (skip finished, resume interrupted), then report",
-                      commands.cmd_run, _run_arguments),
-    "status": Subcommand("show each run's state on disk", commands.cmd_status),
+                      "experiments.commands:cmd_run", _run_arguments),
+    "status": Subcommand("show each run's state on disk", "experiments.commands:cmd_status"),
     "report": Subcommand("write aggregate.json, report.md and plots from the run dirs (--wandb: the W&B Report)",
-                         commands.cmd_report, commands.add_report_arguments),
+                         "experiments.commands:cmd_report", "experiments.commands:add_report_arguments"),
     "advise": Subcommand("apply the tuning guide's rules to a finished study (RESULTS/STUDY) and write the "
-                         "next study recipe", advisor_command.cmd_advise, advisor_command.add_arguments),
-    "data": Subcommand("pipeline stage: write a recipe's task as train/eval JSONL", _stage(stages.cmd_data),
-                       stages.add_recipe_arguments, study=False),
+                         "next study recipe", "experiments.advisor.command:cmd_advise",
+                         "experiments.advisor.command:add_arguments"),
+    "data": Subcommand("pipeline stage: write a recipe's task as train/eval JSONL", "experiments.stages:cmd_data",
+                       _recipe_arguments(False), study=False, stage=True),
     "sft": Subcommand("pipeline stage: the SFT warm start of the tiny default on the data stage's output",
-                      _stage(stages.cmd_sft), lambda p: stages.add_recipe_arguments(p, needs_data=True),
-                      study=False),
+                      "experiments.stages:cmd_sft", _recipe_arguments(True), study=False, stage=True),
     "params": Subcommand("pipeline stage: each study's resolved parameters as YAML for `dvc params`",
-                         _stage(stages.cmd_params),
-                         lambda p: stages.add_studies_arguments(p, "params", results=False), study=False),
+                         "experiments.stages:cmd_params", _studies_arguments("params", results=False),
+                         study=False, stage=True),
     "export": Subcommand("pipeline stage: a finished study's headline metrics and curves for `dvc metrics/plots`",
-                         _stage(stages.cmd_export), lambda p: stages.add_studies_arguments(p, "reports", many=False),
-                         study=False),
-    "summary": Subcommand("pipeline stage: the tuning path over all rounds (markdown)", _stage(stages.cmd_summary),
-                          lambda p: stages.add_studies_arguments(p, "reports/summary.md"), study=False),
+                         "experiments.stages:cmd_export", _studies_arguments("reports", many=False),
+                         study=False, stage=True),
+    "summary": Subcommand("pipeline stage: the tuning path over all rounds (markdown)", "experiments.stages:cmd_summary",
+                          _studies_arguments("reports/summary.md"), study=False, stage=True),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+    """The whole command line; with `only`, the arguments of that subcommand alone (the others are
+    listed by name and help, without importing their modules)."""
     parser = argparse.ArgumentParser(prog="python -m experiments",
                                      description="Studies of one-parameter PPO variants x seeds, with a verdict.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=command.help, description=command.help)
+        if only is not None and name != only:
+            continue
         if command.study:
             p.add_argument("study", help="a study recipe, e.g. recipes/studies/smoke.gin")
             p.add_argument("-b", "--binding", dest="bindings", action="append", default=[],
@@ -83,20 +104,28 @@ def build_parser() -> argparse.ArgumentParser:
                                 "config (repeatable)")
             p.add_argument("--results", default="results", help="results root; the study lives in RESULTS/<name>/")
         if command.add_arguments:
-            command.add_arguments(p)
+            _resolve(command.add_arguments)(p)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None).parse_args(argv)
     args.argv = argv
     args.rerun_failed = getattr(args, "rerun_failed", False)
     console = Console(soft_wrap=True, markup=False, highlight=False)
     if not console.is_terminal:
         console = Console(soft_wrap=True, markup=False, highlight=False, width=200)
+    command = SUBCOMMANDS[args.command]
     try:
-        return SUBCOMMANDS[args.command].handler(args, console)
-    except (StudyError, ConfigError) as err:
+        handler = _resolve(command.handler)
+        return handler(args) if command.stage else handler(args, console)
+    except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        return commands.EXIT_CONFIG
+        return EXIT_CONFIG
+    except Exception as err:
+        study = sys.modules.get("experiments.study")  # a StudyError can only come from a loaded study module
+        if study is None or not isinstance(err, study.StudyError):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_CONFIG

@@ -1,17 +1,17 @@
 """PPO measurably learns: from the SFT warm start, the tiny default's held-out accuracy rises by
 a clear margin within a few minutes on 2 cores (recipes/tiny.gin as shipped: 250 steps).
 
-One run's gain is not the measure: a different CPU (other kernels, other rounding) sends a run
-down another trajectory, as a different seed does, and one seed's gain was seen to range from
-+14 to +24 points. So the test runs three seeds and evaluates each on the whole held-out split
+One run's gain is not the measure: another numeric path (another torch release, the native
+kernels, another seed) sends a run down another trajectory, and one seed's gain was seen to range
+from +14 to +27 points. So the test runs three seeds and evaluates each on the whole held-out split
 (169 prompts) with 4 samples per prompt (676 samples: the sampling noise of one gain is ~2.6
 points), and asks for a mean gain far above that noise plus a gain from every seed.
-Measured on an AMD EPYC (AVX-512), default portable CPU numerics (rlhf/numerics.py), eval/accuracy
-initial -> final: seed 0 0.215 -> 0.414 (+20.0 points), seed 1 0.220 -> 0.487 (+26.6), seed 2
-0.232 -> 0.429 (+19.7); mean +22.1, greedy 0.266 -> 0.54-0.63. With each machine's own kernels
-(RLHF_NUMERICS=native), another numeric path as another CPU would take: +17.8, +18.2, +17.5.
-The thresholds (mean >= 10, each seed >= 5) sit 3-5 standard deviations of the seed-to-seed
-spread (~3-4 points) below the lowest of these.
+Measured with the default portable CPU numerics (rlhf/numerics.py), which give the same bits on
+AMD and Intel CPUs (bench/cpu_numerics.py), eval/accuracy initial -> final: seed 0 0.250 -> 0.414
+(+16.4 points), seed 1 0.246 -> 0.435 (+18.9), seed 2 0.268 -> 0.419 (+15.1); mean +16.8, greedy
+0.308 -> 0.52-0.56. Other numeric paths measured before: +20.0 / +26.6 / +19.7 and, with each
+machine's own kernels (RLHF_NUMERICS=native), +17.8 / +18.2 / +17.5. The thresholds (mean >= 10,
+each seed >= 5) sit 3 standard deviations of the seed-to-seed spread (~3 points) below the lowest.
 """
 
 import json
