@@ -155,3 +155,16 @@ def test_retraining_the_policy_checkpoint_changes_the_run_hash(write_study, tmp_
     build_tiny_model(TinyModelConfig(), tok, seed=1).save_pretrained(str(model))
     after = {s.run_hash for s in expand(study, tmp_path / "results")}
     assert len(before) == len(after) == 9 and not before & after
+
+
+def test_pipeline_stages_load_only_their_own_modules(tmp_path):
+    # `python -m experiments data` (and sft) run where only the engine is installed: no Ray, W&B,
+    # scipy or plotting is imported for them, and the study subcommands still list and parse.
+    code = ("import sys; from experiments.cli import main; "
+            f"rc = main(['data', '--recipe', {str(REPO / 'recipes' / 'tiny.gin')!r}, '--out', {str(tmp_path / 'd')!r}]); "
+            "print(rc, sorted(m for m in ('ray', 'wandb', 'scipy', 'matplotlib', 'experiments.study') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.stdout.split("\n")[-2] == "0 []", out.stdout + out.stderr
+    assert (tmp_path / "d" / "train.jsonl").is_file()
+    listed = subprocess.run([sys.executable, "-m", "experiments", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert listed.returncode == 0 and all(name in listed.stdout for name in ("plan", "run", "advise", "sft"))
