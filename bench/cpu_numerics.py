@@ -399,24 +399,23 @@ def demo_chain(steps: int, out_json: str) -> int:
     env = {k: v for k, v in os.environ.items() if k not in NUMERIC_ENV}
     env.update(CUDA_VISIBLE_DEVICES="", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    import yaml
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     py = sys.executable
-    commands = [
-        ("data", [py, "-m", "experiments", "data", "--recipe", str(REPO / "recipes/tiny.gin"), "--out", "data/arithmetic"]),
-        ("sft", [py, "-m", "experiments", "sft", "--recipe", str(REPO / "recipes/tiny.gin"), "--data", "data/arithmetic",
-                 "--out", "models/sft"]),
-        ("rm_pairs", [py, "-m", "rlhf.reward_model.pairs", "--data", "data/arithmetic", "--out", "data/rm_pairs",
-                      "--per-prompt", "8", "--samples", "16", "--policy", "models/sft/model",
-                      "--tokenizer", "models/sft/tokenizer"]),
-        ("rm", [py, "-m", "rlhf.reward_model", str(REPO / "recipes/rm/tiny.gin"), "--out", "models/rm"]),
-        ("ppo", [py, "-m", "rlhf.train", str(REPO / "recipes/demo.gin"), "--quiet", "--out", "run",
-                 "-b", f"ppo.total_steps = {steps}", "-b", f"ppo.save_every = {steps}"]),
-    ]
+    # dvc.yaml's own commands (its rm stage is two: the pairs, then the reward model), run from a
+    # scratch directory that sees the repository's recipes; then one PPO run of the demo recipe.
+    commands = [("data", stages["data"]["cmd"]), ("sft", stages["sft"]["cmd"]),
+                *zip(("rm_pairs", "rm"), stages["rm"]["cmd"].split(" && ")),
+                ("ppo", f"python -m rlhf.train recipes/demo.gin --quiet --out run -b 'ppo.total_steps = {steps}' "
+                        f"-b 'ppo.save_every = {steps}'")]
+    commands = [(name, cmd.replace("python ", f"{py} ", 1)) for name, cmd in commands]
     report = {"machine": machine(), "steps": steps, "stages": {}}
     with tempfile.TemporaryDirectory(prefix="cpu_numerics_demo_") as tmp:
         env["RLHF_CACHE"] = str(Path(tmp) / "cache")
-        for name, argv in commands:
+        (Path(tmp) / "recipes").symlink_to(REPO / "recipes")
+        for name, cmd in commands:
             start = time.perf_counter()
-            proc = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True)
+            proc = subprocess.run(cmd, shell=True, cwd=tmp, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 report["stages"][name] = {"error": proc.stderr[-2000:], "exit_code": proc.returncode}
                 print(f"{name}: failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
