@@ -134,6 +134,34 @@ class PPOConfig:
     activations for a backward, so they can take larger batches than training (verl's
     `log_prob_micro_batch_size`). 0: the same as micro_batch_size."""
 
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of a micro-batch (verl's `ppo_max_token_len_per_gpu` with `use_dynamic_bsz`):
+    each mini-batch's sequences, in order, are cut into micro-batches of at most this many real
+    (prompt + response) tokens, and each micro-batch runs packed into one row without padding, for
+    the update and for every forward-only pass. Mini-batch boundaries and the shuffle do not change,
+    so results depend on the budget only through floating-point summation order. 0: fixed
+    micro_batch_size / forward_micro_batch_size counts of padded sequences."""
+
+    # --- memory: adapters and activations ---
+    lora_rank: int = 0
+    """LoRA rank of the actor's adapters (peft): the base weights are frozen (bf16 on a GPU, fp32
+    on the CPU) and only the adapters train, in fp32; the reference is the base with the adapter
+    switched off (no second copy). 0: full fine-tuning. verl's `lora_rank`, OpenRLHF's `--lora_rank`."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the adapter's update is scaled by lora_alpha / rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input (0 keeps training deterministic given the seed)."""
+    lora_target_modules: object = "all-linear"
+    """Which linear layers get adapters: 'all-linear' (every linear layer of the transformer
+    blocks, not the LM head) or a list of module names such as ['q_proj', 'v_proj']."""
+    critic_lora_rank: int = -1
+    """LoRA rank of the critic's backbone (its value head always trains in full); -1: the actor's
+    lora_rank, 0: full fine-tuning of the critic."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass instead of keeping them
+    (transformers' gradient checkpointing), for the actor and the critic: activation memory falls
+    from every layer's to about one layer's, for about a third more compute in the update."""
+
     # --- losses ---
     clip_range: float = 0.2
     """PPO ratio clip half-width: ratios are clipped to [1 - c, 1 + c]. The guide: 0.1-0.2 (0.1 for
@@ -220,7 +248,8 @@ class PPOConfig:
                      "max_prompt_length", "max_response_length", "ppo_epochs", "mini_batch_size",
                      "micro_batch_size", "kl_horizon", "eval_samples_per_prompt"):
             _positive_int(s, name, getattr(self, name))
-        for name in ("keep_checkpoints", "top_k", "lr_warmup_steps", "torch_threads", "forward_micro_batch_size"):
+        for name in ("keep_checkpoints", "top_k", "lr_warmup_steps", "torch_threads", "forward_micro_batch_size",
+                     "max_tokens_per_micro_batch", "lora_rank"):
             _positive_int(s, name, getattr(self, name), minimum=0)
         _number(s, "temperature", self.temperature, 0.0, 100.0, lo_open=True)
         _number(s, "eval_temperature", self.eval_temperature, 0.0, 100.0)
@@ -257,8 +286,18 @@ class PPOConfig:
             _check(isinstance(value, bool) or value == "auto", f"ppo.{name}", value, "must be 'auto', True or False")
         _number(s, "vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, 0.0, 1.0,
                 lo_open=True, hi_open=True)
+        _check(isinstance(self.critic_lora_rank, int) and not isinstance(self.critic_lora_rank, bool)
+               and self.critic_lora_rank >= -1, "ppo.critic_lora_rank", self.critic_lora_rank,
+               "must be -1 (the actor's ppo.lora_rank), 0 (full fine-tuning) or a positive rank")
+        _number(s, "lora_alpha", self.lora_alpha, 0.0, 1e6, lo_open=True)
+        _number(s, "lora_dropout", self.lora_dropout, 0.0, 1.0, hi_open=True)
+        targets = self.lora_target_modules
+        _check(targets == "all-linear" or (isinstance(targets, (list, tuple)) and targets
+                                           and all(isinstance(t, str) and t for t in targets)),
+               "ppo.lora_target_modules", targets,
+               "must be 'all-linear' or a non-empty list of module names such as ['q_proj', 'v_proj']")
         for name in ("adaptive_kl", "whiten_advantages", "grpo_normalize_std", "rollout_logprobs",
-                     "vllm_per_request_seeds", "torch_compile"):
+                     "vllm_per_request_seeds", "torch_compile", "gradient_checkpointing"):
             _check(isinstance(getattr(self, name), bool), f"ppo.{name}", getattr(self, name),
                    "must be True or False")
         _check(isinstance(self.init_from, str), "ppo.init_from", self.init_from, "must be a path string")
@@ -294,8 +333,9 @@ class PPOConfig:
         return self.forward_micro_batch_size or self.micro_batch_size
 
     @property
-    def grad_accumulation_steps(self) -> int:
-        return self.mini_batch_size // self.micro_batch_size
+    def resolved_critic_lora_rank(self) -> int:
+        """The critic's LoRA rank (`critic_lora_rank`, -1 resolved to the actor's)."""
+        return self.lora_rank if self.critic_lora_rank == -1 else self.critic_lora_rank
 
     @property
     def resolved_placement(self) -> str:

@@ -56,6 +56,9 @@ class RMTrainConfig:
     dtype: str = "float32"
     """'float32' or 'bfloat16' (autocast on GPU)."""
     torch_threads: int = 0
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass (transformers' gradient
+    checkpointing): activation memory of about one layer instead of all, for about a third more compute."""
 
     def __post_init__(self) -> None:
         s = "rm"
@@ -80,7 +83,8 @@ class RMTrainConfig:
         _choice(s, "lr_schedule", self.lr_schedule, ("constant", "cosine"))
         _choice(s, "device", self.device, ("auto", "cpu", "cuda"))
         _choice(s, "dtype", self.dtype, ("float32", "bfloat16"))
-        _check(isinstance(self.use_margin, bool), "rm.use_margin", self.use_margin, "must be True or False")
+        for name in ("use_margin", "gradient_checkpointing"):
+            _check(isinstance(getattr(self, name), bool), f"rm.{name}", getattr(self, name), "must be True or False")
         _check(isinstance(self.chat_template, str) and bool(self.chat_template), "rm.chat_template",
                self.chat_template, "must be 'auto', 'none' or the path of a Jinja chat template file")
         if self.chat_template not in ("auto", "none"):

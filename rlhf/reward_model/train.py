@@ -140,6 +140,8 @@ class RewardModelTrainer:
         self.model = load_base_model(cfg.base_model, cfg.seed, torch.float32 if self.autocast is None else
                                      torch.float32).to(self.device)
         ensure_pad_id(self.model, self.tokenizer)
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
         self.model.train()
         self.optimizer = adamw(self.model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                betas=(0.9, 0.95))
