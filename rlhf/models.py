@@ -44,12 +44,14 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
-def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> nn.Module:
+    """`device`: a GPU to load the weights straight onto (a frozen 7B base: no pass through host memory)."""
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"model.name_or_path = {str(path)!r}: not a local model directory "
                           f"(no config.json); use 'tiny' or a saved AutoModelForCausalLM checkpoint")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True,
-                                                 use_safetensors=True)
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
+                                                 **({"device_map": str(torch.device(device))} if on_gpu else {}))
     model.config.use_cache = True
     return model
 
@@ -185,22 +187,25 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_policy_checkpoint(cls, path: str | Path, seed: int, random_init: bool = False,
-                               dtype: torch.dtype = torch.float32, lora: dict | None = None) -> "ValueModel":
+                               dtype: torch.dtype = torch.float32, lora: dict | None = None,
+                               device: torch.device | None = None) -> "ValueModel":
         """`dtype`: the backbone's; the value head is fp32 under LoRA (it trains), else `dtype` too.
-        `lora`: keyword arguments of `add_lora` (rank, alpha, dropout, target_modules)."""
+        `lora`: keyword arguments of `add_lora` (rank, alpha, dropout, target_modules). `device`: where
+        to load the checkpoint's weights (a GPU: straight there)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             if random_init:
                 config = AutoConfig.from_pretrained(str(path), local_files_only=True)
                 lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
             else:
-                lm = load_policy(path, dtype)
+                lm = load_policy(path, dtype, device)
             backbone = lm.base_model
             if lora:
                 backbone = add_lora(backbone, **lora, base_path=path)
             model = cls(backbone, lm.config.hidden_size)
             nn.init.normal_(model.value_head.weight, std=1.0 / (lm.config.hidden_size + 1) ** 0.5)
             nn.init.zeros_(model.value_head.bias)
+        model.value_head.to(next(backbone.parameters()).device)
         return model if lora else model.to(dtype)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

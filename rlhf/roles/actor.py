@@ -48,7 +48,7 @@ def build_policy(ppo: PPOConfig, start_dir: str, model_dir: str, device: torch.d
         if start_is_adapter:
             return PeftModel.from_pretrained(load_policy(model_dir), start_dir).merge_and_unload().requires_grad_(True)
         return load_policy(start_dir)
-    model = add_lora(load_policy(model_dir, frozen_base_dtype(device)), ppo.lora_rank, ppo.lora_alpha,
+    model = add_lora(load_policy(model_dir, frozen_base_dtype(device), device), ppo.lora_rank, ppo.lora_alpha,
                      ppo.lora_dropout, ppo.lora_target_modules, task_type="CAUSAL_LM", base_path=model_dir)
     if start_is_adapter:
         rank = read_adapter_rank(start_dir)

@@ -54,7 +54,7 @@ class Critic(TrainedRole):
                         target_modules=ppo.lora_target_modules) if rank else None
             model = ValueModel.from_policy_checkpoint(model_dir, seed=derive_seed(ppo.seed, 1), random_init=random_init,
                                                       dtype=frozen_base_dtype(ctx.device) if lora else torch.float32,
-                                                      lora=lora)
+                                                      lora=lora, device=ctx.device if lora else None)
             if ppo.init_from and checkpoint.has_critic(ppo.init_from):
                 model = load_critic_start(model, ppo.init_from)
         super().__init__(ctx, model, ppo, total_updates)
