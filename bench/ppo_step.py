@@ -5,8 +5,8 @@
 
 Builds the trainer from a recipe, runs one warm-up iteration, then `--steps` timed iterations,
 and reports the median of each phase. Figures go to stdout and to a JSON file, rewritten after
-every timed iteration (`"partial": true` until the run ends), so a run cut short keeps what it
-measured. `--time-budget S`: start no further timed iteration once the last one says it would
+every iteration (`"partial": true` until the run ends; before the first timed iteration ends,
+the warm-up's figures, flagged `"warmup_only": true`), so a run cut short keeps what it measured. `--time-budget S`: start no further timed iteration once the last one says it would
 end more than S seconds after start-up began (at least one timed iteration runs).
 `--phase-memory` (GPU, one process): each phase's peak allocated and reserved memory of this
 process's torch allocator, and the device's peak memory in use (every allocator and process,
@@ -249,11 +249,18 @@ def main(argv=None) -> int:
         memory = None
         if args.phase_memory and trainer.device.type == "cuda" and trainer.placement.get("placement") == "local":
             memory = PhaseMemory()
-        records, phase_memory = [], []
+        records, phase_memory, warmup = [], [], []
 
         def write(partial: bool, eval_s=None, parity=None):
-            result = summarize(records, args, argv, cfg, trainer.device, torch, setup_s, eval_s, trainer.placement,
-                               parity, phase_memory, partial)
+            # Until a timed iteration ends, the warm-up's figures stand in (flagged): a run cut short still says something.
+            use = records or [w[0] for w in warmup]
+            result = summarize(use, args, argv, cfg, trainer.device, torch, setup_s, eval_s, trainer.placement,
+                               parity, phase_memory if records else [w[1] for w in warmup if w[1]], partial)
+            if not records:
+                result["timed_steps"] = 0
+                result["warmup_only"] = True
+            if warmup:
+                result["warmup_step_s"] = warmup[0][0]["timing_s/step"]
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(result, indent=1))
             return result
@@ -277,7 +284,9 @@ def main(argv=None) -> int:
                 records.append(record)
                 if memory is not None:
                     phase_memory.append(phases)
-                write(partial=True)
+            else:
+                warmup.append((record, phases if memory is not None else None))
+            write(partial=True)
         parity = rollout_parity(trainer) if args.rollout_parity else None
         eval_s = None
         if not args.no_eval:
