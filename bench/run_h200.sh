@@ -115,8 +115,10 @@ for MODE in "${MODES[@]}"; do
     peers)
       need vllm gin peft trl datasets
       L=$(left)
-      if [ "$L" -lt 200 ]; then log "peers: only ${L}s left in the call, not started"; continue; fi
-      OUT=$W PEERS_ASSETS_7B=$A7 PEERS_TOTAL_S=$L bash bench/peers/run_h200.sh lora7b > "$W/peers.log" 2>&1
+      if [ "$L" -lt 360 ]; then log "peers: only ${L}s left in the call (two 7B systems need ~200 s each), not started"; continue; fi
+      # Half of what is left for each system (the inputs' check takes ~20 s of the engine's half).
+      OUT=$W PEERS_ASSETS_7B=$A7 PEERS_TOTAL_S=$L PEERS_BUDGET_ENGINE_GRPO_LORA7B=$(( L / 2 - 10 )) \
+        PEERS_BUDGET_TRL_GRPO_LORA7B=$(( L / 2 )) bash bench/peers/run_h200.sh lora7b > "$W/peers.log" 2>&1
       log "peers: rc=$?"; tail -n 40 "$W/peers.log"
       ;;
     *) log "unknown mode $MODE"; exit 2 ;;
