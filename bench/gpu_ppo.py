@@ -21,9 +21,12 @@ their inputs in `--assets DIR` (default /tmp/assets-<shape>; built by a separate
 missing, reused otherwise, shared with bench/peers/ of the same shape).
 
 Every variant runs in its own process when there are several or a time limit is set (vLLM
-allows one sleep-mode engine per process); ppo_step gets the limit less 30 s as its budget, so
-it stops before an iteration that would pass it, and its JSON is rewritten after every timed
-iteration. `--tiny`: the tiny shape on the CPU with the HF backend (a smoke test of the same
+allows one sleep-mode engine per process); `--total-time S` shares S between the variants (each
+gets what is left over the variants still to run), `--variant-timeout` caps each; ppo_step gets
+a variant's limit less 30 s as its budget, so it stops before an iteration that would pass it,
+and its JSON is rewritten after every iteration. A variant whose feature bindings
+(`ppo.max_tokens_per_micro_batch`, `ppo.lora_rank`, `ppo.gradient_checkpointing`) no engine
+module reads yet is not run (its JSON says so) rather than timed on the default path. `--tiny`: the tiny shape on the CPU with the HF backend (a smoke test of the same
 bindings, lengths cut down).
 """
 
@@ -108,6 +111,24 @@ def ensure_assets(root: Path, shape: str, tiny: bool) -> None:
     subprocess.run(cmd + (["--tiny"] if tiny else []), check=True)
 
 
+WIRED_CHECK = ("max_tokens_per_micro_batch", "lora_rank", "gradient_checkpointing")
+
+
+def unwired(bindings: list[str]) -> list[str]:
+    """The bindings among WIRED_CHECK, set to a non-default value, that no engine module reads
+    besides rlhf/config.py: in a checkout where a feature is declared but not yet implemented, a
+    variant would otherwise time the default path under the feature's name."""
+    out = []
+    sources = [p.read_text() for p in (REPO / "rlhf").rglob("*.py") if p.name != "config.py"]
+    for b in bindings:
+        key, _, value = b.partition("=")
+        name = key.strip().removeprefix("ppo.")
+        if name in WIRED_CHECK and value.strip() not in ("0", "False", "") \
+                and not any(f".{name}" in src for src in sources):
+            out.append(b.strip())
+    return out
+
+
 def annotate(out: Path, name: str, extra: list, command: str, workload: str, root: str | None,
              error: str | None = None) -> None:
     """The variant's name, bindings, command and workload in its JSON (also one cut by its time limit)."""
@@ -144,6 +165,8 @@ def main(argv=None) -> int:
                                                        "of the policy's shape, random weights) or a checkpoint dir")
     p.add_argument("--phase-memory", action="store_true", help="peak memory of every phase (presets: on)")
     p.add_argument("--no-eval", action="store_true", help="skip the final evaluation (presets: on)")
+    p.add_argument("--total-time", type=int, default=0, help="seconds for all the variants together: each gets what "
+                                                               "is left divided by the variants still to run")
     p.add_argument("--time-budget", type=float, default=0.0, help=argparse.SUPPRESS)  # set for each variant process
     args = p.parse_args(argv)
     raw = list(sys.argv[1:] if argv is None else argv)
@@ -160,7 +183,8 @@ def main(argv=None) -> int:
     assets_dir = args.assets or (f"/tmp/assets-{'tiny' if args.tiny else shape}" if preset else None)
     workload = preset["workload"] if preset else DEFAULT_WORKLOAD
 
-    if len(variants) > 1 or (timeout and not args.time_budget):  # one process per variant
+    if len(variants) > 1 or ((timeout or args.total_time) and not args.time_budget):  # one process per variant
+        deadline = time.time() + args.total_time if args.total_time else None
         if assets_dir:
             ensure_assets(Path(assets_dir), shape, args.tiny)
         base, skip = [], False
@@ -168,32 +192,50 @@ def main(argv=None) -> int:
             if skip:
                 skip = False
                 continue
-            if a == "--variant":
+            if a in ("--variant", "--total-time"):
                 skip = True
                 continue
-            if not a.startswith("--variant="):
+            if not a.startswith(("--variant=", "--total-time=")):
                 base.append(a)
         if assets_dir and not args.assets:
             base += ["--assets", assets_dir]
         env = dict(os.environ, GPU_PPO_COMMAND=command)
+        runnable = []
         for spec in variants:
             name, _, extra = spec.partition("=")
             out = Path(args.json_dir) / f"gpu_ppo_{name}_{args.suffix}.json"
+            out.unlink(missing_ok=True)  # a stale result must not pass for this run's
+            missing = unwired((preset["bindings"] if preset else []) + extra.split(";"))
+            if missing:
+                msg = f"not run: this checkout's engine reads none of {missing} (declared in rlhf/config.py only)"
+                print(f"variant {name}: {msg}", file=sys.stderr, flush=True)
+                annotate(out, name, [b.strip() for b in extra.split(";") if b.strip()], command, workload, assets_dir, msg)
+            else:
+                runnable.append((spec, name, extra, out))
+        for i, (spec, name, extra, out) in enumerate(runnable):
+            limit = timeout
+            if deadline is not None:  # what is left, shared by the variants still to run
+                share = int((deadline - time.time()) / (len(runnable) - i))
+                limit = min(limit, share) if limit else share
+                if limit < 60:
+                    annotate(out, name, [b.strip() for b in extra.split(";") if b.strip()], command, workload,
+                             assets_dir, f"not run: {limit} s left of --total-time")
+                    continue
             child = [sys.executable, __file__, *base, "--variant", spec]
-            if timeout:
-                child += ["--time-budget", str(max(timeout - 30, 1))]
+            if limit:
+                child += ["--time-budget", str(max(limit - 30, 1))]
             t0 = time.time()
             error = None
             try:
-                rc = subprocess.run(child, timeout=timeout or None, env=env).returncode
+                rc = subprocess.run(child, timeout=limit or None, env=env).returncode
                 if rc:
                     error = f"variant process exited with {rc}"
             except subprocess.TimeoutExpired:
-                error = f"variant ran past {timeout} s"
-                print(f"variant {spec} ran past {timeout} s", file=sys.stderr)
+                error = f"variant ran past {limit} s"
+                print(f"variant {spec} ran past {limit} s", file=sys.stderr)
             annotate(out, name, [b.strip() for b in extra.split(";") if b.strip()], command, workload, assets_dir,
                      error)
-            print(f"variant {name}: {time.time() - t0:.0f} s, {out}", file=sys.stderr, flush=True)
+            print(f"variant {name}: {time.time() - t0:.0f} s (limit {limit} s), {out}", file=sys.stderr, flush=True)
         return 0
 
     import ppo_step

@@ -94,9 +94,9 @@ for MODE in "${MODES[@]}"; do
       ;;
     lora7b|long2k|long2k_mb4)
       need vllm gin peft
-      if [ "$MODE" = lora7b ]; then A=$A7; SHAPE=7b; PRESET=lora7b; PARTS=1; else A=$A05; SHAPE=0.5b; PRESET=long2k; PARTS=2; fi
+      if [ "$MODE" = lora7b ]; then A=$A7; SHAPE=7b; PRESET=lora7b; else A=$A05; SHAPE=0.5b; PRESET=long2k; fi
       EXTRA=()
-      if [ "$MODE" = long2k_mb4 ]; then PARTS=1; EXTRA=(--variant "long2k_mb4=ppo.micro_batch_size = 4"); fi
+      if [ "$MODE" = long2k_mb4 ]; then EXTRA=(--variant "long2k_mb4=ppo.micro_batch_size = 4"); fi
       if [ ! -f "$A/model/config.json" ]; then  # before the time split: the 7B build takes ~1 minute
         log "$MODE: building the $SHAPE inputs in $A"
         python3 bench/gpu_assets.py --shape $SHAPE --out "$A" "${TINY[@]}" 2>&1 | sed '/Writing model shards/d' | tee "$W/assets.log"
@@ -104,10 +104,10 @@ for MODE in "${MODES[@]}"; do
         du -sh "$A" | tee -a "$W/assets.log"
       fi
       machine "$W"
-      L=$(left); PER=$(( L / PARTS ))
-      if [ "$PER" -lt 120 ]; then log "$MODE: only ${L}s left in the call, not started"; continue; fi
-      log "$MODE: gpu_ppo --preset $PRESET, ${PER}s per variant"
-      python3 bench/gpu_ppo.py --preset $PRESET --assets "$A" --json-dir "$W" --variant-timeout "$PER" "${EXTRA[@]}" "${TINY[@]}" \
+      L=$(left)
+      if [ "$L" -lt 150 ]; then log "$MODE: only ${L}s left in the call, not started"; continue; fi
+      log "$MODE: gpu_ppo --preset $PRESET, ${L}s for its variants"
+      python3 bench/gpu_ppo.py --preset $PRESET --assets "$A" --json-dir "$W" --total-time "$L" "${EXTRA[@]}" "${TINY[@]}" \
         > "$W/$MODE.log" 2>&1
       log "$MODE: rc=$?"
       grep -E "^(PPO iteration|  [a-z_]+ +[0-9.]+ ms|  [a-z_]+ +peak|variant |stopping|iteration )" "$W/$MODE.log" | tail -60
