@@ -33,7 +33,7 @@ TOTAL=${PEERS_TOTAL_S:-575}
 ST=${PEERS_STEPS:-2}          # timed iterations after 1 warm-up (engine, verl)
 TST=${PEERS_TRL_STEPS:-3}     # timed steps after 1 warm-up (TRL: its steps are the cheapest)
 START=$(date +%s)
-export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+export PYTHONPATH=${BENCH_SITE:-/tmp/site} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
   WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0 PYTHONUNBUFFERED=1
 
 log() { echo "[peers $(( $(date +%s) - START ))s] $*"; }
