@@ -23,6 +23,7 @@ from rlhf import algos
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.models import load_policy, load_tokenizer
+from rlhf.packing import micro_batches
 from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, response_logprobs
 from rlhf.roles.dispatch import ALL, CALLS, ROWS, dispatch
 from rlhf.rollout import SamplingParams, backend_class
@@ -58,7 +59,7 @@ class Actor(TrainedRole):
         """Log-probs of the sampled response tokens and per-token entropy, [B, R] each."""
         self.model.eval()
         logps, ents = [], []
-        for micro in batch.split(self.cfg.forward_batch_size):
+        for micro in micro_batches(batch, self.cfg.forward_batch_size, self.cfg.max_tokens_per_micro_batch, self.ranks):
             logprobs, entropy = response_logprobs(self.model, micro, self.device, self.cfg.temperature,
                                                   self.autocast_dtype, fused=self.fused)
             logps.append(logprobs.cpu())
