@@ -1,8 +1,10 @@
 """Checkpoints without pickle: tensors in safetensors, everything else in JSON.
 
 Layout of `checkpoints/step_N/`:
-  actor/            an ordinary HF checkpoint (config, model.safetensors, tokenizer) - loadable on its own
-  critic.safetensors
+  actor/            an ordinary HF checkpoint (config, model.safetensors, tokenizer) - loadable on its own;
+                    with LoRA, peft's adapter (adapter_config.json, adapter_model.safetensors, tokenizer),
+                    loadable with `PeftModel.from_pretrained(base, 'actor')`
+  critic.safetensors, or with LoRA critic/ (peft's adapter of the backbone, value_head.safetensors)
   actor_optim.safetensors, critic_optim.safetensors   optimizer tensors
   rng.safetensors   torch CPU (and CUDA) generator states
   state.json        step, optimizer param groups and scalars, schedulers, sampler, KL controller, python RNG
@@ -193,14 +195,12 @@ def save_checkpoint(ckpt_root: str | Path, step: int, *, actor, critic, tokenize
     tmp = root / f".tmp_step_{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    (tmp / "actor").mkdir()
-    for name, data in actor.model_files().items():
-        (tmp / "actor" / name).write_bytes(data)
+    for role in (actor, critic):
+        for rel, data in (role.model_files().items() if role is not None else ()):
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_bytes(data)
     tokenizer.save_pretrained(str(tmp / "actor"))
     state = {"step": step, "trainer": trainer_state}
-    if critic is not None:
-        save_file({k: v.detach().cpu().contiguous() for k, v in critic.model_state().items()},
-                  str(tmp / "critic.safetensors"))
     for name, role in (("actor", actor), ("critic", critic)):
         if role is None:
             continue
@@ -231,22 +231,42 @@ def load_weights(module: torch.nn.Module, path: str | Path) -> None:
     module.load_state_dict(load_file(str(path)), strict=True)
 
 
+def has_critic(ckpt: str | Path) -> bool:
+    return (Path(ckpt) / "critic.safetensors").is_file() or (Path(ckpt) / "critic" / "value_head.safetensors").is_file()
+
+
+def read_trained_state(ckpt: str | Path, role: str) -> Dict[str, "torch.Tensor"]:
+    """The trained weights of `role` ('actor' or 'critic') in a checkpoint, keyed like the role's
+    model parameters: the full model, or of a LoRA model its adapters (peft's file names mapped back
+    to the model's) and the critic's value head."""
+    from safetensors.torch import load_file
+
+    from rlhf.models import ADAPTER_WEIGHTS, parameter_name_from_adapter_file
+    ckpt = Path(ckpt)
+    adapter = ckpt / role / ADAPTER_WEIGHTS
+    if not adapter.is_file():
+        return load_file(str(ckpt / "actor" / "model.safetensors" if role == "actor" else ckpt / "critic.safetensors"))
+    prefix = "backbone." if role == "critic" else ""
+    state = {prefix + parameter_name_from_adapter_file(k): v for k, v in load_file(str(adapter)).items()}
+    if role == "critic":
+        state.update(load_file(str(ckpt / "critic" / "value_head.safetensors")))
+    return state
+
+
 def restore_training(ckpt: str | Path, *, actor, critic) -> dict:
     """Loads every piece of a checkpoint into the trained roles; returns the trainer state."""
     from safetensors.torch import load_file
     ckpt = Path(ckpt)
     state = load_state(ckpt)
-    actor_file = ckpt / "actor" / "model.safetensors"
-    actor_sd = load_file(str(actor_file))
-    missing, unexpected = actor.load_model_state(actor_sd, strict=False)
+    missing, unexpected = actor.load_model_state(read_trained_state(ckpt, "actor"), strict=False)
     # Tied weights may be stored once; anything else missing is an error.
     if unexpected or [m for m in missing if "lm_head" not in m]:
-        raise RuntimeError(f"checkpoint {actor_file} does not match the actor: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(f"checkpoint {ckpt / 'actor'} does not match the actor: missing {missing}, "
+                           f"unexpected {unexpected}")
     if critic is not None:
-        critic_file = ckpt / "critic.safetensors"
-        missing, unexpected = critic.load_model_state(load_file(str(critic_file)), strict=False)
+        missing, unexpected = critic.load_model_state(read_trained_state(ckpt, "critic"), strict=False)
         if missing or unexpected:
-            raise RuntimeError(f"checkpoint {critic_file} does not match the critic: missing {missing}, "
+            raise RuntimeError(f"the critic of checkpoint {ckpt} does not match the critic: missing {missing}, "
                                f"unexpected {unexpected}")
     for name, role in (("actor", actor), ("critic", critic)):
         if role is None:

@@ -339,6 +339,12 @@ class PPOConfig:
         return self.forward_micro_batch_size or self.micro_batch_size
 
     @property
+    def bf16_autocast(self) -> bool:
+        """Whether a GPU computes in bf16 autocast: `dtype = 'bfloat16'`, or any LoRA (its frozen base
+        is bf16 on a GPU)."""
+        return self.dtype == "bfloat16" or self.lora_rank > 0 or self.resolved_critic_lora_rank > 0
+
+    @property
     def resolved_critic_lora_rank(self) -> int:
         """The critic's LoRA rank (`critic_lora_rank`, -1 resolved to the actor's)."""
         return self.lora_rank if self.critic_lora_rank == -1 else self.critic_lora_rank
@@ -549,8 +555,10 @@ class RunConfig:
                    "point model.name_or_path at it")
         if self.ppo.init_from:
             from pathlib import Path
-            _check((Path(self.ppo.init_from) / "actor" / "config.json").is_file(), "ppo.init_from",
-                   self.ppo.init_from, "not a checkpoint dir (a run's checkpoints/step_N, holding actor/config.json)")
+            actor = Path(self.ppo.init_from) / "actor"
+            _check((actor / "config.json").is_file() or (actor / "adapter_config.json").is_file(), "ppo.init_from",
+                   self.ppo.init_from, "not a checkpoint dir (a run's checkpoints/step_N, holding actor/config.json, "
+                   "or actor/adapter_config.json for LoRA)")
         limit, source = model_position_limit(self)
         need = self.ppo.max_prompt_length + self.ppo.max_response_length
         if limit is not None and need > limit:
@@ -573,7 +581,7 @@ def model_position_limit(cfg: "RunConfig") -> tuple:
     config does not say; read from the start checkpoint's config.json without loading the model."""
     import json
     from pathlib import Path
-    if cfg.ppo.init_from:
+    if cfg.ppo.init_from and (Path(cfg.ppo.init_from) / "actor" / "config.json").is_file():
         path = Path(cfg.ppo.init_from) / "actor" / "config.json"
     elif cfg.model.name_or_path == "tiny":
         return TINY_MAX_POSITIONS, "the tiny default's max_position_embeddings"

@@ -1,14 +1,20 @@
 """Model building: policies are ordinary `AutoModelForCausalLM` checkpoints; the critic is the
 same backbone with a scalar value head. Weights are read and written as safetensors only.
+
+LoRA (`ppo.lora_rank > 0`) is peft's: `add_lora` wraps a model in a `PeftModel` whose base is
+frozen and whose adapters train; `merged_weights` folds the adapters into the base for a rollout
+engine; adapters are saved in peft's own format (`PeftModel.from_pretrained` loads them).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Dict, Iterable, Iterator, Mapping, Tuple
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.config import ConfigError
 
@@ -38,14 +44,130 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
-def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> nn.Module:
+    """`device`: a GPU to load the weights straight onto (a frozen 7B base: no pass through host memory)."""
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"model.name_or_path = {str(path)!r}: not a local model directory "
                           f"(no config.json); use 'tiny' or a saved AutoModelForCausalLM checkpoint")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True,
-                                                 use_safetensors=True)
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
+                                                 **({"device_map": str(torch.device(device))} if on_gpu else {}))
     model.config.use_cache = True
     return model
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """transformers' own gradient checkpointing on the (first) HF model inside `model` (a policy, a
+    PeftModel around one, or the critic's backbone): each decoder layer's activations are recomputed
+    in the backward pass. Non-reentrant, so frozen inputs (a LoRA base) need no grad hooks."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            if not module.supports_gradient_checkpointing:
+                raise ConfigError(f"gradient checkpointing: {type(module).__name__} does not support it "
+                                  f"(set ppo.gradient_checkpointing / rm.gradient_checkpointing = False)")
+            kwargs = {"use_reentrant": False}
+            if hasattr(module, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
+                module.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            return
+    raise ConfigError(f"gradient checkpointing: no transformers model inside {type(model).__name__}")
+
+
+# ------------------------------------------------------------------ LoRA (peft)
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_NAME = "default"
+
+
+def frozen_base_dtype(device: torch.device) -> torch.dtype:
+    """A LoRA base never trains: bf16 on a GPU (half the bytes of fp32), fp32 on the CPU (where bf16
+    matmuls are slow and round differently from one CPU to the next)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target_modules, task_type=None,
+             base_path: str | Path | None = None) -> nn.Module:
+    """`model` wrapped in a peft `PeftModel` with rank-`rank` adapters on `target_modules` ('all-linear':
+    every linear layer except the output head). peft freezes the base and keeps the adapters in fp32
+    whatever the base's dtype; the adapters' A matrices are drawn from torch's global generator (seed
+    it first), their B matrices are zero, so the wrapped model starts equal to the base."""
+    from peft import LoraConfig, get_peft_model
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
+                        task_type=task_type)
+    try:
+        peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
+    except ValueError as err:  # target modules not found in the model
+        raise ConfigError(f"ppo.lora_target_modules = {target_modules!r} is invalid: "
+                          f"{str(err).splitlines()[0][:200]}") from None
+    if base_path is not None:  # where PeftModel.from_pretrained finds the base again
+        peft_model.peft_config[ADAPTER_NAME].base_model_name_or_path = str(Path(base_path).resolve())
+    return peft_model
+
+
+def is_lora(model: nn.Module) -> bool:
+    from peft import PeftModel
+    return any(isinstance(m, PeftModel) for m in model.modules())
+
+
+def lora_scaling(model: nn.Module) -> float:
+    """alpha / rank of the model's adapters (peft's `scaling`, rsLoRA off)."""
+    from peft import PeftModel
+    peft_model = next(m for m in model.modules() if isinstance(m, PeftModel))
+    config = peft_model.peft_config[ADAPTER_NAME]
+    return config.lora_alpha / config.r
+
+
+_ADAPTER_KEY = re.compile(r"\.(lora_[AB])\.weight$")
+
+
+def adapter_file_key(name: str) -> str:
+    """A trained parameter's name as peft's adapter file spells it (the adapter name dropped)."""
+    return name.replace(f".{ADAPTER_NAME}.", ".")
+
+
+def parameter_name_from_adapter_file(key: str) -> str:
+    """The inverse of `adapter_file_key` for LoRA matrices (`...q_proj.lora_A.weight`)."""
+    return _ADAPTER_KEY.sub(rf".\1.{ADAPTER_NAME}.weight", key)
+
+
+def merged_weights(state: Mapping[str, torch.Tensor], scaling: float,
+                   prefix: str = "base_model.model.") -> Iterator[Tuple[str, torch.Tensor]]:
+    """The HF-named weights of a LoRA model's state dict (`PeftModel.state_dict()` names) with each
+    adapter folded into its base weight, W + scaling * B @ A (what peft's `merge_and_unload` computes),
+    in fp32 and returned in W's dtype. A generator: one merged matrix exists at a time, so a rollout
+    engine can take a 7B policy's weights without a second copy of them."""
+    for name, tensor in state.items():
+        if "lora_" in name:
+            continue
+        hf_name = name[len(prefix):] if name.startswith(prefix) else name
+        if ".base_layer." in name:
+            hf_name = hf_name.replace(".base_layer.", ".")
+            module = name[:name.index(".base_layer.")]
+            a = state.get(f"{module}.lora_A.{ADAPTER_NAME}.weight")
+            if a is not None and name.endswith(".base_layer.weight"):
+                b = state[f"{module}.lora_B.{ADAPTER_NAME}.weight"]
+                delta = (b.float() @ a.float()) * scaling
+                tensor = (tensor.float() + delta.to(tensor.device)).to(tensor.dtype)
+        yield hf_name, tensor
+
+
+def adapter_files(model: nn.Module, state: Dict[str, torch.Tensor] | None = None) -> Dict[str, bytes]:
+    """The adapter as peft saves it (adapter_config.json, adapter_model.safetensors), as bytes.
+    `state`: the trained parameters (names as in `model.named_parameters()`), e.g. gathered from
+    FSDP shards; default: the model's own."""
+    import tempfile
+    from peft import PeftModel
+    peft_model = next(m for m in model.modules() if isinstance(m, PeftModel))
+    with tempfile.TemporaryDirectory() as tmp:
+        peft_model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+        return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file() and p.name != "README.md"}
+
+
+def read_adapter_rank(adapter_dir: str | Path) -> int:
+    import json
+    return int(json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["r"])
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -55,7 +177,8 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class ValueModel(nn.Module):
-    """Critic: a causal LM backbone plus a linear value head; `values[b, t]` scores prefix 0..t."""
+    """Critic: a causal LM backbone plus a linear value head; `values[b, t]` scores prefix 0..t.
+    With LoRA the backbone is a `PeftModel` (frozen base, trained adapters) and the head trains in full."""
 
     def __init__(self, backbone: nn.Module, hidden_size: int):
         super().__init__()
@@ -64,18 +187,26 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_policy_checkpoint(cls, path: str | Path, seed: int, random_init: bool = False,
-                               dtype: torch.dtype = torch.float32) -> "ValueModel":
+                               dtype: torch.dtype = torch.float32, lora: dict | None = None,
+                               device: torch.device | None = None) -> "ValueModel":
+        """`dtype`: the backbone's; the value head is fp32 under LoRA (it trains), else `dtype` too.
+        `lora`: keyword arguments of `add_lora` (rank, alpha, dropout, target_modules). `device`: where
+        to load the checkpoint's weights (a GPU: straight there)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             if random_init:
                 config = AutoConfig.from_pretrained(str(path), local_files_only=True)
                 lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
             else:
-                lm = load_policy(path, dtype)
-            model = cls(lm.base_model, lm.config.hidden_size)
+                lm = load_policy(path, dtype, device)
+            backbone = lm.base_model
+            if lora:
+                backbone = add_lora(backbone, **lora, base_path=path)
+            model = cls(backbone, lm.config.hidden_size)
             nn.init.normal_(model.value_head.weight, std=1.0 / (lm.config.hidden_size + 1) ** 0.5)
             nn.init.zeros_(model.value_head.bias)
-        return model.to(dtype)
+        model.value_head.to(next(backbone.parameters()).device)
+        return model if lora else model.to(dtype)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -83,7 +83,7 @@ class PPOTrainer:
         if self.ppo.torch_threads:
             torch.set_num_threads(self.ppo.torch_threads)
         torch.use_deterministic_algorithms(True, warn_only=True)
-        self.autocast_dtype = torch.bfloat16 if (self.ppo.dtype == "bfloat16" and self.device.type == "cuda") else None
+        self.autocast_dtype = torch.bfloat16 if self.ppo.bf16_autocast and self.device.type == "cuda" else None
 
         self.model_dir, self.tokenizer_dir = resolve_model_paths(cfg, log)
         self.tokenizer = load_tokenizer(self.tokenizer_dir)

@@ -1,11 +1,14 @@
 """What every peer benchmark shares: the same inputs, a GPU memory sampler, versions, JSON output.
 
-Inputs (built once per ASSETS directory, reused by every script that names it):
-- `model/`: the Qwen2.5-0.5B shape with random weights from `bench/gpu_assets.py` (bf16
-  safetensors), with the full-vocabulary tokenizer saved beside it as well: TRL and verl hand
-  vLLM the model directory, so vLLM must find a tokenizer there.
+Inputs (built once per ASSETS directory, reused by every script that names it; one shape per
+directory):
+- `model/`: the Qwen2.5-0.5B shape (or with `shape='7b'` the Qwen2.5-7B shape) with random
+  weights from `bench/gpu_assets.py` (bf16 safetensors), with the full-vocabulary tokenizer
+  saved beside it as well: TRL and verl hand vLLM the model directory, so vLLM must find a
+  tokenizer there.
 - `tokenizer/`: the same tokenizer in its own folder (this engine's `model.tokenizer_path`).
-- the tokenizer is a Qwen2 byte-level BPE with no merges and one entry per model id (151,936:
+- the tokenizer is a Qwen2 byte-level BPE with no merges and one entry per model id (151,936
+  for 0.5B, 152,064 for 7B:
   `<pad>`, `<bos>`, `<eos>`, `<unk>`, the 256 byte symbols, then filler strings), so every
   sampled id decodes, and a prompt of N letters is exactly N tokens (no BOS/EOS added). Its chat
   template emits the messages' content only (verl applies a chat template to every prompt).
@@ -91,18 +94,19 @@ def prompt_texts(n: int = N_PROMPTS, length: int = PROMPT_TOKENS, seed: int = 0,
     return ["".join(rng.choice(PROMPT_CHARS) for _ in range(length)) for _ in range(n)]
 
 
-def build_inputs(root: str | Path, tiny: bool = False) -> dict:
-    """Builds (or reuses) the model, tokenizer and prompt files under root; returns their paths."""
+def build_inputs(root: str | Path, tiny: bool = False, shape: str = "0.5b") -> dict:
+    """Builds (or reuses) the model, tokenizer and prompt files under root; returns their paths.
+    shape: '0.5b' or '7b' (bench/gpu_assets.py; the 7B weights are drawn on the GPU)."""
     import shutil
 
     from gpu_assets import build_assets, model_config
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    assets = build_assets(root, tiny=tiny)  # model/ (random weights) + a char tokenizer we do not use
+    assets = build_assets(root, tiny=tiny, shape=shape)  # model/ (random weights) + a char tokenizer we do not use
     model_dir = Path(assets["model_dir"])
     tok_dir = root / "tokenizer_full"
-    vocab = model_config(tiny).vocab_size
+    vocab = model_config(tiny, shape).vocab_size
     if not (tok_dir / "tokenizer.json").is_file():
         build_full_vocab_tokenizer(tok_dir, vocab)
     for f in tok_dir.iterdir():  # the same tokenizer beside the weights, for TRL's and verl's vLLM
@@ -115,7 +119,8 @@ def build_inputs(root: str | Path, tiny: bool = False) -> dict:
             for i, p in enumerate(prompts):
                 f.write(json.dumps({"prompt": p, "answer": PROMPT_CHARS[i % 10]}) + "\n")
     out = {"root": str(root), "model_dir": str(model_dir), "tokenizer_dir": str(tok_dir),
-           "prompts_jsonl": str(jsonl), "prompt_tokens": length, "vocab_size": vocab}
+           "prompts_jsonl": str(jsonl), "prompt_tokens": length, "vocab_size": vocab,
+           "shape": "tiny" if tiny else shape}
     return out
 
 

@@ -1,7 +1,7 @@
 """This engine on the peers' work, timed the same way (not a test).
 
     python bench/peers/engine.py --assets DIR --algo grpo|ppo --placement local|colocated \
-        --json OUT.json [--warmup 1] [--steps 3] [-b BINDING]...
+        --json OUT.json [--warmup 1] [--steps 3] [--shape 0.5b|7b] [--lora-rank 64] [-b BINDING]...
 
 --algo grpo: TRL's work (`bench/peers/trl_grpo.py`): 32 prompts x 8 samples, 256-token prompts,
   256 new tokens, group-relative advantages (`ppo.adv_estimator = 'grpo'`, divided by the group's
@@ -10,10 +10,14 @@
 --algo ppo: verl's work (`bench/peers/verl_ppo.py`): 256 prompts x 256 new tokens, critic + GAE,
   KL in the reward (k1, 0.05) so a reference model runs, mini-batches of 64, micro-batch 32.
 
-Both: the shared inputs of `bench/peers/common.py` (Qwen2.5-0.5B shape, random weights, the
-full-vocabulary tokenizer, prompts of exactly 256 tokens), vLLM rollouts at 0.3 of the GPU's
-memory, bf16, `ppo.torch_compile = True` (this engine's fast path; `-b 'ppo.torch_compile = False'`
-for eager). --placement local: every role in this process; colocated: Ray ranks (world size 1)
+Both: the shared inputs of `bench/peers/common.py` (Qwen2.5-0.5B shape, or `--shape 7b` the
+Qwen2.5-7B shape, random weights, the full-vocabulary tokenizer, prompts of exactly 256 tokens),
+vLLM rollouts at 0.3 of the GPU's memory, bf16, `ppo.torch_compile = True` (this engine's fast
+path; `-b 'ppo.torch_compile = False'` for eager).
+--lora-rank R (TRL's `--lora-rank`): LoRA adapters of rank R (alpha `--lora-alpha`, 2R by default,
+  every linear layer of the blocks, no dropout) on a frozen bf16 base, the reference being that
+  base with the adapter off, gradient checkpointing on, eager (`ppo.torch_compile = False`, as TRL
+  runs); vLLM gets the merged weights every iteration. --placement local: every role in this process; colocated: Ray ranks (world size 1)
 sharing one GPU bundle (`ppo.offload_idle_models = 'auto'`, the default: every model fits here, so
 none is offloaded; `-b 'ppo.offload_idle_models = True'` forces offloading). Each iteration's
 `timing_s/*` phases come from the engine; the JSON is rewritten after every iteration.
@@ -41,7 +45,14 @@ WORK = {
 }
 
 
-def bindings(inputs: dict, algo: str, placement: str, tiny: bool = False) -> list[str]:
+def lora_bindings(rank: int, alpha: float) -> list[str]:
+    return [f"ppo.lora_rank = {rank}", f"ppo.lora_alpha = {float(alpha)}", "ppo.lora_dropout = 0.0",
+            "ppo.lora_target_modules = 'all-linear'", "ppo.critic_lora_rank = -1",
+            "ppo.gradient_checkpointing = True", "ppo.torch_compile = False"]
+
+
+def bindings(inputs: dict, algo: str, placement: str, tiny: bool = False, lora_rank: int = 0,
+             lora_alpha: float = 0.0) -> list[str]:
     b = [
         f"model.name_or_path = '{inputs['model_dir']}'", f"model.tokenizer_path = '{inputs['tokenizer_dir']}'",
         "task.name = 'file'", f"task.train_path = '{inputs['prompts_jsonl']}'", "task.reward_fn = 'exact_match'",
@@ -66,6 +77,8 @@ def bindings(inputs: dict, algo: str, placement: str, tiny: bool = False) -> lis
               "ppo.actor_learning_rate = 1e-6", "ppo.critic_learning_rate = 5e-6",
               "ppo.clip_range = 0.2", "ppo.value_clip_range = 0.5", "ppo.loss_aggregation = 'token_mean'"]
     b += [f"ppo.placement = '{placement}'", "ppo.world_size = 1"]
+    if lora_rank:
+        b += lora_bindings(lora_rank, lora_alpha or 2 * lora_rank)
     if tiny:
         b += ["ppo.device = 'cpu'", "ppo.dtype = 'float32'", "ppo.rollout_backend = 'hf'", "ppo.torch_compile = False",
               "ppo.max_prompt_length = 16", "ppo.max_response_length = 8", "task.eval_size = 8"]
@@ -86,7 +99,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("-b", "--binding", action="append", default=[], help="extra gin bindings (last wins)")
-    p.add_argument("--variant", default=None, help="name in the JSON (default: the placement)")
+    p.add_argument("--variant", default=None, help="name in the JSON (default: the placement, with _lora<R>)")
+    p.add_argument("--shape", choices=("0.5b", "7b"), default="0.5b", help="model shape of the shared inputs")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank of the actor (and critic); 0: full fine-tuning")
+    p.add_argument("--lora-alpha", type=float, default=0.0, help="LoRA alpha (default: twice the rank)")
     p.add_argument("--tiny", action="store_true", help="tiny shape on the CPU, HF generate (smoke test)")
     p.add_argument("--config-only", action="store_true", help="resolve and validate the bindings, then exit")
     args = p.parse_args(argv)
@@ -95,9 +111,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     t0 = time.perf_counter()
-    inputs = common.build_inputs(args.assets, tiny=args.tiny)
+    inputs = common.build_inputs(args.assets, tiny=args.tiny, shape=args.shape)
     common.check_assets(inputs)
-    all_bindings = bindings(inputs, args.algo, args.placement, args.tiny) + args.binding
+    all_bindings = bindings(inputs, args.algo, args.placement, args.tiny, args.lora_rank, args.lora_alpha) + args.binding
 
     from rlhf import configurable
 
@@ -105,7 +121,8 @@ def main(argv=None) -> int:
     cfg, _ = configurable.resolve(recipe, all_bindings + [f"ppo.total_steps = {args.warmup + args.steps}"])
     print(f"engine {args.algo} {args.placement}: rollout buffer {cfg.ppo.rollout_batch_size}, mini-batch "
           f"{cfg.ppo.mini_batch_size}, micro-batch {cfg.ppo.micro_batch_size}, placement {cfg.ppo.resolved_placement}, "
-          f"critic {'yes' if cfg.ppo.adv_estimator == 'gae' else 'no'}", flush=True)
+          f"critic {'yes' if cfg.ppo.adv_estimator == 'gae' else 'no'}, shape {inputs['shape']}, lora rank "
+          f"{cfg.ppo.lora_rank}, gradient checkpointing {cfg.ppo.gradient_checkpointing}", flush=True)
     if args.config_only:
         return 0
 
@@ -116,9 +133,12 @@ def main(argv=None) -> int:
     gpu = common.GPUMemorySampler().start()
     root = str(Path(args.assets).resolve())
     result = {
-        "system": "engine", "algorithm": args.algo, "variant": args.variant or args.placement,
+        "system": "engine", "algorithm": args.algo,
+        "variant": args.variant or args.placement + (f"_lora{args.lora_rank}" if args.lora_rank else ""),
         "placement": args.placement, "command": common.command_line(argv),
-        "work": dict(WORK[args.algo], tiny=args.tiny),
+        "work": dict(WORK[args.algo], tiny=args.tiny, shape=inputs["shape"], lora_rank=cfg.ppo.lora_rank,
+                     lora_alpha=cfg.ppo.lora_alpha if cfg.ppo.lora_rank else None,
+                     gradient_checkpointing=cfg.ppo.gradient_checkpointing),
         "recipe": "recipes/base/ppo.gin",
         "bindings": [b.replace(root, "$ASSETS") for b in all_bindings],
         "versions": common.versions("gin-config"),

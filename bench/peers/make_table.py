@@ -3,7 +3,7 @@
     python bench/peers/make_table.py DIR [--out bench/results/peers_h200.md]
 
 Reads DIR/*.json written by `bench/peers/{trl_grpo,engine,verl_ppo}.py` and writes, per work
-(GRPO = TRL's, PPO = verl's), one row per system and variant: median iteration time over the
+(GRPO = TRL's, PPO = verl's; one section per model shape and LoRA rank), one row per system and variant: median iteration time over the
 timed steps, the peer's time over ours ("x faster" > 1 means this engine is faster), tokens/s,
 generate-phase tokens/s, peak memory, then each system's phases and the exact commands.
 """
@@ -83,6 +83,15 @@ def phase(r: dict, keys: list[str]):
     return sum(vals) if vals else None
 
 
+def setting(r: dict) -> tuple:
+    """(shape, LoRA rank) of a result: the 0.5B shape with full fine-tuning unless it says otherwise."""
+    work = r.get("work") or {}
+    return (work.get("shape") or "0.5b", int(work.get("lora_rank") or 0))
+
+
+SHAPE_NAMES = {"0.5b": "Qwen2.5-0.5B", "7b": "Qwen2.5-7B", "tiny": "tiny"}
+
+
 def table(rows: list[dict], peer: str) -> list[str]:
     lines = ["| system (variant) | median s / iteration | peer / ours | tokens/s | generate tok/s | "
              "peak allocated GB | device peak in use GB | timed steps | setup s |",
@@ -136,16 +145,27 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     results = load(Path(args.dir))
-    out = ["# This engine beside TRL and verl on one H200 (Qwen2.5-0.5B shape, random weights, bf16)", "",
+    settings = sorted({setting(r) for r in results}) or [("0.5b", 0)]
+    shapes = ", ".join(dict.fromkeys(SHAPE_NAMES.get(s, s) for s, _ in settings))
+    out = [f"# This engine beside TRL and verl on one H200 ({shapes} shape, random weights, bf16)", "",
            "Written by `bench/peers/make_table.py` from the JSON files beside it (one per system and "
            "variant, each with its exact command, versions, every step's time and the phases). All runs "
            "of one table come from one device call, one after the other on the same GPU; medians over the "
            "steps after the warm-up. Memory: `torch.cuda.max_memory_allocated` of the process that trains "
            "(not reported for the Ray placements, whose ranks hold the GPU) and the device's peak memory in "
            "use (NVML, every process, vLLM's reservation of 0.3 of the GPU included).", ""]
-    for algo, (title, peer, work) in WORKS.items():
-        rows = sorted([r for r in results if r.get("algorithm") == algo],
+    sections = [(algo, s) for algo in WORKS for s in settings]
+    for algo, (shape, lora) in sections:
+        title, peer, work = WORKS[algo]
+        rows = sorted([r for r in results if r.get("algorithm") == algo and setting(r) == (shape, lora)],
                       key=lambda r: (ORDER[r["system"]], r.get("variant", "")))
+        if len(settings) > 1 or settings[0] != ("0.5b", 0):
+            if not rows:
+                continue
+            title += f" ({SHAPE_NAMES.get(shape, shape)} shape" + (f", LoRA rank {lora}" if lora else "") + ")"
+            if lora:
+                work += (f"; LoRA rank {lora} on a frozen bf16 base (peft, every linear layer), reference = the base "
+                         f"with the adapter off, gradient checkpointing")
         out += [f"## {title}", "", work + ".", ""]
         if not rows:
             out += ["No results yet.", ""]

@@ -5,9 +5,14 @@
 #   bash bench/peers/run_h200.sh grpo     # TRL GRPOTrainer (no GC, GC) + engine GRPO (local, colocated)
 #   bash bench/peers/run_h200.sh ppo      # engine PPO (local, colocated) + verl main_ppo
 #   bash bench/peers/run_h200.sh smoke    # imports and inputs only (seconds)
+#   bash bench/peers/run_h200.sh lora7b   # GRPO at the Qwen2.5-7B shape with LoRA rank 64 + gradient
+#                                         # checkpointing: engine (local) + TRL GRPOTrainer (peft_config)
 #
 # Needs /tmp/site (Ray + vLLM carry, ../../../shared/device/README.md) with the peers' wheels
 # installed by bench/peers/install_carry.sh (TRL into /tmp/site, verl into /tmp/site-verl).
+# lora7b needs no Ray and no verl: vLLM, TRL + datasets and gin-config in /tmp/site (the machine
+# has peft); its inputs (15 GB of random 7B weights, drawn on the GPU) go to PEERS_ASSETS_7B
+# (default /tmp/assets-7b, the directory bench/gpu_ppo.py --preset lora7b uses: built once).
 # Writes $OUT/peers/*.json (one per system and variant, each rewritten after every step, so a part
 # cut by its limit keeps the steps it finished), their logs, and $OUT/peers/peers_h200.md.
 # Each part runs under `timeout` with the budget written beside it below (seconds; override with
@@ -16,23 +21,31 @@
 # part of each mode (the Ray placement) has the largest budget: it takes whatever the others left.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-MODE=${1:?usage: run_h200.sh grpo|ppo|smoke}
+MODE=${1:?usage: run_h200.sh grpo|ppo|smoke|lora7b}
 OUT=${OUT:-/tmp/peers-out}
 R=$OUT/peers
 mkdir -p "$R"
 ASSETS=${PEERS_ASSETS:-/tmp/peer-assets}
+SHAPE=0.5b
+if [ "$MODE" = lora7b ]; then ASSETS=${PEERS_ASSETS_7B:-/tmp/assets-7b}; SHAPE=7b; fi
+LORA_RANK=${PEERS_LORA_RANK:-64}
 TOTAL=${PEERS_TOTAL_S:-575}
 ST=${PEERS_STEPS:-2}          # timed iterations after 1 warm-up (engine, verl)
 TST=${PEERS_TRL_STEPS:-3}     # timed steps after 1 warm-up (TRL: its steps are the cheapest)
 START=$(date +%s)
-export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+export PYTHONPATH=${BENCH_SITE:-/tmp/site} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
   WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0 PYTHONUNBUFFERED=1
 
 log() { echo "[peers $(( $(date +%s) - START ))s] $*"; }
 
 # Fail fast: the machine may have been replaced (empty /tmp).
+if [ "$MODE" = lora7b ]; then
+  python3 -c "import vllm, trl, datasets, gin, peft; print('vllm', vllm.__version__, 'trl', trl.__version__, 'peft', peft.__version__)" \
+    || { log "missing carry: /tmp/site lacks vllm/trl/datasets/gin (install the carry batches first)"; exit 3; }
+else
 python3 -c "import ray, vllm, trl, datasets; print('ray', ray.__version__, 'vllm', vllm.__version__, 'trl', trl.__version__)" \
   || { log "missing carry: /tmp/site lacks ray/vllm/trl (install the carry batches first)"; exit 3; }
+fi
 if [ "$MODE" = smoke ]; then  # everything verl's processes import, vLLM's server side included
   PYTHONPATH=/tmp/site-verl:/tmp/site python3 -c "
 import verl, transformers, tokenizers, tensordict, hydra, transfer_queue
@@ -50,7 +63,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee
 # Shared inputs once (model with random weights, full-vocabulary tokenizer, prompts).
 python3 -c "
 import sys; sys.path.insert(0, 'bench/peers'); import common
-inputs = common.build_inputs('$ASSETS'); common.check_assets(inputs); print('inputs ready:', inputs)
+inputs = common.build_inputs('$ASSETS', shape='$SHAPE'); common.check_assets(inputs); print('inputs ready:', inputs)
 " || { log "building the inputs failed"; exit 4; }
 [ "$MODE" = smoke ] && { log "smoke done"; exit 0; }
 
@@ -98,6 +111,11 @@ case "$MODE" in
       RAY_PART=1 part verl_ppo_v0 220 PYTHONPATH=/tmp/site-verl:/tmp/site -- python3 bench/peers/verl_ppo.py --assets "$ASSETS" --json "$R/verl_ppo_v0.json" --steps "$ST" --trainer v0
     fi
     RAY_PART=1 part engine_ppo_colocated 250 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement colocated --json "$R/engine_ppo_colocated.json" --steps "$ST"
+    ;;
+  lora7b)
+    # The engine first (its LoRA path is the newer code), then TRL; each loads the 15 GB base and starts vLLM.
+    part engine_grpo_lora7b 280 -- python3 bench/peers/engine.py --assets "$ASSETS" --shape 7b --algo grpo --placement local --lora-rank "$LORA_RANK" --json "$R/engine_grpo_lora7b.json" --steps "${PEERS_STEPS_7B:-2}"
+    part trl_grpo_lora7b 280 -- python3 bench/peers/trl_grpo.py --assets "$ASSETS" --shape 7b --lora-rank "$LORA_RANK" --json "$R/trl_grpo_lora7b.json" --steps "${PEERS_TRL_STEPS_7B:-2}"
     ;;
   *) echo "unknown part $MODE"; exit 2 ;;
 esac

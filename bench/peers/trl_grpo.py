@@ -1,13 +1,27 @@
 """Peer benchmark: TRL's GRPOTrainer with vLLM in colocate mode on one GPU (not a test).
 
     python bench/peers/trl_grpo.py --assets DIR --json OUT.json [--gradient-checkpointing] \
-        [--warmup 1] [--steps 3]
+        [--warmup 1] [--steps 3] [--shape 0.5b|7b] [--lora-rank 64 [--lora-alpha 128]] \
+        [--vllm-gpu-memory-utilization 0.3]
 
 The work (the same as `bench/peers/engine.py --algo grpo`): 32 prompts x 8 completions per
 generation batch, prompts of exactly 256 tokens, at most 256 new tokens (temperature 1, no EOS
 stop in practice: random weights), a reference model (beta 0.04), one optimizer step per
 generation batch (micro-batch 32 completions x 8 accumulation steps = 256), bf16, AdamW at 1e-6.
-The model is the Qwen2.5-0.5B shape with random weights (`bench/peers/common.py`).
+The model is the Qwen2.5-0.5B shape with random weights (`bench/peers/common.py`), or with
+`--shape 7b` the Qwen2.5-7B shape (drawn on the GPU; 15 GB of bf16 weights).
+
+`--lora-rank R`: a `peft.LoraConfig(r=R, lora_alpha=2R unless --lora-alpha, lora_dropout=0,
+target_modules='all-linear', task_type='CAUSAL_LM')` passed as GRPOTrainer's `peft_config`,
+gradient checkpointing forced on. TRL then wraps the bf16 model with peft (adapters in fp32:
+peft's default autocast_adapter_dtype), computes the reference log-probs with the adapter
+disabled (no second model), and syncs vLLM by merging the adapter, loading the weights and
+unmerging (trl/generation/vllm_generation.py). vLLM's share of the GPU: 0.3 (42 GB of 141) holds
+the 7B weights (15 GB) and a KV cache for the 256 sequences of 512 tokens (7.5 GB); the trainer
+beside it needs the bf16 base (15 GB), the adapters with their AdamW state (~2.6 GB for rank 64)
+and the activations of 32 checkpointed sequences of 512 tokens plus their completion logits
+(~10-20 GB), so both fit with room to spare; it is the engine's share in
+`bench/peers/engine.py` too.
 
 Timing: a TrainerCallback records each optimizer step's wall time (one step = one generation
 batch: generate, score, reference log-probs, 8 micro-batches forward + backward, AdamW step);
@@ -36,6 +50,15 @@ WORK = dict(prompts_per_step=32, num_generations=8, prompt_tokens=common.PROMPT_
             max_new_tokens=common.RESPONSE_TOKENS, beta=0.04, micro_batch=32, learning_rate=1e-6)
 
 
+def lora_config(args):
+    """The peft config of `--lora-rank` (None without it)."""
+    if not args.lora_rank:
+        return None
+    from peft import LoraConfig
+    return LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank, lora_dropout=0.0,
+                      target_modules="all-linear", task_type="CAUSAL_LM")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -60,7 +83,7 @@ def grpo_config_kwargs(args, out_dir: str) -> dict:
         warmup_steps=0,
         temperature=1.0,
         max_steps=args.warmup + args.steps,
-        gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing=args.gradient_checkpointing or bool(args.lora_rank),
         bf16=not tiny,
         use_vllm=not tiny,
         vllm_mode="colocate",
@@ -96,6 +119,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--shape", choices=("0.5b", "7b"), default="0.5b", help="model shape of the shared inputs")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (peft, every linear layer); implies "
+                                                            "--gradient-checkpointing")
+    p.add_argument("--lora-alpha", type=float, default=0.0, help="LoRA alpha (default: twice the rank)")
     p.add_argument("--tiny", action="store_true", help="tiny shape on the CPU, HF generate (smoke test)")
     p.add_argument("--config-only", action="store_true", help="build GRPOConfig, print it, exit")
     args = p.parse_args(argv)
@@ -131,7 +158,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer, TrainerCallback
 
     t0 = time.perf_counter()
-    inputs = common.build_inputs(args.assets, tiny=args.tiny)
+    inputs = common.build_inputs(args.assets, tiny=args.tiny, shape=args.shape)
     common.check_assets(inputs)
     tokenizer = AutoTokenizer.from_pretrained(inputs["model_dir"], local_files_only=True)
     prompts = [l for l in common.prompt_texts(common.N_PROMPTS, inputs["prompt_tokens"], vocab_size=inputs["vocab_size"])]
@@ -158,11 +185,15 @@ def main(argv=None) -> int:
     profiling.ProfilingContext.__enter__, profiling.ProfilingContext.__exit__ = enter, exit_
 
     gpu = common.GPUMemorySampler().start()
+    peft_config = lora_config(args)
+    variant = "gc" if config.gradient_checkpointing else "no_gc"
     result = {
-        "system": "trl", "algorithm": "grpo", "variant": "gc" if args.gradient_checkpointing else "no_gc",
+        "system": "trl", "algorithm": "grpo", "variant": f"lora{args.lora_rank}_{variant}" if args.lora_rank else variant,
         "command": common.command_line(argv),
         "work": dict(WORK, steps_per_generation=config.steps_per_generation,
-                     generation_batch_size=config.generation_batch_size, tiny=args.tiny),
+                     generation_batch_size=config.generation_batch_size, tiny=args.tiny, shape=inputs["shape"],
+                     lora_rank=args.lora_rank, lora_alpha=peft_config.lora_alpha if peft_config else None,
+                     gradient_checkpointing=config.gradient_checkpointing),
         "config": {k: (v if isinstance(v, (int, float, str, bool, type(None), dict)) else str(v))
                    for k, v in cfg_kw.items() if k != "output_dir"},
         "versions": common.versions("trl", "datasets"),
@@ -229,8 +260,15 @@ def main(argv=None) -> int:
         common.write_json(args.json, result)
 
     trainer = GRPOTrainer(model=inputs["model_dir"], reward_funcs=reward_len, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[Timer()])
+                          processing_class=tokenizer, callbacks=[Timer()], peft_config=peft_config)
     result["setup_s"] = time.perf_counter() - t0
+    if peft_config is not None:
+        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in trainer.model.parameters())
+        result["parameters"] = {"trainable": trainable, "total": total,
+                                "trainable_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()
+                                                            if p.requires_grad})}
+        result["versions"]["peft"] = __import__("peft").__version__
     result["versions"]["trl"] = trl.__version__
     print(f"trainer ready in {result['setup_s']:.1f} s", flush=True)
     trainer.train()

@@ -28,10 +28,12 @@ def role_specs(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, start_di
     total_updates = ppo.total_steps * updates_per_step
     specs = [
         RoleSpec("actor", "rlhf.roles.actor:Actor",
-                 dict(ppo=ppo, start_dir=str(start_dir), tokenizer_dir=str(tokenizer_dir), total_updates=total_updates),
+                 dict(ppo=ppo, start_dir=str(start_dir), tokenizer_dir=str(tokenizer_dir), total_updates=total_updates,
+                      model_dir=str(model_dir)),
                  extra=dict(tokenizer=tokenizer, log=log) if tokenizer is not None else {}),
-        RoleSpec("reference", "rlhf.roles.reference:Reference", dict(ppo=ppo, model_dir=str(model_dir))),
     ]
+    if not ppo.lora_rank:  # with LoRA the reference is the actor's base, its adapter off (AdapterOffReference)
+        specs.append(RoleSpec("reference", "rlhf.roles.reference:Reference", dict(ppo=ppo, model_dir=str(model_dir))))
     if ppo.adv_estimator == "gae":
         specs.append(RoleSpec("critic", "rlhf.roles.critic:Critic",
                               dict(ppo=ppo, model_dir=str(model_dir), random_init=cfg.model.critic_init == "random",
@@ -61,4 +63,7 @@ def build_roles(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, tokeniz
     # The reward phase runs in the controller (normalisation sees the whole batch); the reward
     # model it calls is a device role like the reference.
     roles.reward = Reward(controller, cfg.task, cfg.reward, roles.reward_model)
+    if roles.reference is None:
+        from rlhf.roles.reference import AdapterOffReference
+        roles.reference = AdapterOffReference(roles.actor)
     return roles

@@ -101,7 +101,7 @@ def start_hosts(pg, bundles: List[int], ppo: PPOConfig, device: str) -> list:
         hosts.append(remote.options(
             num_cpus=ppo.cpus_per_rank, num_gpus=1 if device == "cuda" else 0, scheduling_strategy=strategy,
             runtime_env={"env_vars": rank_env()}, max_concurrency=1,
-        ).remote(rank, ppo.world_size, device, threads, ppo.dtype == "bfloat16"))
+        ).remote(rank, ppo.world_size, device, threads, ppo.bf16_autocast))
     where = ray.get([h.where.remote() for h in hosts])
     master = where[0]
     ray.get([h.init_world.remote(master["ip"], master["port"]) for h in hosts])

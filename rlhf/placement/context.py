@@ -77,9 +77,13 @@ class DeviceContext:
     def place(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.to(self.device)
 
-    def full_model_state(self, model: torch.nn.Module, rank0_cpu: bool = True) -> Dict[str, torch.Tensor]:
-        """The unsharded state dict; `rank0_cpu`: on CPU (checkpoints), else on the device (weight sync)."""
+    def full_model_state(self, model: torch.nn.Module, rank0_cpu: bool = True,
+                         only: Optional[List[str]] = None) -> Dict[str, torch.Tensor]:
+        """The unsharded state dict; `rank0_cpu`: on CPU (checkpoints), else on the device (weight
+        sync); `only`: just these names (a LoRA model's adapters, without copying its frozen base)."""
         state = model.state_dict()
+        if only is not None:
+            state = {k: state[k] for k in only}
         return {k: v.detach().cpu() for k, v in state.items()} if rank0_cpu else state
 
     def load_model_state(self, model: torch.nn.Module, state: Dict[str, torch.Tensor], strict: bool):
@@ -102,9 +106,10 @@ class FSDPContext(DeviceContext):
         from rlhf.placement import fsdp
         return fsdp.shard(model.to(self.device), self.device.type, self.ranks.world_size)
 
-    def full_model_state(self, model, rank0_cpu: bool = True):
+    def full_model_state(self, model, rank0_cpu: bool = True, only: Optional[List[str]] = None):
         from rlhf.placement import fsdp
-        return fsdp.full_model_state(model, rank0_cpu=rank0_cpu)
+        state = fsdp.full_model_state(model, rank0_cpu=rank0_cpu)  # a collective: every rank gathers
+        return {k: state[k] for k in only} if only is not None and state else state
 
     def load_model_state(self, model, state, strict: bool):
         from rlhf.placement import fsdp

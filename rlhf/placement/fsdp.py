@@ -52,8 +52,9 @@ def load_full_model_state(model: torch.nn.Module, state: Dict[str, torch.Tensor]
 
 
 def parameter_names(model: torch.nn.Module) -> List[str]:
-    """Names in `model.parameters()` order: the index order of a one-process optimizer state."""
-    return [name for name, _ in model.named_parameters()]
+    """Names of the trained parameters in `model.parameters()` order: the index order of a
+    one-process optimizer state (a LoRA model's frozen base is not in its optimizer)."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

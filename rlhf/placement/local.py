@@ -29,6 +29,6 @@ def build_local_roles(specs: List[RoleSpec], *, device: torch.device, autocast_d
         log(memory.describe(plan))
         record["memory"] = plan
     monitor = DeviceMonitor(device).start()
-    return Roles(actor=roles["actor"], critic=roles.get("critic"), reference=roles["reference"],
+    return Roles(actor=roles["actor"], critic=roles.get("critic"), reference=roles.get("reference"),
                  reward=roles.get("reward"), reward_model=roles.get("reward_model"), placement=record,
                  device_report=monitor.take, close=monitor.close)

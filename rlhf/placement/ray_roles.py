@@ -86,6 +86,6 @@ def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, controller_roles: 
     if plan is not None:
         record["memory"] = plan
     roles = {**controller_roles, **proxies}
-    return Roles(actor=roles["actor"], critic=roles.get("critic"), reference=roles["reference"],
+    return Roles(actor=roles["actor"], critic=roles.get("critic"), reference=roles.get("reference"),
                  reward=roles.get("reward"), reward_model=roles.get("reward_model"), placement=record,
                  device_report=device_report, close=close)

@@ -2,7 +2,8 @@
 
     actor.Actor           the trained policy and its rollout engine
     critic.Critic         the value model (GAE only)
-    reference.Reference   the frozen starting policy
+    reference.Reference   the frozen starting policy (with LoRA: AdapterOffReference, the
+                          actor's base with its adapter off)
     reward_model.RewardModel   a reward model (one-output sequence classifier), on the device
     reward.Reward         the reward phase in the controller: the rule, the reward model or both
 
@@ -42,6 +43,8 @@ class TrainedState(Protocol):
 class ActorRole(TrainedState, Protocol):
     def compute_logprobs(self, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
+    def compute_reference_logprobs(self, batch: Batch) -> torch.Tensor: ...
+
     def update(self, batch: Batch, shuffle_seed: int, kl_coef: float) -> Dict[str, object]: ...
 
     def generate(self, requests: Sequence[Tuple[List[str], int]], sampling: SamplingParams) -> List[Batch]: ...
@@ -55,6 +58,8 @@ class ActorRole(TrainedState, Protocol):
 
 class CriticRole(TrainedState, Protocol):
     def compute_values(self, batch: Batch) -> torch.Tensor: ...
+
+    def model_files(self) -> Dict[str, bytes]: ...
 
     def update(self, batch: Batch, shuffle_seed: int) -> Dict[str, float]: ...
 

@@ -4,6 +4,11 @@ It recomputes old log-probs, runs the clipped PPO update over `ppo_epochs` x min
 accumulated over micro-batches), generates with the run's rollout backend and keeps that
 backend's weights in step with the trained ones (`sync_weights`).
 
+With LoRA (`ppo.lora_rank > 0`) the policy is a peft model over a frozen base; the reference
+log-probs are the same model's with its adapter switched off (`compute_reference_logprobs`), and
+a rollout engine that holds its own weights (vLLM, the HF replica) receives the base with the
+adapters merged in.
+
 Generation with the HF backend on a sharded policy runs on a full replica, not on the shards:
 HF generate stops early when every sequence has ended, so ranks would run different numbers of
 forward passes and the sharded model's all-gathers would wait on each other forever. The replica
@@ -22,7 +27,9 @@ import torch
 from rlhf import algos
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
-from rlhf.models import load_policy, load_tokenizer
+from rlhf.config import ConfigError
+from rlhf.models import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, add_lora, adapter_files, frozen_base_dtype, load_policy,
+                         load_tokenizer, lora_scaling, merged_weights, read_adapter_rank)
 from rlhf.packing import micro_batches
 from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, response_logprobs
 from rlhf.roles.dispatch import ALL, CALLS, ROWS, dispatch
@@ -31,45 +38,93 @@ from rlhf.rollout import SamplingParams, backend_class
 RATIO_BIN_EDGES = [round(0.05 * i, 2) for i in range(41)]  # 0.0 .. 2.0; ratios above 2 land in the last bin
 
 
+def build_policy(ppo: PPOConfig, start_dir: str, model_dir: str, device: torch.device) -> torch.nn.Module:
+    """The policy to train: the start checkpoint as it is (full fine-tuning), or with `ppo.lora_rank`
+    the base `model_dir` in `frozen_base_dtype` wrapped with fresh adapters, or with the adapters of a
+    LoRA start checkpoint (`ppo.init_from`). A LoRA start under full fine-tuning is merged into its base."""
+    from peft import PeftModel, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    start_is_adapter = (Path(start_dir) / ADAPTER_CONFIG).is_file()
+    if not ppo.lora_rank:
+        if start_is_adapter:
+            return PeftModel.from_pretrained(load_policy(model_dir), start_dir).merge_and_unload().requires_grad_(True)
+        return load_policy(start_dir)
+    model = add_lora(load_policy(model_dir, frozen_base_dtype(device), device), ppo.lora_rank, ppo.lora_alpha,
+                     ppo.lora_dropout, ppo.lora_target_modules, task_type="CAUSAL_LM", base_path=model_dir)
+    if start_is_adapter:
+        rank = read_adapter_rank(start_dir)
+        if rank != ppo.lora_rank:
+            raise ConfigError(f"ppo.lora_rank = {ppo.lora_rank} is invalid: ppo.init_from's adapter {start_dir} has "
+                              f"rank {rank}; set ppo.lora_rank = {rank}")
+        result = set_peft_model_state_dict(model, load_file(str(Path(start_dir) / ADAPTER_WEIGHTS)))
+        if result.unexpected_keys:
+            raise ConfigError(f"ppo.init_from: the adapter in {start_dir} does not fit this model "
+                              f"(unexpected {result.unexpected_keys[:3]}); check ppo.lora_target_modules")
+    elif not Path(start_dir).samefile(model_dir):
+        raise ConfigError(f"ppo.init_from = {str(Path(start_dir).parent)!r} holds a fully fine-tuned policy; "
+                          f"LoRA (ppo.lora_rank = {ppo.lora_rank}) trains adapters on the base model: set "
+                          f"ppo.lora_rank = 0, or start from a LoRA checkpoint")
+    return model
+
+
 class Actor(TrainedRole):
     name = "actor"
     learning_rate = "actor_learning_rate"
 
     def __init__(self, ctx, ppo: PPOConfig, start_dir: str, tokenizer_dir: str, total_updates: int, log=print,
-                 model: torch.nn.Module | None = None, tokenizer=None):
-        """`model` / `tokenizer`: already built (in one process); by default loaded from the directories."""
+                 model: torch.nn.Module | None = None, tokenizer=None, model_dir: str | None = None):
+        """`model` / `tokenizer`: already built (in one process); by default loaded from the directories.
+        `model_dir`: the base model (default `start_dir`), which LoRA adapts and the reference is."""
         torch.manual_seed(ppo.seed)
-        super().__init__(ctx, model if model is not None else load_policy(start_dir), ppo, total_updates)
+        model_dir = model_dir or start_dir
+        super().__init__(ctx, model if model is not None else build_policy(ppo, start_dir, model_dir, ctx.device),
+                         ppo, total_updates)
         backend = backend_class(ppo.rollout_backend)
+        # An engine with weights of its own starts from an HF checkpoint: the start itself, or for an
+        # adapter start the base, brought up to the policy by a sync right away.
+        engine_dir = model_dir if (Path(start_dir) / ADAPTER_CONFIG).is_file() else start_dir
         self.replica = None
         if backend.shares_module and ctx.sharded:
-            self.replica = load_policy(start_dir).to(self.device).eval().requires_grad_(False)
-        self.replica_fresh = True
+            self.replica = load_policy(engine_dir).to(self.device).eval().requires_grad_(False)
+        self.replica_fresh = engine_dir == start_dir
         self.rollout = backend.from_config(ppo, model=self.replica if self.replica is not None else self.model,
                                            tokenizer=tokenizer or load_tokenizer(tokenizer_dir), device=self.device,
-                                           model_dir=str(start_dir), log=log)
+                                           model_dir=str(engine_dir), log=log)
+        if not self.replica_fresh:
+            self.sync_weights()
 
     def device_state(self) -> tuple[list, list]:
         modules, optimizers = super().device_state()
         return modules + ([self.replica] if self.replica is not None else []), optimizers
 
-    @dispatch(ROWS)
-    @torch.no_grad()
-    def compute_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of the sampled response tokens and per-token entropy, [B, R] each."""
+    def _logprobs(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.model.eval()
         logps, ents = [], []
         for micro in micro_batches(batch, self.cfg.forward_batch_size, self.cfg.max_tokens_per_micro_batch, self.ranks):
             logprobs, entropy = response_logprobs(self.model, micro, self.device, self.cfg.temperature,
-                                                  self.autocast_dtype, fused=self.fused)
+                                                  self.autocast_dtype, with_entropy=with_entropy, fused=self.fused)
             logps.append(logprobs.cpu())
-            ents.append(entropy.cpu())
-        return torch.cat(logps), torch.cat(ents)
+            ents.append(entropy.cpu() if with_entropy else None)
+        return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+    @dispatch(ROWS)
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the sampled response tokens and per-token entropy, [B, R] each."""
+        return self._logprobs(batch, with_entropy=True)
+
+    @dispatch(ROWS)
+    @torch.no_grad()
+    def compute_reference_logprobs(self, batch: Batch) -> torch.Tensor:
+        """LoRA: the reference policy's log-probs [B, R], the base's (the adapter switched off):
+        one set of weights serves both."""
+        with self.model.disable_adapter():
+            return self._logprobs(batch, with_entropy=False)[0]
 
     @dispatch(ALL)
     def update(self, batch: Batch, shuffle_seed: int, kl_coef: float) -> Dict[str, object]:
         """PPO update on the rollout buffer (epochs, mini-batches and rank shares as in
-        TrainedWorker.optimize). `batch` carries old_logprobs, advantages, response_mask and, when
+        TrainedRole.optimize). `batch` carries old_logprobs, advantages, response_mask and, when
         the KL is a loss term, ref_logprobs."""
         cfg, ranks = self.cfg, self.ranks
         self.replica_fresh = False
@@ -125,30 +180,39 @@ class Actor(TrainedRole):
 
     @dispatch(ALL)
     def sync_weights(self) -> None:
-        """Brings the rollout backend up to the trained weights (gathering them, a collective, when sharded)."""
+        """Brings the rollout backend up to the trained weights (gathering them, a collective, when
+        sharded); LoRA adapters are merged into the base on the way (`models.merged_weights`)."""
         if self.rollout.shares_module and self.replica is None:
             return
+        if self.replica is not None and self.replica_fresh:
+            self.rollout.sync_weights(self.replica)
+            return
+        state = self.ctx.full_model_state(self.model, rank0_cpu=False) if self.ctx.sharded else self.model.state_dict()
+        weights = merged_weights(state, lora_scaling(self.model)) if self.lora else state
         if self.replica is not None:
-            if not self.replica_fresh:
-                self.replica.load_state_dict(self.ctx.full_model_state(self.model, rank0_cpu=False))
+            self.replica.load_state_dict(dict(weights))
             self.rollout.sync_weights(self.replica)
         else:
-            self.rollout.sync_weights(self.ctx.full_model_state(self.model, rank0_cpu=False) if self.ctx.sharded
-                                      else self.model)
+            self.rollout.sync_weights(weights)
         self.replica_fresh = True
 
     # ------------------------------------------------------------ checkpoints (every rank calls these)
     @dispatch(ALL)
     def model_files(self) -> Dict[str, bytes]:
-        """The policy as an HF checkpoint (`save_pretrained`'s files), from rank 0; {} elsewhere.
-        Bytes, so the controller writes them wherever this rank runs."""
+        """The policy's checkpoint files, from rank 0 ({} elsewhere), keyed by their path in the
+        checkpoint: `actor/` as an HF checkpoint (`save_pretrained`'s files), or for LoRA as peft's
+        adapter (`PeftModel.from_pretrained(base, 'actor')` loads it). Bytes, so the controller
+        writes them wherever this rank runs."""
+        if self.lora:
+            state = self.ctx.full_model_state(self.model, rank0_cpu=True, only=self.trained_names)
+            return {f"actor/{k}": v for k, v in adapter_files(self.model, state).items()} if self.ctx.is_rank0 else {}
         state = self.ctx.full_model_state(self.model, rank0_cpu=True) if self.ctx.sharded else None
         if not self.ctx.is_rank0:
             return {}
         template = self.replica if self.replica is not None else self.model
         with tempfile.TemporaryDirectory() as tmp:
             template.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-            return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+            return {f"actor/{p.name}": p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
 
     @dispatch(ALL)
     def load_model_state(self, state: Dict[str, torch.Tensor], strict: bool = True) -> tuple[list, list]:

@@ -13,7 +13,7 @@ from transformers import get_scheduler
 
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
-from rlhf.models import adamw, position_ids_from_mask
+from rlhf.models import adamw, enable_gradient_checkpointing, is_lora, position_ids_from_mask
 from rlhf.packing import micro_batches, packed_row
 from rlhf.roles.compiled import compile_layers, logprobs_and_entropy
 from rlhf.roles.dispatch import ALL, dispatch
@@ -109,11 +109,17 @@ class TrainedRole(Role):
     def __init__(self, ctx, model: torch.nn.Module, cfg: PPOConfig, total_optimizer_steps: int):
         super().__init__(ctx)
         self.cfg = cfg
+        self.lora = is_lora(model)
+        """A LoRA model: only its adapters (and a value head) train, and only they are checkpointed."""
+        self.trained_names = [name for name, p in model.named_parameters() if p.requires_grad]
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         self.model = ctx.place(model)
         self.fused = cfg.torch_compile and self.device.type == "cuda"
         if self.fused:
             compile_layers(self.model)
-        self.optimizer = build_optimizer(self.model.parameters(), getattr(cfg, self.learning_rate), cfg)
+        self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad],
+                                         getattr(cfg, self.learning_rate), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, total_optimizer_steps)
 
     def device_state(self) -> tuple[list, list]:
@@ -143,13 +149,19 @@ class TrainedRole(Role):
     # ------------------------------------------------ checkpoint state (every rank calls these)
     @dispatch(ALL)
     def model_state(self) -> Dict[str, torch.Tensor]:
-        """The full (unsharded) model state on CPU, keyed like the one-process model ({} off rank 0)."""
-        return self.ctx.full_model_state(self.model, rank0_cpu=True)
+        """The full (unsharded) model state on CPU, keyed like the one-process model ({} off rank 0);
+        of a LoRA model only the trained parameters (the frozen base is its start checkpoint)."""
+        return self.ctx.full_model_state(self.model, rank0_cpu=True, only=self.trained_names if self.lora else None)
 
     @dispatch(ALL)
     def load_model_state(self, state: Dict[str, torch.Tensor], strict: bool = True) -> tuple[list, list]:
-        """Loads a full state; returns (missing, unexpected) keys."""
-        return self.ctx.load_model_state(self.model, state, strict)
+        """Loads a full state; returns (missing, unexpected) keys. A LoRA model loads its trained
+        parameters: every one must be in `state`, and the frozen base's names count as present."""
+        if not self.lora:
+            return self.ctx.load_model_state(self.model, state, strict)
+        missing, unexpected = self.ctx.load_model_state(self.model, state, strict=False)
+        trained = set(self.trained_names)
+        return [k for k in missing if k in trained], unexpected
 
     @dispatch(ALL)
     def optimizer_state(self) -> dict:

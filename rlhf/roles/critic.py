@@ -10,11 +10,34 @@ import torch
 from rlhf import algos, checkpoint
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
-from rlhf.models import ValueModel
+from rlhf.config import ConfigError
+from rlhf.models import ValueModel, adapter_files, frozen_base_dtype, is_lora
 from rlhf.packing import micro_batches, packed_row
 from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, sequence_inputs
 from rlhf.roles.dispatch import ALL, ROWS, dispatch
 from rlhf.rollout import derive_seed
+
+
+def load_critic_start(model: ValueModel, init_from: str) -> ValueModel:
+    """`model` with the critic weights of checkpoint `init_from`: the same kind of critic loads them
+    as they are; a LoRA critic under full fine-tuning is merged into its base (peft's merge)."""
+    lora = is_lora(model)
+    adapter_dir = Path(init_from) / "critic"
+    if not lora and (adapter_dir / "adapter_config.json").is_file():
+        from peft import PeftModel
+        from safetensors.torch import load_file
+        model.backbone = PeftModel.from_pretrained(model.backbone, str(adapter_dir)).merge_and_unload()
+        model.value_head.load_state_dict({k[len("value_head."):]: v for k, v in
+                                          load_file(str(adapter_dir / "value_head.safetensors")).items()})
+        return model.requires_grad_(True)
+    result = model.load_state_dict(checkpoint.read_trained_state(init_from, "critic"), strict=False)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing = [k for k in result.missing_keys if k in trained or not lora]
+    if missing or result.unexpected_keys:
+        raise ConfigError(f"ppo.init_from = {init_from!r}: its critic does not fit this one (missing {missing[:3]}, "
+                          f"unexpected {result.unexpected_keys[:3]}); a LoRA critic starts from a LoRA checkpoint "
+                          f"of the same ppo.critic_lora_rank and ppo.lora_target_modules")
+    return model
 
 
 class Critic(TrainedRole):
@@ -24,11 +47,17 @@ class Critic(TrainedRole):
     def __init__(self, ctx, ppo: PPOConfig, model_dir: str, random_init: bool, total_updates: int,
                  model: torch.nn.Module | None = None):
         """The policy's backbone with a value head; the same seed gives the same head on every
-        placement. `ppo.init_from` with a critic restores its weights. `model`: already built."""
+        placement. With `ppo.critic_lora_rank` (default the actor's rank) the backbone is a frozen
+        base with adapters. `ppo.init_from` with a critic restores its weights. `model`: already built."""
         if model is None:
-            model = ValueModel.from_policy_checkpoint(model_dir, seed=derive_seed(ppo.seed, 1), random_init=random_init)
-            if ppo.init_from and (Path(ppo.init_from) / "critic.safetensors").is_file():
-                checkpoint.load_weights(model, Path(ppo.init_from) / "critic.safetensors")
+            rank = ppo.resolved_critic_lora_rank
+            lora = dict(rank=rank, alpha=ppo.lora_alpha, dropout=ppo.lora_dropout,
+                        target_modules=ppo.lora_target_modules) if rank else None
+            model = ValueModel.from_policy_checkpoint(model_dir, seed=derive_seed(ppo.seed, 1), random_init=random_init,
+                                                      dtype=frozen_base_dtype(ctx.device) if lora else torch.float32,
+                                                      lora=lora, device=ctx.device if lora else None)
+            if ppo.init_from and checkpoint.has_critic(ppo.init_from):
+                model = load_critic_start(model, ppo.init_from)
         super().__init__(ctx, model, ppo, total_updates)
 
     def _values(self, micro: Batch) -> torch.Tensor:
@@ -56,7 +85,7 @@ class Critic(TrainedRole):
     @dispatch(ALL)
     def update(self, batch: Batch, shuffle_seed: int) -> Dict[str, float]:
         """Value regression on the rollout buffer (epochs, mini-batches and rank shares as in
-        TrainedWorker.optimize)."""
+        TrainedRole.optimize)."""
         cfg = self.cfg
         stats = StatAccumulator()
 
@@ -75,3 +104,21 @@ class Critic(TrainedRole):
         out["critic/grad_norm"] = grad_norm
         out["critic/lr"] = self.scheduler.get_last_lr()[0]
         return out
+
+    @dispatch(ALL)
+    def model_files(self) -> Dict[str, bytes]:
+        """The critic's checkpoint files, keyed by their path in the checkpoint, from rank 0 ({}
+        elsewhere): `critic.safetensors`, or for LoRA `critic/` with the backbone's adapter in peft's
+        format (`PeftModel.from_pretrained(AutoModel.from_pretrained(base), 'critic')`) and
+        `critic/value_head.safetensors`."""
+        from safetensors.torch import save
+        state = self.model_state()
+        if not self.ctx.is_rank0:
+            return {}
+        if not self.lora:
+            return {"critic.safetensors": save({k: v.contiguous() for k, v in state.items()})}
+        head = {k: v.contiguous() for k, v in state.items() if k.startswith("value_head.")}
+        adapter = {k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")}
+        files = {f"critic/{k}": v for k, v in adapter_files(self.model.backbone, adapter).items()}
+        files["critic/value_head.safetensors"] = save(head)
+        return files

@@ -1,4 +1,5 @@
-"""The reference policy: the frozen starting policy that the KL penalty measures against."""
+"""The reference policy: the frozen starting policy that the KL penalty measures against: a model
+of its own (`Reference`), or with LoRA the actor's base with its adapter off (`AdapterOffReference`)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,16 @@ class Reference(Role):
                                             with_entropy=False, fused=self.fused)
             out.append(logprobs.cpu())
         return torch.cat(out)
+
+
+class AdapterOffReference:
+    """The reference of a LoRA run: the actor's own base weights with the adapter switched off, so
+    there is no second copy of the policy. Runs wherever the actor runs (its ranks on Ray)."""
+
+    name = "reference"
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        return self.actor.compute_reference_logprobs(batch)

@@ -161,12 +161,16 @@ class VLLMRollout:
             self.asleep = True
 
     @torch.no_grad()
-    def sync_weights(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
-        """Loads the trainer's HF-named weights into the running engine; no rebuild, no recompile."""
+    def sync_weights(self, model) -> None:
+        """Loads the trainer's HF-named weights into the running engine; no rebuild, no recompile.
+        `model`: a module, a state dict, or an iterator of (name, tensor) pairs (merged LoRA weights,
+        made one at a time)."""
         t0 = time.perf_counter()
         self._wake()
-        state = model if isinstance(model, Mapping) else model.state_dict()
-        self._model().load_weights(((name, tensor.detach()) for name, tensor in state.items()))
+        if isinstance(model, torch.nn.Module):
+            model = model.state_dict()
+        pairs = model.items() if isinstance(model, Mapping) else model
+        self._model().load_weights(((name, tensor.detach()) for name, tensor in pairs))
         # Cached prefixes hold keys/values computed with the old weights.
         self.llm.reset_prefix_cache()
         torch.cuda.synchronize(self.device)

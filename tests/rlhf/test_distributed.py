@@ -137,3 +137,32 @@ def test_placement_that_cannot_fit_fails_before_compute(cluster, tmp_path):
     proc = train(["-b", "ppo.world_size = 2", "-b", "ppo.placement = 'local'"], tmp_path / "run2", cwd=tmp_path,
                  check=False)
     assert proc.returncode == 2 and "ppo.placement = 'local' is invalid" in proc.stderr
+
+
+LORA = ["-b", "ppo.lora_rank = 8", "-b", "ppo.actor_learning_rate = 1e-3", "-b", "ppo.critic_learning_rate = 3e-3"]
+
+
+def assert_same_adapters(a, b):
+    for name in ("actor/adapter_model.safetensors", "critic/adapter_model.safetensors", "critic/value_head.safetensors",
+                 "actor_optim.safetensors", "critic_optim.safetensors"):
+        ta, tb = load_file(str(a / name)), load_file(str(b / name))
+        assert ta.keys() == tb.keys(), name
+        for key in ta:
+            assert (ta[key].double() - tb[key].double()).abs().max() <= 1e-5, (name, key)
+
+
+@pytest.mark.parametrize("placement", ["world_size_2", "split"])
+def test_lora_on_ray_equals_one_process(cluster, tmp_path_factory, placement):
+    """LoRA in every placement: two FSDP2 ranks over gloo (frozen base and adapters sharded), or
+    each role in processes of its own; the reference is the actor's base with the adapter off."""
+    single = tmp_path_factory.getbasetemp() / "lora-ws1"
+    if not (single / "summary.json").is_file():
+        train(LORA, single, cwd=tmp_path_factory.getbasetemp())
+    out = tmp_path_factory.mktemp(f"lora-{placement}")
+    where = (["-b", "ppo.world_size = 2"] if placement == "world_size_2" else
+             ["-b", "ppo.placement = 'split'", "-b", "ppo.cpus_per_rank = 0.5"])
+    train([*LORA, *where, "--ray-address", cluster.address], out, cwd=out)
+    assert_same_metrics(read_metrics(single / "metrics.jsonl"), read_metrics(out / "metrics.jsonl"))
+    assert_same_adapters(single / "checkpoints" / "step_3", out / "checkpoints" / "step_3")
+    roles = json.loads((out / "provenance.json").read_text())["placement"]["roles"]
+    assert "reference" not in roles, "LoRA needs no reference weights of its own"

@@ -28,15 +28,16 @@ MEAN_GAIN = 0.10  # held-out accuracy gain (fraction), mean over the seeds
 SEED_GAIN = 0.05  # and of every seed
 
 
-@pytest.mark.slow
-def test_ppo_raises_held_out_accuracy(tmp_path):
+def held_out_gains(tmp_path, seeds, bindings=()):
+    """Runs recipes/tiny.gin (250 steps) for each seed in parallel; returns {seed: gain} and a report,
+    after checking what every run must show: an imperfect warm start, a greedy gain, a reward rise."""
     def run(seed):
         out = tmp_path / f"seed{seed}"
-        run_train(["recipes/tiny.gin", "--quiet", "-b", f"ppo.seed = {seed}", *HELD_OUT, "--out", out])
+        run_train(["recipes/tiny.gin", "--quiet", "-b", f"ppo.seed = {seed}", *HELD_OUT, *bindings, "--out", out])
         return seed, out
 
-    with ThreadPoolExecutor(max_workers=len(SEEDS)) as pool:  # one thread each (ppo.torch_threads = 1)
-        outs = dict(pool.map(run, SEEDS))
+    with ThreadPoolExecutor(max_workers=len(seeds)) as pool:  # one thread each (ppo.torch_threads = 1)
+        outs = dict(pool.map(run, seeds))
     gains, lines = {}, []
     for seed, out in outs.items():
         summary = json.loads((out / "summary.json").read_text())
@@ -54,6 +55,29 @@ def test_ppo_raises_held_out_accuracy(tmp_path):
         assert late > early + 0.05, (seed, early, late)
     report = "; ".join(lines)
     print(report)
+    return gains, report
+
+
+@pytest.mark.slow
+def test_ppo_raises_held_out_accuracy(tmp_path):
+    gains, report = held_out_gains(tmp_path, SEEDS)
     mean_gain = sum(gains.values()) / len(gains)
     assert mean_gain >= MEAN_GAIN, f"mean held-out gain {100 * mean_gain:+.1f} points < {100 * MEAN_GAIN:.0f}: {report}"
     assert min(gains.values()) >= SEED_GAIN, f"a seed gained < {100 * SEED_GAIN:.0f} points: {report}"
+
+
+LORA = ["-b", "ppo.lora_rank = 8", "-b", "ppo.actor_learning_rate = 1e-3", "-b", "ppo.critic_learning_rate = 3e-3"]
+LORA_SEEDS = (0, 1)
+LORA_SEED_GAIN = 0.08
+
+
+@pytest.mark.slow
+def test_lora_raises_held_out_accuracy(tmp_path):
+    """LoRA rank 8 on actor and critic (frozen base), the whole tiny recipe. Measured under the portable
+    CPU numerics (the same bits on AMD and Intel): seed 0 0.250 -> 0.380 (+13.0 points), seed 1
+    0.246 -> 0.388 (+14.2); learning rate 2e-3 gave +13.2 at seed 0. Thresholds: mean >= 10 points
+    (the issue's bar), each seed >= 8."""
+    gains, report = held_out_gains(tmp_path, LORA_SEEDS, LORA)
+    mean_gain = sum(gains.values()) / len(gains)
+    assert mean_gain >= MEAN_GAIN, f"LoRA: mean held-out gain {100 * mean_gain:+.1f} points: {report}"
+    assert min(gains.values()) >= LORA_SEED_GAIN, f"LoRA: a seed gained < {100 * LORA_SEED_GAIN:.0f} points: {report}"

@@ -1,0 +1,113 @@
+"""The GPU benchmarks' inputs and presets, checked on the CPU: the 7B shape's tensor-by-tensor
+writer gives what `from_config` + `save_pretrained` give, the shapes have the published sizes,
+the full-vocabulary tokenizer covers the 7B vocabulary, and every preset's bindings (GPU and
+--tiny) and the peers' LoRA bindings validate against the engine's config."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "bench" / "peers"))
+
+import gpu_assets  # noqa: E402
+
+
+def small_7b_config():
+    """The 7B architecture (untied embeddings, q/k/v bias, GQA) at a size the CPU builds in seconds."""
+    from transformers import Qwen2Config
+    shape = dict(gpu_assets.QWEN2_5_7B, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=256, vocab_size=1024)
+    return Qwen2Config(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def test_shapes_have_the_published_sizes():
+    assert gpu_assets.parameter_count(gpu_assets.model_config(shape="7b")) == 7_615_616_512
+    assert gpu_assets.parameter_count(gpu_assets.model_config(shape="0.5b")) == 494_032_768
+    c = gpu_assets.model_config(shape="7b")
+    assert (c.vocab_size, c.tie_word_embeddings, c.num_key_value_heads, c.intermediate_size) == (152064, False, 4, 18944)
+    with pytest.raises(ValueError):
+        gpu_assets.model_config(shape="70b")
+
+
+def test_direct_writer_matches_from_config(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+    config = small_7b_config()
+    monkeypatch.setattr(gpu_assets, "SHARD_BYTES", 200_000)  # several shards and an index
+    index = gpu_assets.write_random_model(config, tmp_path / "direct", seed=0, device="cpu")
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    ref.save_pretrained(str(tmp_path / "ref"))
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((tmp_path / "direct" / name).read_text()) == json.loads((tmp_path / "ref" / name).read_text())
+    shards = sorted(p.name for p in (tmp_path / "direct").glob("*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
+    assert not (tmp_path / "direct.partial").exists()
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "direct"), dtype=torch.bfloat16)
+    got, want = model.state_dict(), ref.state_dict()
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
+    assert index["metadata"]["total_size"] == sum(2 * v.numel() for v in got.values())
+    for k, v in got.items():
+        v = v.float()
+        if k.endswith("norm.weight"):
+            assert torch.equal(v, torch.ones_like(v)), k
+        elif k.endswith(".bias"):
+            assert torch.equal(v, torch.zeros_like(v)), k
+        else:
+            assert abs(v.std().item() - config.initializer_range) < 0.002, k
+    assert torch.equal(got["model.embed_tokens.weight"][0], torch.zeros_like(got["model.embed_tokens.weight"][0]))
+    assert not torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])  # untied
+    logits = model(torch.randint(0, config.vocab_size, (2, 8))).logits
+    assert logits.shape == (2, 8, config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_build_assets_reuses_only_the_same_shape(tmp_path):
+    gpu_assets.build_assets(tmp_path, tiny=True)
+    gpu_assets.build_assets(tmp_path, tiny=True)  # reused
+    with pytest.raises(SystemExit, match="another shape"):
+        gpu_assets.build_assets(tmp_path, shape="7b")
+
+
+def test_full_vocabulary_tokenizer_covers_the_7b_vocabulary(tmp_path):
+    import common
+    tok = common.build_full_vocab_tokenizer(tmp_path, gpu_assets.model_config(shape="7b").vocab_size)
+    assert len(tok) == 152064
+    assert tok.decode([152063]) != "" and len(tok("abc", add_special_tokens=True)["input_ids"]) == 3
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+@pytest.mark.parametrize("preset", ["lora7b", "long2k"])
+def test_preset_bindings_validate(preset, tiny):
+    import gpu_ppo
+    from rlhf import configurable
+    p = gpu_ppo.PRESETS[preset]
+    assets = {"model_dir": "/nonexistent/model", "tokenizer_dir": "/nonexistent/tokenizer"}
+    base = gpu_ppo.base_bindings(assets, "/nonexistent/prompts.jsonl") + p["bindings"]
+    if tiny:
+        base += gpu_ppo.TINY_BINDINGS + p["tiny_bindings"]
+    for spec in gpu_ppo.preset_variant_specs(p, tiny):
+        extra = [b.strip() for b in spec.partition("=")[2].split(";") if b.strip()]
+        cfg, _ = configurable.resolve(str(REPO / "recipes" / "base" / "ppo.gin"), base + extra + ["ppo.total_steps = 3"])
+        if preset == "lora7b":
+            assert cfg.ppo.lora_rank == (8 if tiny else 64) and cfg.ppo.gradient_checkpointing
+            assert cfg.ppo.max_response_length == (8 if tiny else 512)
+        else:
+            assert cfg.ppo.max_response_length == (8 if tiny else 2048) and cfg.ppo.lora_rank == 0
+        assert cfg.ppo.device == ("cpu" if tiny else "cuda")
+
+
+def test_peer_lora_bindings_validate():
+    import engine
+    import trl_grpo
+    from rlhf import configurable
+    inputs = {"model_dir": "/nonexistent/model", "tokenizer_dir": "/nonexistent/tok", "prompts_jsonl": "/nonexistent/p"}
+    b = engine.bindings(inputs, "grpo", "local", lora_rank=64)
+    cfg, _ = configurable.resolve(str(REPO / "recipes" / "base" / "ppo.gin"), b + ["ppo.total_steps = 3"])
+    assert (cfg.ppo.lora_rank, cfg.ppo.lora_alpha, cfg.ppo.gradient_checkpointing, cfg.ppo.torch_compile) == \
+        (64, 128.0, True, False)
+    lora = trl_grpo.lora_config(type("A", (), {"lora_rank": 64, "lora_alpha": 0.0})())
+    assert (lora.r, lora.lora_alpha, lora.target_modules, lora.lora_dropout) == (64, 128, "all-linear", 0.0)
