@@ -314,6 +314,12 @@ class PPOConfig:
                f"samples_per_prompt = {buffer})")
         _check(self.mini_batch_size % self.micro_batch_size == 0, "ppo.micro_batch_size",
                self.micro_batch_size, f"must divide ppo.mini_batch_size = {self.mini_batch_size}")
+        if self.max_tokens_per_micro_batch:  # every sequence must fit in one micro-batch
+            longest = self.max_prompt_length + self.max_response_length
+            _check(self.max_tokens_per_micro_batch >= longest, "ppo.max_tokens_per_micro_batch",
+                   self.max_tokens_per_micro_batch,
+                   f"must be 0 (off) or at least ppo.max_prompt_length + ppo.max_response_length = {longest} "
+                   f"(every sequence must fit in one micro-batch)")
         _check(self.world_size == 1 or self.placement != "local", "ppo.placement", self.placement,
                f"must be 'colocated', 'split' or 'auto' when ppo.world_size = {self.world_size} "
                f"('local' runs every role in one process)")

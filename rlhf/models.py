@@ -208,7 +208,12 @@ class ValueModel(nn.Module):
         model.value_head.to(next(backbone.parameters()).device)
         return model if lora else model.to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Padded rows (attention_mask), or packed rows: no mask, position ids restarting at 0 for
+        each sequence (rlhf/packing.py)."""
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+                            position_ids=position_ids, use_cache=False)
         return self.value_head(out.last_hidden_state).squeeze(-1).float()

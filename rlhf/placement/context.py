@@ -33,6 +33,9 @@ class SingleRank:
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    def max(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
 
 class ProcessGroupRanks:
     """A rank of a torch.distributed group. Shares are contiguous, so with `micro_batch_size =
@@ -50,6 +53,12 @@ class ProcessGroupRanks:
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.detach().to(self.device, copy=True)
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out.to(tensor.device)
+
+    def max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise max over ranks (micro-batch counts every rank must run)."""
+        out = tensor.detach().to(self.device, copy=True)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
         return out.to(tensor.device)
 
 

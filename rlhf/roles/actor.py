@@ -30,6 +30,7 @@ from rlhf.config import PPOConfig
 from rlhf.config import ConfigError
 from rlhf.models import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, add_lora, adapter_files, frozen_base_dtype, load_policy,
                          load_tokenizer, lora_scaling, merged_weights, read_adapter_rank)
+from rlhf.packing import micro_batches
 from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, response_logprobs
 from rlhf.roles.dispatch import ALL, CALLS, ROWS, dispatch
 from rlhf.rollout import SamplingParams, backend_class
@@ -99,7 +100,7 @@ class Actor(TrainedRole):
     def _logprobs(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.model.eval()
         logps, ents = [], []
-        for micro in batch.split(self.cfg.forward_batch_size):
+        for micro in micro_batches(batch, self.cfg.forward_batch_size, self.cfg.max_tokens_per_micro_batch, self.ranks):
             logprobs, entropy = response_logprobs(self.model, micro, self.device, self.cfg.temperature,
                                                   self.autocast_dtype, with_entropy=with_entropy, fused=self.fused)
             logps.append(logprobs.cpu())

@@ -14,6 +14,7 @@ from transformers import get_scheduler
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.models import adamw, enable_gradient_checkpointing, is_lora, position_ids_from_mask
+from rlhf.packing import micro_batches, packed_row
 from rlhf.roles.compiled import compile_layers, logprobs_and_entropy
 from rlhf.roles.dispatch import ALL, dispatch
 
@@ -52,13 +53,20 @@ def response_logits(model, batch: Batch, device, temperature: float = 1.0, autoc
     so log-probs are those of the distribution the rollout sampled from. Only the last R + 1
     positions go through the LM head (`logits_to_keep`): prompt logits are never needed, and
     at a 152k vocabulary they are most of the activation memory. `upcast=False` returns the raw
-    logits (model dtype, no temperature) for `compiled.logprobs_and_entropy` to fuse."""
-    ids, mask, P = sequence_inputs(batch, device)
-    R = batch["response_ids"].shape[1]
-    with torch.autocast(device_type=device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False,
-                    logits_to_keep=R + 1)
-    logits = out.logits[:, -(R + 1):-1]  # position P - 1 + t predicts response token t
+    logits (model dtype, no temperature) for `compiled.logprobs_and_entropy` to fuse. A micro-batch
+    that runs packed (rlhf/packing.py) gives [1, N, V]: one row of its N real response tokens."""
+    row = packed_row(batch, device)
+    if row is not None:
+        with torch.autocast(device_type=device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False,
+                           logits_to_keep=row.index).logits
+    else:
+        ids, mask, P = sequence_inputs(batch, device)
+        R = batch["response_ids"].shape[1]
+        with torch.autocast(device_type=device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                        use_cache=False, logits_to_keep=R + 1)
+        logits = out.logits[:, -(R + 1):-1]  # position P - 1 + t predicts response token t
     if not upcast:
         return logits
     logits = logits.float()
@@ -72,8 +80,12 @@ def response_logprobs(model, batch: Batch, device, temperature: float = 1.0, aut
     """Log-probs of the response tokens [B, R] and, if asked, the entropy [B, R] (else None).
     `fused` (GPU, ppo.torch_compile) computes both in compiled kernels from the raw logits."""
     logits = response_logits(model, batch, device, temperature, autocast_dtype, upcast=not fused)
-    tokens = batch["response_ids"].to(device)
-    return logprobs_and_entropy(logits, tokens, 1.0 if not fused else temperature, with_entropy, fused)
+    row = packed_row(batch, device)
+    tokens = batch["response_ids"].to(device) if row is None else row.tokens
+    logprobs, entropy = logprobs_and_entropy(logits, tokens, 1.0 if not fused else temperature, with_entropy, fused)
+    if row is not None:  # back to the padded [B, R]
+        logprobs, entropy = row.unpack(logprobs), entropy if entropy is None else row.unpack(entropy)
+    return logprobs, entropy
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], lr: float, cfg) -> torch.optim.Optimizer:
@@ -127,7 +139,7 @@ class TrainedRole(Role):
                 mini = self.ranks.share(batch.select(mb_index))
                 normalizer = loss_normalizer(mini, cfg.loss_aggregation, self.ranks)
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in mini.split(cfg.micro_batch_size):
+                for micro in micro_batches(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, self.ranks):
                     micro_step(micro, normalizer)
                 grad_norms.append(clip_grad(self.model.parameters(), cfg.max_grad_norm))
                 self.optimizer.step()

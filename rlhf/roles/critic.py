@@ -12,6 +12,7 @@ from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.config import ConfigError
 from rlhf.models import ValueModel, adapter_files, frozen_base_dtype, is_lora
+from rlhf.packing import micro_batches, packed_row
 from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, sequence_inputs
 from rlhf.roles.dispatch import ALL, ROWS, dispatch
 from rlhf.rollout import derive_seed
@@ -60,6 +61,12 @@ class Critic(TrainedRole):
         super().__init__(ctx, model, ppo, total_updates)
 
     def _values(self, micro: Batch) -> torch.Tensor:
+        row = packed_row(micro, self.device)
+        if row is not None:  # one row without padding (rlhf/packing.py), back to the padded [B, R]
+            with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype,
+                                enabled=self.autocast_dtype is not None):
+                values = self.model(row.input_ids, position_ids=row.position_ids)
+            return row.unpack(values[0, row.index].float())
         ids, mask, P = sequence_inputs(micro, self.device)
         R = micro["response_ids"].shape[1]
         with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype,
@@ -72,7 +79,8 @@ class Critic(TrainedRole):
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """V(prompt + response[:t]) for every response position t, [B, R]."""
         self.model.eval()
-        return torch.cat([self._values(m).cpu() for m in batch.split(self.cfg.forward_batch_size)])
+        return torch.cat([self._values(m).cpu() for m in micro_batches(
+            batch, self.cfg.forward_batch_size, self.cfg.max_tokens_per_micro_batch, self.ranks)])
 
     @dispatch(ALL)
     def update(self, batch: Batch, shuffle_seed: int) -> Dict[str, float]:

@@ -8,6 +8,7 @@ import torch
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.models import load_policy
+from rlhf.packing import micro_batches
 from rlhf.roles.common import Role, response_logprobs
 from rlhf.roles.compiled import compile_layers
 from rlhf.roles.dispatch import ROWS, dispatch
@@ -22,6 +23,7 @@ class Reference(Role):
         self.model = ctx.place(model).eval().requires_grad_(False)
         self.temperature = ppo.temperature
         self.micro_batch_size = ppo.forward_batch_size
+        self.max_tokens = ppo.max_tokens_per_micro_batch
         self.fused = ppo.torch_compile and self.device.type == "cuda"  # as the actor's forward
         if self.fused:
             compile_layers(self.model)
@@ -33,7 +35,7 @@ class Reference(Role):
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         out = []
-        for micro in batch.split(self.micro_batch_size):
+        for micro in micro_batches(batch, self.micro_batch_size, self.max_tokens, self.ranks):
             logprobs, _ = response_logprobs(self.model, micro, self.device, self.temperature, self.autocast_dtype,
                                             with_entropy=False, fused=self.fused)
             out.append(logprobs.cpu())
