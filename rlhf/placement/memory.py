@@ -461,7 +461,9 @@ class MemoryPlan:
         if self.available is None:
             size = f"{peak.total / GIB:.1f} GiB" if peak.total >= GIB else f"{peak.total / 2 ** 20:.1f} MiB"
             return f"needs {size} at its peak ({peak.name}; nothing to check off a GPU)"
-        head = f"needs {peak.total / GIB:.1f} GiB on a {self.available / GIB:.1f} GiB GPU"
+        size = f"{self.available / GIB:.1f}"
+        article = "an" if size.startswith("8") or size.split(".")[0] in ("11", "18") else "a"
+        head = f"needs {peak.total / GIB:.1f} GiB on {article} {size} GiB GPU"
         if not self.fits:
             return f"{head}: it does not fit ({self.breakdown()})"
         spare = (self.available - peak.total) / GIB
@@ -628,7 +630,7 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
 
 
 # ====================================================================== predicted: suggestions and the check
-def _options(cfg: RunConfig, policy_shape: ModelShape) -> List[List[dict]]:
+def _options(cfg: RunConfig) -> List[List[dict]]:
     """For each binding the suggestions may change, in the order they are tried, its values (each a
     {field: value} of `ppo`), best first: LoRA (the critic follows), gradient checkpointing, a token
     budget (the largest that fits), a smaller micro-batch, more GPUs (FSDP2)."""
@@ -667,7 +669,7 @@ def suggest(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
             device_total: Optional[int] = None):
     """(bindings, plan) of the first change that fits: each candidate binding alone, in `_options`'
     order, then pairs, triples... of them; None when nothing tried fits."""
-    options = _options(cfg, policy)
+    options = _options(cfg)
     for size in range(1, len(options) + 1):
         for group in itertools.combinations(options, size):
             if any("max_tokens_per_micro_batch" in g[0] for g in group) and any("micro_batch_size" in g[0] for g in group):
@@ -693,7 +695,7 @@ def check(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShape]
         return plan
     found = suggest(cfg, policy, reward_model, available=available, device_total=device_total)
     if found is None:
-        tried = ", ".join(f"ppo.{next(iter(o[0]))}" for o in _options(cfg, policy))
+        tried = ", ".join(f"ppo.{next(iter(o[0]))}" for o in _options(cfg))
         fix = (f"no change of {tried or 'the memory bindings'}, alone or combined, makes it fit: "
                f"use a GPU with more memory or a smaller model")
     else:
