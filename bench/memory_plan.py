@@ -9,6 +9,8 @@ allocated memory of each is printed beside `rlhf.placement.memory.predict`'s fig
 micro-batch (the actor's resident state + its update / forward micro-batch; no vLLM, no reserve).
 
     python bench/memory_plan.py [--json OUT.json] [--case NAME]... [--tiny]
+
+Figures measured on an H200: bench/results/memory_plan_h200.json (and the README's table).
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@ activations must fit beside the awake rollout engine, or idle roles are offloade
 (`ppo.vllm_sleep = 'auto'`). The decision and its figures are logged and recorded in provenance
 (`placement.memory`, beside the prediction in `placement.memory_predicted`).
 
-Calibration (one H200, Qwen2.5-0.5B shape, actor update of 16 x (256 + 256) tokens, fp32 weights +
-bf16 autocast, eager; bench/results/gpu_train_h200.json): predicted 34.5 GiB, measured peak 34.49.
+Checked against measured peaks on one H200 (bench/results/memory_plan_h200.json: the actor's update
+and forward micro-batches at the 0.5B-7B shapes, full fine-tuning and LoRA, with and without
+checkpointing): the prediction is 3-28% above the allocated peak, never below; for the engine's own
+eager actor update at the 0.5B shape (bench/results/gpu_train_h200.json) 34.6 GiB against 34.49.
 """
 
 from __future__ import annotations

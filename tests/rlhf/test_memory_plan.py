@@ -113,6 +113,26 @@ def test_predicted_actor_update_matches_the_measured_peak():
     assert 34.49 <= predicted <= 34.49 * 1.1, predicted
 
 
+def test_predictions_stay_above_the_measured_peaks():
+    """bench/results/memory_plan_h200.json: full fine-tuning and LoRA, with and without checkpointing,
+    0.5B-7B shapes; the plan must stay conservative (above) and useful (within 35%)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import memory_plan
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    shapes = {s.name: s for s in SHAPES.values()}
+    measured = json.loads((REPO / "bench" / "results" / "memory_plan_h200.json").read_text())["results"]
+    assert len(measured) == 6
+    for r in measured:
+        cfg = memory_plan.run_config(r["rows"], r["prompt"], r["response"], r["lora_rank"], r["gradient_checkpointing"],
+                                     "cuda")
+        actor = memory.predict(cfg, shapes[r["shape"]], available=H200).roles["actor"]
+        for kind, transient in (("update", actor.train), ("forward", actor.forward)):
+            predicted = (actor.resident + transient) / GIB
+            assert r[f"measured_{kind}_gib"] <= predicted <= 1.35 * r[f"measured_{kind}_gib"], (r, kind, predicted)
+
+
 def test_lora_reference_takes_no_bytes_and_the_base_is_bf16():
     full = memory.predict(run_config(), SHAPES["qwen2.5-1.5b"], available=H200)
     lora = memory.predict(run_config(lora_rank=64), SHAPES["qwen2.5-1.5b"], available=H200)
