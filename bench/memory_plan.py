@@ -143,7 +143,8 @@ def main(argv=None) -> int:
     for name in args.case or (list(CASES)[:1] if args.tiny else list(CASES)):
         r = measure(name, tiny=args.tiny)
         results.append(r)
-        print(f"{name:<22} update predicted {r['predicted_update_gib']:7.2f} measured {r.get('measured_update_gib', 0):7.2f}"
+        print(f"{name:<22} update predicted {r['predicted_update_gib']:7.2f} "
+              f"measured {r.get('measured_update_gib', 0):7.2f}"
               f" | forward predicted {r['predicted_forward_gib']:7.2f} measured {r.get('measured_forward_gib', 0):7.2f}"
               f" | state {r['predicted_state_gib']:6.2f} / {r.get('measured_state_gib', 0):6.2f} GiB", flush=True)
     if args.json:

@@ -95,7 +95,9 @@ def table(cfg, gib: float) -> str:
         for label, change in TABLE_VARIANTS:
             cells = []
             for n in TABLE_WORLD_SIZES:
-                extra = {"world_size": n, **({"placement": "colocated"} if n > 1 and cfg.ppo.placement == "local" else {})}
+                extra = {"world_size": n}
+                if n > 1 and cfg.ppo.placement == "local":
+                    extra["placement"] = "colocated"
                 try:
                     variant = dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, **change, **extra))
                 except ConfigError:
@@ -103,7 +105,8 @@ def table(cfg, gib: float) -> str:
                     continue
                 plan = memory.predict(variant, shape, available=available)
                 cells.append(f"{_gib(plan.peak.total)} {'fits' if plan.fits else '**no**'}")
-            rows.append(f"| {shape.name} | {shape.parameter_count() / 1e9:.2f}B | {label} | " + " | ".join(cells) + " |")
+            params = f"{shape.parameter_count() / 1e9:.2f}B"
+            rows.append(f"| {shape.name} | {params} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(head + rows)
 
 

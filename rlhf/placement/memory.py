@@ -28,7 +28,7 @@ import itertools
 import json
 import math
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -528,11 +528,14 @@ def _trained_role(name: str, shape: ModelShape, ppo, rank: int, lm_head: bool, g
     copies = autocast_copy_bytes(shape, lm_head) if (gpu and act == 2 and not rank) else 0
     rows, tokens, positions = batches["train"]
     ckpt = ppo.gradient_checkpointing
-    head_train = lm_head_bytes(shape, positions, act, train=True) if lm_head else value_head_bytes(rows, tokens // rows, True)
-    role.train = (saved_activation_bytes(shape, tokens, act, ckpt, rank, targets) + backward_working_bytes(shape, tokens, act)
-                  + head_train + copies + fsdp_gather_bytes(shape, base_bytes, n, train=not rank, lm_head=lm_head))
+    head = (lm_head_bytes(shape, positions, act, train=True) if lm_head
+            else value_head_bytes(rows, tokens // rows, train=True))
+    role.train = (saved_activation_bytes(shape, tokens, act, ckpt, rank, targets)
+                  + backward_working_bytes(shape, tokens, act) + head + copies
+                  + fsdp_gather_bytes(shape, base_bytes, n, train=not rank, lm_head=lm_head))
     rows, tokens, positions = batches["forward"]
-    head_fwd = lm_head_bytes(shape, positions, act, train=False) if lm_head else value_head_bytes(rows, tokens // rows, False)
+    head_fwd = (lm_head_bytes(shape, positions, act, train=False) if lm_head
+                else value_head_bytes(rows, tokens // rows, train=False))
     role.forward = (forward_working_bytes(shape, tokens, act) + head_fwd + copies
                     + fsdp_gather_bytes(shape, base_bytes, n, train=False, lm_head=lm_head))
     return role
@@ -674,7 +677,8 @@ def suggest(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
     options = _options(cfg)
     for size in range(1, len(options) + 1):
         for group in itertools.combinations(options, size):
-            if any("max_tokens_per_micro_batch" in g[0] for g in group) and any("micro_batch_size" in g[0] for g in group):
+            kinds = {next(iter(g[0])) for g in group}
+            if {"max_tokens_per_micro_batch", "micro_batch_size"} <= kinds:
                 continue  # a token budget replaces the fixed micro-batch
             for values in itertools.product(*group):
                 change = {k: v for value in values for k, v in value.items()}

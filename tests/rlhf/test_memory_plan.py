@@ -69,8 +69,8 @@ def test_parameter_count_equals_the_built_model(kind, kwargs):
     import transformers
     config_cls, model_cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                              "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[kind]
-    config = config_cls(**{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                           "intermediate_size": 96, "vocab_size": 300, **kwargs})
+    config = config_cls(**{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                           "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 300, **kwargs})
     model = model_cls(config)
     assert memory.parameter_count(config) == sum(p.numel() for p in model.parameters())
     assert memory.parameter_count({"text_config": config.to_dict()}) == memory.parameter_count(config)  # nested
