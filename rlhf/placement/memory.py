@@ -551,8 +551,7 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
     decides them: on when the roles, the awake engine and the largest micro-batch do not fit."""
     ppo, n = cfg.ppo, cfg.ppo.world_size
     total = device_total if device_total is not None else available
-    bf16 = ppo.dtype == "bfloat16" or ppo.lora_rank > 0 or ppo.resolved_critic_lora_rank > 0
-    act = 2 if gpu and bf16 else 4
+    act = 2 if gpu and ppo.bf16_autocast else 4
     prompt, response = ppo.max_prompt_length, ppo.max_response_length
     batches = _micro_batches(ppo, prompt, response)
 
