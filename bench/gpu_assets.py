@@ -47,12 +47,10 @@ def model_config(tiny: bool = False, shape: str = "0.5b"):
 
 
 def parameter_count(config) -> int:
-    """Parameters of the model (tied embeddings counted once), from the config alone."""
-    d, f, L, V = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
-    kv = config.num_key_value_heads * (d // config.num_attention_heads)
-    attn = d * d + d + 2 * (d * kv + kv) + d * d  # q (bias), k/v (bias), o
-    per_layer = attn + 3 * d * f + 2 * d
-    return V * d * (1 if config.tie_word_embeddings else 2) + L * per_layer + d
+    """Parameters of the model (tied embeddings counted once), from the config alone: the memory
+    plan's arithmetic (rlhf/placement/memory.py), so there is one copy of it."""
+    from rlhf.placement.memory import parameter_count as from_shape
+    return from_shape(config)
 
 
 def build_assets(root: str | Path, tiny: bool = False, seed: int = 0, shape: str = "0.5b",

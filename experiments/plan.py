@@ -217,6 +217,29 @@ def check_gpu_share(study: Study, cfg, where: str) -> None:
             f"raise study.gpus_per_run and ppo.vllm_gpu_memory_utilization together")
 
 
+def check_gpu_memory(study: Study, cfg, where: str, memory_gib: Optional[float] = None) -> None:
+    """A run whose predicted memory (rlhf/placement/memory.py: every role's weights, gradients,
+    optimizer states, activations and the vLLM engine) cannot fit in its GPU, or its share of one
+    (study.gpus_per_run < 1), is refused at planning with the bindings that would make it fit.
+    Checked when this machine has a GPU (taken as the runs' kind) and the run computes on one; the
+    engine checks again when the run starts."""
+    memory_gib = _gpu_memory_gib() if memory_gib is None else memory_gib
+    on_gpu = study.gpus_per_run > 0 or cfg.ppo.resolved_placement != "local"  # Ray ranks hold their own GPUs
+    if memory_gib is None or cfg.ppo.device == "cpu" or not on_gpu:
+        return
+    from rlhf.placement import memory
+    try:
+        policy, reward_model = memory.run_shapes(cfg)
+    except (ConfigError, ValueError):  # an unreadable model is the run's own one-line error
+        return
+    total = int(memory_gib * memory.GIB)
+    share = study.gpus_per_run if 0 < study.gpus_per_run < 1 else 1.0
+    try:
+        memory.check(cfg, policy, reward_model, available=int(share * total), device_total=total)
+    except ConfigError as err:
+        raise StudyError(f"{where}: {err}") from None
+
+
 def config_changes(base: dict, other: dict) -> dict:
     return {k: other[k] for k in sorted(other) if other[k] != base.get(k)}
 
@@ -264,6 +287,7 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
                     raise StudyError(f"{where} changes {sorted(changes)}; a single-binding variant must "
                                      f"change only {key}")
         check_gpu_share(study, var_cfg, where)
+        check_gpu_memory(study, var_cfg, where)
         task_key = json.dumps(dataclasses.asdict(var_cfg.task), sort_keys=True)
         if task_key not in data_hashes:
             tr, ho = load_task(var_cfg.task)

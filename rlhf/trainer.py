@@ -25,7 +25,7 @@ from rlhf.chat import PromptRenderer
 from rlhf.data import Example, PromptSampler, dataset_hash, load_task
 from rlhf.metrics import MetricLogger, read_metrics, window_means
 from rlhf.models import load_tokenizer
-from rlhf.placement import build_roles
+from rlhf.placement import build_roles, memory
 from rlhf.rollout import SamplingParams, decode_responses, derive_seed, rollout_logprob_gap
 from rlhf.tiny import prepare_tiny
 
@@ -99,12 +99,17 @@ class PPOTrainer:
 
         start_dir = Path(self.ppo.init_from) / "actor" if self.ppo.init_from else self.model_dir
         self.start_checkpoint = str(start_dir)
+        # The predicted memory plan, before any model is built: on a GPU a run that cannot fit stops
+        # here with one line naming the bindings that would make it fit (rlhf/placement/memory.py).
+        self.memory_plan = memory.preflight(cfg, self.model_dir, self.device if local else None, log)
         roles = build_roles(cfg, model_dir=self.model_dir, tokenizer_dir=self.tokenizer_dir, tokenizer=self.tokenizer,
                             start_dir=start_dir, device=self.device, autocast_dtype=self.autocast_dtype,
-                            ray_address=ray_address, log=log)
+                            ray_address=ray_address, log=log, memory_plan=self.memory_plan)
         self.roles = roles
         self.actor, self.critic, self.reference, self.reward = roles.actor, roles.critic, roles.reference, roles.reward
         self.placement, self.close = roles.placement, roles.close
+        if self.memory_plan is not None:  # provenance: beside the measured `memory`
+            self.placement["memory_predicted"] = self.memory_plan.to_dict()
         self.kl_ctl = (algos.AdaptiveKLController(self.ppo.kl_coef, self.ppo.kl_target, self.ppo.kl_horizon)
                        if self.ppo.adaptive_kl else algos.FixedKLController(self.ppo.kl_coef))
         self.sampling = SamplingParams(max_new_tokens=self.ppo.max_response_length, temperature=self.ppo.temperature,

@@ -48,18 +48,23 @@ def role_specs(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, start_di
 
 
 def build_roles(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, tokenizer, start_dir: Path,
-                device: torch.device, autocast_dtype, ray_address: Optional[str] = None, log=print) -> Roles:
+                device: torch.device, autocast_dtype, ray_address: Optional[str] = None, log=print,
+                memory_plan=None) -> Roles:
+    """`memory_plan`: the run's predicted plan (rlhf/placement/memory.py), whose activations the
+    offload / sleep decision keeps room for."""
     from rlhf.roles.reward import Reward
     controller = DeviceContext(torch.device("cpu"))
     if cfg.ppo.resolved_placement == "local":
         from rlhf.placement.local import build_local_roles
         specs = role_specs(cfg, model_dir=model_dir, tokenizer_dir=tokenizer_dir, start_dir=start_dir,
                            tokenizer=tokenizer, log=log)
-        roles = build_local_roles(specs, device=device, autocast_dtype=autocast_dtype, controller_roles={}, log=log)
+        roles = build_local_roles(specs, device=device, autocast_dtype=autocast_dtype, controller_roles={}, log=log,
+                                  memory_plan=memory_plan)
     else:
         from rlhf.placement.ray_roles import build_ray_roles
         specs = role_specs(cfg, model_dir=model_dir, tokenizer_dir=tokenizer_dir, start_dir=start_dir)
-        roles = build_ray_roles(cfg, specs, controller_roles={}, ray_address=ray_address, log=log)
+        roles = build_ray_roles(cfg, specs, controller_roles={}, ray_address=ray_address, log=log,
+                                memory_plan=memory_plan)
     # The reward phase runs in the controller (normalisation sees the whole batch); the reward
     # model it calls is a device role like the reference.
     roles.reward = Reward(controller, cfg.task, cfg.reward, roles.reward_model)

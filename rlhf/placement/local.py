@@ -13,18 +13,16 @@ from rlhf.roles import RoleSpec, Roles
 
 
 def build_local_roles(specs: List[RoleSpec], *, device: torch.device, autocast_dtype, controller_roles: dict,
-                      log=print) -> Roles:
+                      log=print, memory_plan=None) -> Roles:
     ctx = DeviceContext(device, autocast_dtype)
     roles = dict(controller_roles)
     for spec in specs:
         roles[spec.name] = spec.role_class()(ctx, **spec.kwargs, **spec.extra)
     record = {"placement": "local", "world_size": 1, "device": device.type}
     if device.type == "cuda":
-        info = memory.device_memory(device)
-        plan = memory.plan_memory(False, specs[0].kwargs["ppo"].vllm_sleep,
-                                  {spec.name: memory.state_bytes(roles[spec.name]) for spec in specs},
-                                  available=int((info["device_free_gb"] + info["allocated_gb"]) * memory.GIB),
-                                  total=int(info["device_total_gb"] * memory.GIB), can_offload=False)
+        role_bytes = {spec.name: memory.state_bytes(roles[spec.name]) for spec in specs}
+        plan = memory.runtime_plan(specs[0].kwargs["ppo"], role_bytes, memory.device_memory(device),
+                                   offload_mode=False, can_offload=False, predicted=memory_plan)
         roles["actor"].set_rollout_sleep(plan["rollout_sleep"])
         log(memory.describe(plan))
         record["memory"] = plan

@@ -12,7 +12,7 @@ from rlhf.roles import RoleSpec, Roles
 
 
 def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, controller_roles: dict,
-                    ray_address: Optional[str], log=print) -> Roles:
+                    ray_address: Optional[str], log=print, memory_plan=None) -> Roles:
     import ray
 
     from rlhf.placement import cluster, memory
@@ -56,9 +56,8 @@ def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, controller_roles: 
         # The actor's process: in colocated placement every role, in split placement the actor alone.
         local_names = names if colocated else ["actor"]
         role_bytes = {name: built[name][0]["bytes"] for name in local_names}
-        plan = memory.plan_memory(ppo.offload_idle_models, ppo.vllm_sleep, role_bytes,
-                                  available=int((info["device_free_gb"] + info["allocated_gb"]) * memory.GIB),
-                                  total=int(info["device_total_gb"] * memory.GIB), can_offload=colocated)
+        plan = memory.runtime_plan(ppo, role_bytes, info, offload_mode=ppo.offload_idle_models, can_offload=colocated,
+                                   predicted=memory_plan)
         if colocated:
             ray.get([h.set_offload.remote(plan["offload"]) for h in shared])
         log(memory.describe(plan))

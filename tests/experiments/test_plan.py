@@ -168,3 +168,38 @@ def test_pipeline_stages_load_only_their_own_modules(tmp_path):
     assert (tmp_path / "d" / "train.jsonl").is_file()
     listed = subprocess.run([sys.executable, "-m", "experiments", "--help"], capture_output=True, text=True, cwd=REPO)
     assert listed.returncode == 0 and all(name in listed.stdout for name in ("plan", "run", "advise", "sft"))
+
+
+def test_plan_refuses_a_run_that_cannot_fit_its_gpu(write_study, tmp_path, monkeypatch, capsys):
+    """`python -m experiments plan` on a GPU machine: the predicted memory plan of every variant must
+    fit its GPU (or share), else exit 2 with one line naming the bindings that would make it fit."""
+    import json
+
+    import experiments.plan as plan_module
+    from experiments.cli import main
+    from rlhf.placement.memory import KNOWN_SHAPES
+    shape = KNOWN_SHAPES["qwen2.5-7b"]
+    model = tmp_path / "qwen7b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "hidden_size": shape.hidden_size, "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads, "num_key_value_heads": shape.num_kv_heads,
+        "intermediate_size": shape.intermediate_size, "vocab_size": shape.vocab_size, "tie_word_embeddings": False}))
+    path = write_study(f"""
+        study.name = 'big'
+        study.baseline_recipe = 'models/instruct.gin'
+        study.baseline_bindings = ["model.name_or_path = '{model}'"]
+        study.variants = {{'lora': 'ppo.lora_rank = 64'}}
+        study.seeds = 1
+        study.gpus_per_run = 1
+        """)
+    monkeypatch.setattr(plan_module, "_gpu_memory_gib", lambda: 139.0)
+    assert main(["plan", str(path), "--results", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "study.variants['baseline']" in err
+    assert "needs 329.6 GiB on a 139.0 GiB GPU" in err and "it fits with ppo.lora_rank = 64" in err
+    fitted = load_study(path, ["study.baseline_bindings = [\"model.name_or_path = '%s'\", 'ppo.lora_rank = 64']" % model,
+                               "study.variants = {'ckpt': 'ppo.gradient_checkpointing = True'}"])
+    assert len(expand(fitted, tmp_path / "r")) == 2
+    monkeypatch.setattr(plan_module, "_gpu_memory_gib", lambda: None)  # no GPU here: nothing to check against
+    assert len(expand(load_study(path), tmp_path / "r")) == 2

@@ -12,9 +12,10 @@ from tests.conftest import REPO, run_train
 # Recipes that build on their own. Not here: studies; recipes/rm/ (reward-model training's own `rm`
 # scope); the real-model layers and recipes/gsm8k.gin, which need a user's model paths (tested with
 # local checkpoints in tests/rlhf/test_reward_model_engine.py).
-REAL_MODEL_RECIPES = ("gsm8k.gin", "instruct.gin", "reward_model.gin", "gsm8k_verl.gin")
+REAL_MODEL_RECIPES = ("gsm8k.gin", "instruct.gin", "reward_model.gin", "gsm8k_verl.gin", "lora.gin", "multi_gpu.gin")
 ENGINE_RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.gin")
                         if "studies" not in p.parts and "rm" not in p.parts and p.name not in REAL_MODEL_RECIPES)
+POLICY_ONLY_RECIPES = ("instruct.gin", "lora.gin", "multi_gpu.gin")  # recipes/models/: one path to set
 
 
 @pytest.mark.parametrize("recipe", ENGINE_RECIPES, ids=lambda p: str(p.relative_to(REPO)))
@@ -22,6 +23,15 @@ def test_every_engine_recipe_parses_and_builds(recipe):
     cfg, operative = configurable.resolve(recipe, [])
     assert "ppo.kl_coef" in operative
     assert cfg.ppo.rollout_batch_size % cfg.ppo.mini_batch_size == 0
+
+
+@pytest.mark.parametrize("name", POLICY_ONLY_RECIPES)
+def test_model_recipes_build_once_the_policy_path_is_set(name):
+    recipe = REPO / "recipes" / "models" / name
+    with pytest.raises(ConfigError, match="model.name_or_path is required"):
+        configurable.resolve(recipe, [])
+    cfg, operative = configurable.resolve(recipe, ["model.name_or_path = '/models/policy'"])
+    assert "ppo.kl_coef" in operative and cfg.ppo.rollout_batch_size % cfg.ppo.mini_batch_size == 0
 
 
 def test_guide_parameters_are_bindable():

@@ -51,6 +51,7 @@ def test_run_dir_contract(seed0_run):
     assert len(hist["bin_edges"]) == len(hist["counts"]) + 1 and sum(hist["counts"]) > 0
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["versions"]["torch"] and prov["data_sha256"] and "sha" in prov["git"]
+    assert {"actor", "critic", "reference"} <= set(prov["placement"]["memory_predicted"]["roles"])  # CPU: logged only
     assert "ppo.kl_coef" in (out / "config.gin").read_text()
 
 

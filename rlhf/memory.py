@@ -1,0 +1,148 @@
+"""The predicted memory plan of a recipe, without running it (no GPU, no weights: config.json only).
+
+    python -m rlhf.memory RECIPE.gin [-b 'BINDING']... [--gpu-memory-gib 139] [--shape NAME] [--table]
+
+Prints each role's bytes on one GPU, each phase of a PPO step, and the verdict. Exit codes: 0 it
+fits, 2 it does not (the line names the bindings that would make it fit) or the configuration is
+invalid. The arithmetic is rlhf/placement/memory.py's, the same the trainer checks before launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+EXIT_OK, EXIT_CONFIG = 0, 2
+DEFAULT_GPU_GIB = 139.0
+"""What an H200 leaves usable (of 140 GiB), when this machine has no GPU to ask."""
+TABLE_VARIANTS = (("full FT", {"lora_rank": 0, "gradient_checkpointing": False}),
+                  ("LoRA 64", {"lora_rank": 64, "gradient_checkpointing": False}),
+                  ("LoRA 64 + checkpointing", {"lora_rank": 64, "gradient_checkpointing": True}))
+TABLE_WORLD_SIZES = (1, 2, 4, 8)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m rlhf.memory", description=__doc__.split("\n")[0])
+    p.add_argument("recipe", help="a gin recipe, e.g. recipes/models/lora.gin")
+    p.add_argument("-b", "--binding", action="append", default=[], help="a gin binding, e.g. 'ppo.lora_rank = 64'")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help=f"memory of one GPU (default: this machine's GPU, else {DEFAULT_GPU_GIB:g}, an H200)")
+    p.add_argument("--shape", default=None,
+                   help="plan a published policy shape instead of model.name_or_path's config.json: "
+                        "qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b")
+    p.add_argument("--table", action="store_true",
+                   help="a markdown table: every published shape x (full FT, LoRA 64, LoRA 64 + gradient "
+                        "checkpointing) x 1/2/4/8 GPUs, from the recipe's other settings")
+    return p.parse_args(argv)
+
+
+def gpu_gib(requested) -> tuple:
+    """(GiB, where the figure comes from)."""
+    if requested is not None:
+        return requested, "--gpu-memory-gib"
+    import torch
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / 2 ** 30, torch.cuda.get_device_name(0)
+    return DEFAULT_GPU_GIB, f"no GPU here: assumed {DEFAULT_GPU_GIB:g} GiB (an H200); set --gpu-memory-gib"
+
+
+def _gib(b: int) -> str:
+    return f"{b / 2 ** 30:.1f}"
+
+
+def render(plan, cfg, policy, recipe: str, where: str) -> str:
+    ppo = cfg.ppo
+    s = plan.settings
+    budget = f"{ppo.max_tokens_per_micro_batch} tokens a micro-batch (packed)" if ppo.max_tokens_per_micro_batch \
+        else f"micro-batch {ppo.micro_batch_size} x {ppo.max_prompt_length + ppo.max_response_length} tokens"
+    lines = [f"{recipe}: policy {policy.name or 'model'} ({s['policy_params'] / 1e9:.2f}B parameters), prompt "
+             f"{ppo.max_prompt_length} + response {ppo.max_response_length}, "
+             + (f"LoRA rank {ppo.lora_rank} (critic {ppo.resolved_critic_lora_rank})" if ppo.lora_rank
+                else f"full fine-tuning (critic LoRA {ppo.resolved_critic_lora_rank})" if ppo.resolved_critic_lora_rank
+                else "full fine-tuning")
+             + f", gradient checkpointing {'on' if ppo.gradient_checkpointing else 'off'}, {budget}, world_size "
+               f"{ppo.world_size} ({ppo.resolved_placement}, {plan.gpus} GPU{'s' if plan.gpus > 1 else ''}), "
+               f"rollouts {ppo.rollout_backend}"
+             + (f" ({ppo.vllm_gpu_memory_utilization:g} of the GPU)" if ppo.rollout_backend == "vllm" else ""),
+             f"GPU: {plan.available / 2 ** 30:.1f} GiB ({where})" if plan.available is not None else "CPU run",
+             "",
+             f"{'role (GiB a GPU)':<18}{'weights':>9}{'grads':>9}{'optimizer':>11}{'resident':>10}"
+             f"{'update mb':>11}{'forward mb':>12}  note"]
+    for r in plan.roles.values():
+        lines.append(f"{r.name:<18}{_gib(r.weights):>9}{_gib(r.grads):>9}{_gib(r.optimizer):>11}"
+                     f"{_gib(r.resident):>10}{_gib(r.train):>11}{_gib(r.forward):>12}  {r.note}"
+                     + (f" (+ rollout replica {_gib(r.replica)})" if r.replica else ""))
+    lines += ["", f"{'phase (GiB)':<18}{'resident':>10}{'vLLM':>8}{'micro-batch':>13}{'reserve':>9}{'total':>8}"]
+    for p in plan.phases:
+        lines.append(f"{p.name:<18}{_gib(p.resident):>10}{_gib(p.engine):>8}{_gib(p.transient):>13}"
+                     f"{_gib(p.reserve):>9}{_gib(p.total):>8}" + ("  <- peak" if p is plan.peak else ""))
+    lines += ["", f"offload idle models: {'on' if plan.offload else 'off'}; vLLM sleep: "
+                  f"{'on' if plan.sleep else 'off'} ('auto' decided as the runtime decides)"]
+    return "\n".join(lines)
+
+
+def table(cfg, gib: float) -> str:
+    """Rows: published shape x variant; columns: per-GPU peak (GiB) at each world size."""
+    from rlhf.config import ConfigError
+    from rlhf.placement import memory
+    available = int(gib * memory.GIB)
+    head = ["| policy shape | params | training | " + " | ".join(
+        f"{n} GPU{'s' if n > 1 else ''}" for n in TABLE_WORLD_SIZES) + " |",
+        "|---|---:|---|" + "---:|" * len(TABLE_WORLD_SIZES)]
+    rows = []
+    for shape in memory.KNOWN_SHAPES.values():
+        for label, change in TABLE_VARIANTS:
+            cells = []
+            for n in TABLE_WORLD_SIZES:
+                extra = {"world_size": n}
+                if n > 1 and cfg.ppo.placement == "local":
+                    extra["placement"] = "colocated"
+                try:
+                    variant = dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, **change, **extra))
+                except ConfigError:
+                    cells.append("–")
+                    continue
+                plan = memory.predict(variant, shape, available=available)
+                cells.append(f"{_gib(plan.peak.total)} {'fits' if plan.fits else '**no**'}")
+            params = f"{shape.parameter_count() / 1e9:.2f}B"
+            rows.append(f"| {shape.name} | {params} | {label} | " + " | ".join(cells) + " |")
+    return "\n".join(head + rows)
+
+
+def main(argv=None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    from rlhf import configurable
+    from rlhf.config import ConfigError
+    from rlhf.placement import memory
+    bindings = list(args.binding)
+    try:
+        shape = None
+        if args.shape is not None:
+            shape = memory.KNOWN_SHAPES.get(args.shape.lower())
+            if shape is None:
+                raise ConfigError(f"--shape {args.shape!r} is not a published shape here; allowed: "
+                                  f"{', '.join(memory.KNOWN_SHAPES)}")
+        if (shape is not None or args.table) and not any(b.strip().startswith("model.name_or_path") for b in bindings):
+            bindings.insert(0, f"model.name_or_path = '{args.shape or 'published-shape'}'")  # a shape, not a dir
+        cfg, _ = configurable.resolve(args.recipe, bindings)
+        gib, where = gpu_gib(args.gpu_memory_gib)
+        if args.table:
+            print(table(cfg, gib))
+            return EXIT_OK
+        policy, reward_model = memory.run_shapes(cfg, policy=shape)
+        gpu = cfg.ppo.device != "cpu"
+        available = int(gib * memory.GIB) if gpu else None
+        plan = memory.predict(cfg, policy, reward_model, available=available, gpu=gpu)
+        print(render(plan, cfg, policy, args.recipe, where))
+        if gpu:
+            memory.check(cfg, policy, reward_model, available=available)
+        print(f"verdict: the run {plan.verdict()}")
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""The predicted memory plan (rlhf/placement/memory.py): parameter counts from shapes, bytes per role,
+activations under checkpointing / token budgets / FSDP2, the verdict and its suggested fix, the
+`python -m rlhf.memory` command and the check at a run's start. CPU only, no weights."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlhf import configurable
+from rlhf.config import ConfigError, ModelConfig, PPOConfig, RunConfig, SFTConfig, TaskConfig, TinyModelConfig
+from rlhf.placement import memory
+from tests.conftest import REPO
+
+GIB = memory.GIB
+H200 = int(139 * GIB)
+SHAPES = memory.KNOWN_SHAPES
+
+
+def run_config(**ppo) -> RunConfig:
+    """The measured GPU workload (bench/gpu_ppo.py): 256 prompts x (256 + 256) tokens, critic and
+    reference, bf16 autocast, vLLM at 0.3 of the GPU, micro-batch 8."""
+    base = dict(device="cuda", dtype="bfloat16", rollout_backend="vllm", max_prompt_length=256,
+                max_response_length=256, rollout_micro_batch_size=256, num_rollout_batches=1, mini_batch_size=64,
+                micro_batch_size=8)
+    return RunConfig(ppo=PPOConfig(**{**base, **ppo}), model=ModelConfig("/models/policy"), task=TaskConfig(),
+                     sft=SFTConfig(), tiny_model=TinyModelConfig())
+
+
+def instruct(*bindings) -> RunConfig:
+    """recipes/models/instruct.gin: the guide's 7B setting (prompt 1024 + response 512, micro-batch 4)."""
+    cfg, _ = configurable.resolve(REPO / "recipes" / "models" / "instruct.gin",
+                                  ["model.name_or_path = '/models/policy'", *bindings])
+    return cfg
+
+
+def write_config(path, shape: memory.ModelShape, **extra) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "hidden_size": shape.hidden_size, "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads, "num_key_value_heads": shape.num_kv_heads,
+        "intermediate_size": shape.intermediate_size, "vocab_size": shape.vocab_size,
+        "tie_word_embeddings": shape.tie_word_embeddings, "max_position_embeddings": 32768, **extra}))
+    return str(path)
+
+
+# ---------------------------------------------------------------- shapes
+def test_parameter_counts_of_published_shapes():
+    from transformers import Qwen2Config
+    assert SHAPES["qwen2.5-0.5b"].parameter_count() == 494_032_768  # the benchmark model's own count
+    assert round(SHAPES["qwen2.5-1.5b"].parameter_count() / 1e9, 2) == 1.54
+    assert round(SHAPES["qwen2.5-3b"].parameter_count() / 1e9, 2) == 3.09
+    assert round(SHAPES["qwen2.5-7b"].parameter_count() / 1e9, 2) == 7.62
+    config = Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)
+    assert memory.parameter_count(config) == 494_032_768  # a transformers config object, as bench/ passes
+
+
+@pytest.mark.parametrize("kind, kwargs", [
+    ("qwen2", dict(tie_word_embeddings=True)), ("qwen2", dict(tie_word_embeddings=False)),
+    ("llama", dict(attention_bias=False)), ("llama", dict(attention_bias=True, mlp_bias=True)),
+    ("llama", dict(num_key_value_heads=4, head_dim=32)),
+])
+def test_parameter_count_equals_the_built_model(kind, kwargs):
+    """Attention with and without bias, tied or untied embeddings, grouped-query heads: the count from
+    the config is the built model's."""
+    import transformers
+    config_cls, model_cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                             "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[kind]
+    config = config_cls(**{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                           "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 300, **kwargs})
+    model = model_cls(config)
+    assert memory.parameter_count(config) == sum(p.numel() for p in model.parameters())
+    assert memory.parameter_count({"text_config": config.to_dict()}) == memory.parameter_count(config)  # nested
+
+
+def test_tiny_default_shape_is_the_built_model():
+    from rlhf.tiny import build_char_tokenizer, build_tiny_model
+    import tempfile
+    tiny = TinyModelConfig()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_model(tiny, build_char_tokenizer(tmp), seed=0)
+    assert memory.tiny_shape(tiny).parameter_count() == sum(p.numel() for p in model.parameters())
+
+
+def test_bench_assets_count_is_the_plans():
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import gpu_assets
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    assert gpu_assets.parameter_count(gpu_assets.model_config()) == 494_032_768
+
+
+# ---------------------------------------------------------------- bytes per role
+def test_full_fine_tuning_keeps_16_bytes_a_parameter_per_trained_role():
+    plan = memory.predict(run_config(), SHAPES["qwen2.5-0.5b"], available=H200)
+    actor, critic = plan.roles["actor"], plan.roles["critic"]
+    assert actor.weights + actor.grads + actor.optimizer == 16 * 494_032_768
+    assert round((actor.weights + actor.grads + actor.optimizer) / 1e9, 2) == 7.90  # the runtime plan's figure
+    assert round(critic.resident / 1e9, 2) == 7.90  # tied embeddings: the backbone + value head is the same size
+    assert plan.roles["reference"].resident == 4 * 494_032_768
+
+
+def test_predicted_actor_update_matches_the_measured_peak():
+    """bench/results/gpu_train_h200.json: eager actor update, 16 x (256 + 256) tokens, fp32 weights +
+    bf16 autocast, peak 34.49 GiB allocated (state + activations, no vLLM, no reserve)."""
+    plan = memory.predict(run_config(micro_batch_size=16), SHAPES["qwen2.5-0.5b"], available=H200)
+    actor = plan.roles["actor"]
+    predicted = (actor.resident + actor.train) / GIB
+    assert 34.49 <= predicted <= 34.49 * 1.1, predicted
+
+
+def test_predictions_stay_above_the_measured_peaks():
+    """bench/results/memory_plan_h200.json: full fine-tuning and LoRA, with and without checkpointing,
+    0.5B-7B shapes; the plan must stay conservative (above) and useful (within 35%)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import memory_plan
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    shapes = {s.name: s for s in SHAPES.values()}
+    measured = json.loads((REPO / "bench" / "results" / "memory_plan_h200.json").read_text())["results"]
+    assert len(measured) == 6
+    for r in measured:
+        cfg = memory_plan.run_config(r["rows"], r["prompt"], r["response"], r["lora_rank"], r["gradient_checkpointing"],
+                                     "cuda")
+        actor = memory.predict(cfg, shapes[r["shape"]], available=H200).roles["actor"]
+        for kind, transient in (("update", actor.train), ("forward", actor.forward)):
+            predicted = (actor.resident + transient) / GIB
+            assert r[f"measured_{kind}_gib"] <= predicted <= 1.35 * r[f"measured_{kind}_gib"], (r, kind, predicted)
+
+
+def test_lora_reference_takes_no_bytes_and_the_base_is_bf16():
+    full = memory.predict(run_config(), SHAPES["qwen2.5-1.5b"], available=H200)
+    lora = memory.predict(run_config(lora_rank=64), SHAPES["qwen2.5-1.5b"], available=H200)
+    assert full.roles["reference"].resident > 0 and lora.roles["reference"].resident == 0
+    assert "reference" not in lora.peak.roles or lora.roles["reference"].resident == 0
+    params = SHAPES["qwen2.5-1.5b"].parameter_count()
+    adapters = SHAPES["qwen2.5-1.5b"].lora_params(64, memory.LINEARS)
+    actor = lora.roles["actor"]
+    assert actor.weights == 2 * params + 4 * adapters and actor.optimizer == 8 * adapters
+    assert lora.roles["critic"].resident < full.roles["critic"].resident / 4  # the critic follows (rank -1)
+
+
+def test_gradient_checkpointing_reduces_activations():
+    plain = memory.predict(instruct(), SHAPES["qwen2.5-7b"], available=H200)
+    ckpt = memory.predict(instruct("ppo.gradient_checkpointing = True"), SHAPES["qwen2.5-7b"], available=H200)
+    for role in ("actor", "critic"):
+        assert ckpt.roles[role].train < plain.roles[role].train / 1.5
+        assert ckpt.roles[role].forward == plain.roles[role].forward  # forward-only passes keep nothing anyway
+    shape, tokens = SHAPES["qwen2.5-7b"], 4096
+    kept = memory.saved_activation_bytes(shape, tokens, 2, checkpointing=True)
+    assert kept == shape.num_layers * 4 * shape.hidden_size * tokens + memory.layer_activation_bytes(shape, 2) * tokens
+
+
+def test_a_token_budget_caps_micro_batch_activations():
+    shape = SHAPES["qwen2.5-7b"]
+    padded = memory.predict(instruct("ppo.micro_batch_size = 8"), shape, available=H200)
+    budget = memory.predict(instruct("ppo.micro_batch_size = 8", "ppo.max_tokens_per_micro_batch = 4096"), shape,
+                            available=H200)
+    assert budget.settings["tokens_per_micro_batch"] == 4096 < padded.settings["tokens_per_micro_batch"] == 8 * 1536
+    assert budget.roles["actor"].train < padded.roles["actor"].train
+    # The budget, not micro_batch_size, bounds a packed micro-batch; a budget below one sequence holds one.
+    other = memory.predict(instruct("ppo.micro_batch_size = 2", "ppo.max_tokens_per_micro_batch = 4096"), shape,
+                           available=H200)
+    assert other.roles["actor"].train == budget.roles["actor"].train
+    tiny = memory.predict(instruct("ppo.max_tokens_per_micro_batch = 100"), shape, available=H200)
+    assert tiny.settings["tokens_per_micro_batch"] == 1536
+
+
+def test_world_size_divides_the_sharded_state():
+    shape = SHAPES["qwen2.5-7b"]
+    one = memory.predict(instruct(), shape, available=H200)
+    four = memory.predict(instruct("ppo.world_size = 4"), shape, available=H200)
+    for role in ("actor", "critic", "reference"):
+        for part in ("weights", "grads", "optimizer"):
+            assert getattr(four.roles[role], part) == -(-getattr(one.roles[role], part) // 4)
+    assert four.gpus == 4 and four.engine == one.engine  # one vLLM engine on each GPU of the actor
+    assert four.roles["actor"].train > one.roles["actor"].train - 1  # activations are per rank, not sharded
+
+
+# ---------------------------------------------------------------- verdicts
+def test_the_measured_gpu_cases():
+    """On one H200 (138.5 GiB usable): the 1.5B shape ran; the 3B shape died of OutOfMemoryError
+    although the old plan said it fit."""
+    available, total = int(138.5 * GIB), int(139.7 * GIB)
+    fits = memory.predict(run_config(), SHAPES["qwen2.5-1.5b"], available=available, device_total=total)
+    assert fits.fits and not fits.slim
+    fails = memory.predict(run_config(), SHAPES["qwen2.5-3b"], available=available, device_total=total)
+    assert fails.fits is False
+    assert fails.engine == int(0.3 * total)  # vLLM counted at its share of the GPU
+
+
+def test_7b_full_fine_tuning_does_not_fit_one_gpu_and_the_error_names_lora():
+    cfg, shape = instruct(), SHAPES["qwen2.5-7b"]
+    with pytest.raises(ConfigError) as err:
+        memory.check(cfg, shape, available=H200)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("ppo: the run needs")
+    assert "on a 139.0 GiB GPU" in message and "actor 113.5 = weights 28.4 + grads 28.4 + optimizer 56.7" in message
+    assert "it fits with ppo.lora_rank = 64" in message
+    bindings, suggested = memory.suggest(cfg, shape, None, available=H200)
+    assert bindings[0] == "ppo.lora_rank = 64" and suggested.fits
+    fixed = instruct(*bindings)
+    assert memory.predict(fixed, shape, available=H200).fits
+    assert f"({suggested.peak.total / GIB:.1f} GiB a GPU)" in message
+
+
+def test_suggestions_combine_changes_when_no_single_one_fits():
+    cfg, shape = instruct("ppo.micro_batch_size = 16", "ppo.mini_batch_size = 16"), SHAPES["qwen2.5-7b"]
+    bindings, plan = memory.suggest(cfg, shape, None, available=int(60 * GIB))
+    # No single change fits; of the pairs, LoRA with the largest token budget that fits comes first.
+    assert bindings == ["ppo.lora_rank = 64", "ppo.max_tokens_per_micro_batch = 2048"] and plan.fits
+    assert not memory.predict(instruct("ppo.micro_batch_size = 16", "ppo.mini_batch_size = 16", "ppo.lora_rank = 64",
+                                       "ppo.max_tokens_per_micro_batch = 4096"), shape, available=int(60 * GIB)).fits
+    assert memory.suggest(cfg, shape, None, available=int(20 * GIB)) is None
+    with pytest.raises(ConfigError, match="no change of ppo.lora_rank, .* makes it fit"):
+        memory.check(cfg, shape, available=int(20 * GIB))
+
+
+def test_auto_offload_and_sleep_are_decided_as_the_runtime_decides():
+    shape = SHAPES["qwen2.5-7b"]
+    auto = memory.predict(instruct("ppo.world_size = 2", "ppo.vllm_sleep = 'auto'"), shape, available=H200)
+    assert auto.offload and auto.sleep  # the roles and the awake engine do not fit together
+    roomy = memory.predict(run_config(vllm_sleep="auto"), SHAPES["qwen2.5-0.5b"], available=H200)
+    assert not roomy.offload and not roomy.sleep
+    forced = memory.predict(run_config(vllm_sleep=True), SHAPES["qwen2.5-0.5b"], available=H200)
+    assert forced.sleep and forced.peak.total <= roomy.peak.total
+
+
+def test_runtime_plan_counts_the_awake_engine_and_the_predicted_activations():
+    ppo = PPOConfig(rollout_backend="vllm", vllm_gpu_memory_utilization=0.3)
+    # The 3B run: vLLM's pool counted in torch's allocated memory, so free + allocated looked like
+    # the whole device; the roles' 103.5 GiB do not fit beside the engine's 41.9.
+    info = {"device_free_gb": 0.5, "device_total_gb": 139.7, "allocated_gb": 138.0}
+    roles = {"actor": int(46 * GIB), "critic": int(46 * GIB), "reference": int(11.5 * GIB)}
+    plan = memory.runtime_plan(ppo, roles, info, offload_mode=False, can_offload=False)
+    assert not plan["fits"] and plan["rollout_sleep"] and plan["available_gb"] < 98
+    predicted = memory.predict(run_config(), SHAPES["qwen2.5-0.5b"], available=H200)
+    small = {"actor": int(7.4 * GIB), "critic": int(7.4 * GIB), "reference": int(1.8 * GIB)}
+    plan = memory.runtime_plan(ppo, small, info, offload_mode="auto", can_offload=True, predicted=predicted)
+    assert plan["fits"] and not plan["offload"] and plan["headroom_gb"] == round(predicted.headroom() / GIB, 3)
+    assert "predicted activations" in plan["reason"]
+
+
+# ---------------------------------------------------------------- where it is checked
+def test_memory_command_exits_2_with_the_fix_on_a_config_json_only_model(tmp_path):
+    model = write_config(tmp_path / "qwen7b", SHAPES["qwen2.5-7b"])
+    cmd = [sys.executable, "-m", "rlhf.memory", "recipes/models/instruct.gin", "-b", f"model.name_or_path = '{model}'",
+           "--gpu-memory-gib", "139"]
+    bad = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert bad.returncode == 2, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "it fits with ppo.lora_rank = 64" in bad.stderr
+    assert "update_actor" in bad.stdout and "actor" in bad.stdout  # the table is printed before the verdict
+    good = subprocess.run([sys.executable, "-m", "rlhf.memory", "recipes/models/lora.gin", "-b",
+                           f"model.name_or_path = '{model}'", "--gpu-memory-gib", "139"],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert good.returncode == 0, good.stderr
+    assert "verdict: the run needs 76.5 GiB on a 139.0 GiB GPU: it fits" in good.stdout
+    assert "reference" in good.stdout and "the actor's base, adapter off" in good.stdout
+
+
+def test_memory_command_table_and_published_shapes():
+    out = subprocess.run([sys.executable, "-m", "rlhf.memory", "recipes/models/instruct.gin", "--table",
+                          "--gpu-memory-gib", "139"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| Qwen2.5")]
+    assert len(rows) == 12 and "| Qwen2.5-7B | 7.62B | full FT | 329.6 **no** |" in out.stdout
+    missing = subprocess.run([sys.executable, "-m", "rlhf.memory", "recipes/models/instruct.gin", "--shape", "gpt-9"],
+                             capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert missing.returncode == 2 and "allowed: qwen2.5-0.5b" in missing.stderr
+
+
+def test_run_start_refuses_before_building_any_model(tmp_path):
+    """The trainer's start (`memory.preflight`, before build_roles): with the GPU's memory given,
+    a run that cannot fit is a ConfigError (exit 2 in rlhf.train); on the CPU it is only logged."""
+    import torch
+    model = write_config(tmp_path / "qwen7b", SHAPES["qwen2.5-7b"])
+    cfg = instruct()
+    logged = []
+    with pytest.raises(ConfigError, match="it fits with ppo.lora_rank = 64"):
+        memory.preflight(cfg, model, torch.device("cuda"), logged.append, device_memory_bytes=(H200, H200))
+    plan = memory.preflight(instruct("ppo.lora_rank = 64"), model, torch.device("cuda"), logged.append,
+                            device_memory_bytes=(H200, H200))
+    assert plan.fits and logged[-1].startswith("memory plan (predicted): the run needs")
+    cpu = memory.preflight(dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, device="cpu")), model,
+                           torch.device("cpu"), logged.append)
+    assert cpu.fits is None and "nothing to check off a GPU" in logged[-1]
+    assert memory.preflight(cfg, tmp_path / "nowhere", None, logged.append) is None
+    assert logged[-1].startswith("memory plan: not predicted")
+    assert json.dumps(plan.to_dict())  # what provenance records as placement.memory_predicted
