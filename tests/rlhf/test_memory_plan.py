@@ -163,12 +163,14 @@ def test_a_token_budget_caps_micro_batch_activations():
                             available=H200)
     assert budget.settings["tokens_per_micro_batch"] == 4096 < padded.settings["tokens_per_micro_batch"] == 8 * 1536
     assert budget.roles["actor"].train < padded.roles["actor"].train
-    # The budget, not micro_batch_size, bounds a packed micro-batch; a budget below one sequence holds one.
+    # The budget, not micro_batch_size, bounds a packed micro-batch; the smallest budget allowed holds one sequence.
     other = memory.predict(instruct("ppo.micro_batch_size = 2", "ppo.max_tokens_per_micro_batch = 4096"), shape,
                            available=H200)
     assert other.roles["actor"].train == budget.roles["actor"].train
-    tiny = memory.predict(instruct("ppo.max_tokens_per_micro_batch = 100"), shape, available=H200)
-    assert tiny.settings["tokens_per_micro_batch"] == 1536
+    one = memory.predict(instruct("ppo.max_tokens_per_micro_batch = 1536"), shape, available=H200)
+    assert one.settings["tokens_per_micro_batch"] == 1536
+    with pytest.raises(ConfigError, match="ppo.max_tokens_per_micro_batch = 100 is invalid"):
+        instruct("ppo.max_tokens_per_micro_batch = 100")
 
 
 def test_world_size_divides_the_sharded_state():
@@ -292,3 +294,21 @@ def test_run_start_refuses_before_building_any_model(tmp_path):
     assert memory.preflight(cfg, tmp_path / "nowhere", None, logged.append) is None
     assert logged[-1].startswith("memory plan: not predicted")
     assert json.dumps(plan.to_dict())  # what provenance records as placement.memory_predicted
+
+
+def test_measured_out_of_memory_runs_are_refused_before_launch():
+    """Both runs of bench/gpu_ppo.py --preset long2k ran out of memory in the actor's update on an H200
+    (bench/results/gpu_ppo_long2k_*_h200.json: 0.5B shape, full fine-tuning, 256 x (256 + 2048) tokens,
+    a 16384-token budget or micro-batch 8): the plan refuses them and names a change that fits. The
+    7B LoRA run that ran (gpu_ppo_lora7b_r64_gc_h200.json, peak 90.4 GiB allocated) fits."""
+    shape = SHAPES["qwen2.5-0.5b"]
+    with pytest.raises(ConfigError, match="it fits with ppo."):
+        memory.check(run_config(max_response_length=2048, max_tokens_per_micro_batch=16384), shape, available=H200)
+    # Micro-batch 8 ran with the engine awake (the runtime rule then counted a flat 20% for activations);
+    # the plan now puts it to sleep through the update, which is what makes room for the micro-batch.
+    plan = memory.check(run_config(max_response_length=2048, micro_batch_size=8), shape, available=H200)
+    assert plan.sleep and "vLLM" not in plan.breakdown()
+    lora7b = run_config(max_response_length=512, lora_rank=64, lora_alpha=128.0, gradient_checkpointing=True,
+                        forward_micro_batch_size=16)
+    plan = memory.check(lora7b, SHAPES["qwen2.5-7b"], available=H200)
+    assert plan.fits and plan.peak.total >= 90.4 * GIB
