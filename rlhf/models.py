@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, Mapping, Tuple
+from typing import Dict, Iterator, Mapping, Tuple
 
 import torch
 from torch import nn

@@ -2,8 +2,10 @@
 start is built once (cached under RLHF_CACHE) and reused by every test."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,3 +37,53 @@ def run_train(args, timeout=900, check=True, cwd=REPO):
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
+
+
+def kill_when(args, out, checkpoint: str, timeout=300) -> None:
+    """Starts `python -m rlhf.train ARGS --out OUT` and kills it (SIGKILL) as soon as `OUT/checkpoints/
+    CHECKPOINT` exists: a crash right after a checkpoint, for the resume tests."""
+    out = Path(out)
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf.train", *map(str, args), "--out", str(out)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while not (out / "checkpoints" / checkpoint).exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+VOLATILE = ("timing_s/", "perf/")
+"""Metrics that measure the machine, not the run."""
+EXACT = ("reward_mean", "reward_std", "accuracy", "response_length_mean", "response_clip_ratio",
+         "rollout_success_rate", "eval/")
+FRACTIONS = ("clip_fraction", "actor/clip_fraction", "actor/pg_clipfrac", "critic/value_clip_fraction")
+
+
+def merge_bins_at_one(hist):
+    """The ratio histogram's counts with the two bins either side of ratio 1 merged."""
+    i = hist["bin_edges"].index(1.0)
+    counts = hist["counts"]
+    return counts[:i - 1] + [counts[i - 1] + counts[i]] + counts[i + 1:]
+
+
+def assert_same_metrics(a, b):
+    """Two runs that compute the same thing in another order (ranks, packing): sampled tokens, rewards and
+    evaluations exactly; losses to float32 summation order; fractions of tokens may flip one token across
+    a clip boundary, and ratios of 1 up to rounding fall either side of the histogram's edge at 1."""
+    import pytest
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        keys = {k for k in ra if not k.startswith(VOLATILE)}
+        assert keys == {k for k in rb if not k.startswith(VOLATILE)}, ra["step"]
+        for k in keys:
+            where = f"step {ra['step']}: {k}"
+            if k == "policy_ratio_hist":
+                ca, cb = (merge_bins_at_one(r[k]) for r in (ra, rb))
+                assert sum(ca) == sum(cb), where
+                assert sum(abs(x - y) for x, y in zip(ca, cb)) <= 2, where
+            elif k.startswith(EXACT) or k == "step":
+                assert ra[k] == rb[k], where
+            elif k.startswith(FRACTIONS):
+                assert ra[k] == pytest.approx(rb[k], abs=1e-2), where
+            else:
+                assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), where

@@ -31,7 +31,7 @@ from rlhf import checkpoint as ckpt_io
 from rlhf.chat import PromptRenderer, prompt_key
 from rlhf.config import ConfigError
 from rlhf.data import PreferencePair, _unit_hash, load_pairs
-from rlhf.models import adamw
+from rlhf.models import adamw, enable_gradient_checkpointing
 from rlhf.reward_model.config import RMTrainConfig
 from rlhf.reward_model.score import (encode_conversation, ensure_pad_id, last_token_scores, load_reward_tokenizer,
                                      pack_left)

@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rlhf.metrics import read_metrics
-from tests.conftest import REPO, run_train
+from tests.conftest import REPO, assert_same_metrics, run_train
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -21,14 +21,6 @@ from ray.cluster_utils import Cluster  # noqa: E402
 RECIPE = str(REPO / "recipes" / "tiny.gin")
 SHORT = ["-b", "ppo.total_steps = 3", "-b", "ppo.eval_every = 3", "-b", "ppo.save_every = 1",
          "-b", "ppo.keep_checkpoints = 0", "-b", "task.eval_size = 32", "--quiet"]
-VOLATILE = ("timing_s/", "perf/")
-# Sampled tokens, rewards and evaluations must match exactly; losses to float32 rounding (the ranks
-# run micro-batches of other shapes); fractions of tokens may flip one token across a clip boundary.
-EXACT = ("reward_mean", "reward_std", "accuracy", "response_length_mean", "response_clip_ratio",
-         "rollout_success_rate", "eval/")
-FRACTIONS = ("clip_fraction", "actor/clip_fraction", "actor/pg_clipfrac", "critic/value_clip_fraction")
-
-
 @pytest.fixture(scope="module")
 def cluster():
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
@@ -41,24 +33,6 @@ def cluster():
 def train(args, out, cwd, **kw):
     # cwd outside the repo: the engine must not depend on where it is started from.
     return run_train([RECIPE, *SHORT, *args, "--out", out], cwd=cwd, **kw)
-
-
-def assert_same_metrics(a, b):
-    assert [r["step"] for r in a] == [r["step"] for r in b]
-    for ra, rb in zip(a, b):
-        keys = {k for k in ra if not k.startswith(VOLATILE)}
-        assert keys == {k for k in rb if not k.startswith(VOLATILE)}, ra["step"]
-        for k in keys:
-            where = f"step {ra['step']}: {k}"
-            if k == "policy_ratio_hist":
-                assert sum(ra[k]["counts"]) == sum(rb[k]["counts"]), where
-                assert sum(abs(x - y) for x, y in zip(ra[k]["counts"], rb[k]["counts"])) <= 2, where
-            elif k.startswith(EXACT) or k == "step":
-                assert ra[k] == rb[k], where
-            elif k.startswith(FRACTIONS):
-                assert ra[k] == pytest.approx(rb[k], abs=1e-2), where
-            else:
-                assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), where
 
 
 def assert_same_checkpoint(a, b):

@@ -1,18 +1,12 @@
 """End-to-end runs of the engine on the tiny default: determinism, resume, safe checkpoints."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from rlhf.metrics import read_metrics
 from rlhf.provenance import hash_directory
-from tests.conftest import REPO, run_train
+from tests.conftest import kill_when, run_train
 
 SHORT = ["-b", "ppo.total_steps = 6", "-b", "ppo.eval_every = 3", "-b", "ppo.save_every = 3",
          "-b", "task.eval_size = 32", "--quiet"]
@@ -78,13 +72,7 @@ def test_killed_run_resumes_to_identical_metrics(tmp_path):
             "-b", "task.eval_size = 32", "--quiet"]
     run_train([*args, "--out", tmp_path / "whole"])
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "rlhf.train", *args, "--out", str(out)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (out / "checkpoints" / "step_4").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_when(args, out, "step_4")
     assert not (out / "checkpoints" / "step_12").exists(), "the run finished before it could be killed"
     assert not (out / "summary.json").exists()
     run_train([*args, "--out", out, "--resume"])

@@ -3,10 +3,8 @@ reference is, what a checkpoint holds, merged weights, resume, init_from and exp
 
 import hashlib
 import json
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -20,16 +18,13 @@ from rlhf.roles.actor import Actor
 from rlhf.roles.critic import Critic
 from rlhf.roles.reference import Reference
 from rlhf.tiny import build_char_tokenizer, build_tiny_model
-from tests.conftest import REPO, run_train
+from tests.conftest import REPO, VOLATILE, kill_when, run_train
 from tests.rlhf.test_workers import make_batch
 
 CPU = DeviceContext(torch.device("cpu"))
 LORA = ["-b", "ppo.lora_rank = 8", "-b", "ppo.actor_learning_rate = 3e-3", "-b", "ppo.critic_learning_rate = 9e-3"]
 SHORT = ["-b", "ppo.total_steps = 6", "-b", "ppo.eval_every = 3", "-b", "ppo.save_every = 3",
          "-b", "task.eval_size = 32", "--quiet"]
-VOLATILE = ("timing_s/", "perf/")
-
-
 def comparable(records):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
@@ -172,13 +167,7 @@ def test_killed_lora_run_resumes_to_identical_metrics(tmp_path):
             "-b", "ppo.save_every = 4", "-b", "task.eval_size = 32", "--quiet"]
     run_train([*args, "--out", tmp_path / "whole"])
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "rlhf.train", *args, "--out", str(out)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (out / "checkpoints" / "step_4").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_when(args, out, "step_4")
     assert not (out / "checkpoints" / "step_8").exists(), "the run finished before it could be killed"
     run_train([*args, "--out", out, "--resume"])
     assert comparable(read_metrics(out / "metrics.jsonl")) == comparable(read_metrics(tmp_path / "whole" / "metrics.jsonl"))

@@ -23,7 +23,7 @@ from rlhf.roles.common import response_logprobs
 from rlhf.roles.critic import Critic
 from rlhf.roles.reference import Reference
 from rlhf.tiny import build_char_tokenizer, build_tiny_model
-from tests.conftest import REPO, run_train
+from tests.conftest import REPO, assert_same_metrics, run_train
 
 CPU = DeviceContext(torch.device("cpu"))
 P, R = 30, 40  # prompt and response widths of the uneven batch
@@ -333,40 +333,6 @@ def test_training_with_a_budget_follows_the_padded_training(tok):
 SHORT = ["-b", "ppo.total_steps = 3", "-b", "ppo.eval_every = 3", "-b", "ppo.save_every = 3",
          "-b", "task.eval_size = 32", "--quiet"]
 BUDGET = ["-b", "ppo.max_tokens_per_micro_batch = 40"]  # the tiny recipe: 14 tokens at most a sequence
-VOLATILE = ("timing_s/", "perf/")
-EXACT = ("reward_mean", "reward_std", "accuracy", "response_length_mean", "response_clip_ratio",
-         "rollout_success_rate", "eval/")
-FRACTIONS = ("clip_fraction", "actor/clip_fraction", "actor/pg_clipfrac", "critic/value_clip_fraction")
-
-
-def merge_bins_at_one(hist):
-    """The ratio histogram's counts with the two bins either side of ratio 1 merged."""
-    i = hist["bin_edges"].index(1.0)
-    counts = hist["counts"]
-    return counts[:i - 1] + [counts[i - 1] + counts[i]] + counts[i + 1:]
-
-
-def assert_same_metrics(a, b):
-    """Sampled tokens, rewards and evaluations exactly; losses to float32 summation order; fractions of
-    tokens may flip one token across a clip boundary."""
-    assert [r["step"] for r in a] == [r["step"] for r in b]
-    for ra, rb in zip(a, b):
-        keys = {k for k in ra if not k.startswith(VOLATILE)}
-        assert keys == {k for k in rb if not k.startswith(VOLATILE)}, ra["step"]
-        for k in keys:
-            where = f"step {ra['step']}: {k}"
-            if k == "policy_ratio_hist":  # ratios of 1 up to rounding fall either side of the edge at 1
-                ca, cb = (merge_bins_at_one(r[k]) for r in (ra, rb))
-                assert sum(ca) == sum(cb), where
-                assert sum(abs(x - y) for x, y in zip(ca, cb)) <= 2, where
-            elif k.startswith(EXACT) or k == "step":
-                assert ra[k] == rb[k], where
-            elif k.startswith(FRACTIONS):
-                assert ra[k] == pytest.approx(rb[k], abs=1e-2), where
-            else:
-                assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), where
-
-
 @pytest.fixture(scope="module")
 def padded_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("padded")

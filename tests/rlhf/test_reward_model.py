@@ -216,6 +216,10 @@ def test_rm_training_learns_is_deterministic_and_loads(rm_data, tmp_path):
     assert summary["initial"]["eval/pair_accuracy"] < summary["final"]["eval/pair_accuracy"]
     wa, wb = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # Gradient checkpointing recomputes the same activations: the same weights, bit for bit (CPU).
+    train_rm(rm_data, tmp_path / "gc", "-b", "rm.gradient_checkpointing = True")
+    wc = load_file(str(tmp_path / "gc" / "model.safetensors"))
+    assert wc.keys() == wa.keys() and all(torch.equal(wa[k], wc[k]) for k in wa)
     model = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "a"))
     assert model.config.num_labels == 1
     RewardModelScorer(str(tmp_path / "a"), log=lambda m: None)  # the role loads it, tokenizer included
