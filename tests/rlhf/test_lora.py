@@ -141,6 +141,12 @@ def test_checkpoint_holds_peft_adapters_that_peft_loads(lora_run, tmp_path):
         want, got = policy.eval()(input_ids=ids).logits, merged(input_ids=ids).logits
     assert (want - got).abs().max() <= 1e-5 * max(1.0, want.abs().max())  # float32 rounding of the sums
     assert (tmp_path / "merged" / "tokenizer.json").is_file()
+    before = (tmp_path / "merged" / "model.safetensors").read_bytes()
+    proc = subprocess.run([sys.executable, "-m", "rlhf.export", str(ckpt), "--out", str(tmp_path / "merged")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "already exists" in proc.stderr and "Traceback" not in proc.stderr
+    assert (tmp_path / "merged" / "model.safetensors").read_bytes() == before, "a finished export was overwritten"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
     proc = subprocess.run([sys.executable, "-m", "rlhf.export", str(tmp_path), "--out", str(tmp_path / "x")],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "not a checkpoint" in proc.stderr and "Traceback" not in proc.stderr
