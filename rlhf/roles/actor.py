@@ -24,11 +24,11 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from rlhf import algos
+from rlhf import algos, checkpoint
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.config import ConfigError
-from rlhf.models import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, add_lora, adapter_files, frozen_base_dtype, load_policy,
+from rlhf.models import (ADAPTER_CONFIG, add_lora, adapter_files, frozen_base_dtype, load_policy,
                          load_tokenizer, lora_scaling, merged_weights, read_adapter_rank)
 from rlhf.packing import micro_batches
 from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, response_logprobs
@@ -42,8 +42,7 @@ def build_policy(ppo: PPOConfig, start_dir: str, model_dir: str, device: torch.d
     """The policy to train: the start checkpoint as it is (full fine-tuning), or with `ppo.lora_rank`
     the base `model_dir` in `frozen_base_dtype` wrapped with fresh adapters, or with the adapters of a
     LoRA start checkpoint (`ppo.init_from`). A LoRA start under full fine-tuning is merged into its base."""
-    from peft import PeftModel, set_peft_model_state_dict
-    from safetensors.torch import load_file
+    from peft import PeftModel
     start_is_adapter = (Path(start_dir) / ADAPTER_CONFIG).is_file()
     if not ppo.lora_rank:
         if start_is_adapter:
@@ -56,10 +55,12 @@ def build_policy(ppo: PPOConfig, start_dir: str, model_dir: str, device: torch.d
         if rank != ppo.lora_rank:
             raise ConfigError(f"ppo.lora_rank = {ppo.lora_rank} is invalid: ppo.init_from's adapter {start_dir} has "
                               f"rank {rank}; set ppo.lora_rank = {rank}")
-        result = set_peft_model_state_dict(model, load_file(str(Path(start_dir) / ADAPTER_WEIGHTS)))
-        if result.unexpected_keys:
-            raise ConfigError(f"ppo.init_from: the adapter in {start_dir} does not fit this model "
-                              f"(unexpected {result.unexpected_keys[:3]}); check ppo.lora_target_modules")
+        result = model.load_state_dict(checkpoint.read_trained_state(Path(start_dir).parent, "actor"), strict=False)
+        trained = {name for name, p in model.named_parameters() if p.requires_grad}
+        missing = [k for k in result.missing_keys if k in trained]
+        if missing or result.unexpected_keys:
+            raise ConfigError(f"ppo.init_from: the adapter in {start_dir} does not fit this model (missing "
+                              f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}); check ppo.lora_target_modules")
     elif not Path(start_dir).samefile(model_dir):
         raise ConfigError(f"ppo.init_from = {str(Path(start_dir).parent)!r} holds a fully fine-tuned policy; "
                           f"LoRA (ppo.lora_rank = {ppo.lora_rank}) trains adapters on the base model: set "
