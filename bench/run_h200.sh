@@ -10,6 +10,7 @@
 #                                          # 2048 new tokens: token budget vs micro-batch 8
 #   bash bench/run_h200.sh peers           # (c) 7B LoRA GRPO, this engine vs TRL (peers/run_h200.sh lora7b)
 #   bash bench/run_h200.sh long2k_mb4      # (b, optional) a fixed micro-batch of 4
+#   bash bench/run_h200.sh setup threads   # carry1: the default 0.5B workload at 16, 8, 4, 2 torch threads
 #
 # `setup` copies what .carry/vllm and .carry/gin hold into /tmp/vc and installs once all of vLLM
 # is there, so the split carries carry1a then carry1b (`setup`, then `setup lora7b`) work too.
@@ -92,11 +93,15 @@ for MODE in "${MODES[@]}"; do
       bash .carry/peers/install.sh .carry/peers 2>&1 | tee "$W/install.log" || exit 3
       need trl datasets
       ;;
-    lora7b|long2k|long2k_mb4)
+    lora7b|long2k|long2k_mb4|threads)
       need vllm gin peft
-      if [ "$MODE" = lora7b ]; then A=$A7; SHAPE=7b; PRESET=lora7b; else A=$A05; SHAPE=0.5b; PRESET=long2k; fi
+      if [ "$MODE" = lora7b ]; then A=$A7; SHAPE=7b; PRESET=(--preset lora7b); else A=$A05; SHAPE=0.5b; PRESET=(--preset long2k); fi
       EXTRA=()
       if [ "$MODE" = long2k_mb4 ]; then EXTRA=(--variant "long2k_mb4=ppo.micro_batch_size = 4"); fi
+      if [ "$MODE" = threads ]; then  # the default 0.5B workload, one process, by torch's intra-op threads
+        PRESET=(--steps 2 --suffix threads_h200)
+        for t in 16 8 4 2; do EXTRA+=(--variant "threads$t=ppo.torch_threads = $t"); done
+      fi
       if [ ! -f "$A/model/config.json" ]; then  # before the time split: the 7B build takes ~1 minute
         log "$MODE: building the $SHAPE inputs in $A"
         python3 bench/gpu_assets.py --shape $SHAPE --out "$A" "${TINY[@]}" 2>&1 | sed '/Writing model shards/d' | tee "$W/assets.log"
@@ -106,8 +111,8 @@ for MODE in "${MODES[@]}"; do
       machine "$W"
       L=$(left)
       if [ "$L" -lt 150 ]; then log "$MODE: only ${L}s left in the call, not started"; continue; fi
-      log "$MODE: gpu_ppo --preset $PRESET, ${L}s for its variants"
-      python3 bench/gpu_ppo.py --preset $PRESET --assets "$A" --json-dir "$W" --total-time "$L" "${EXTRA[@]}" "${TINY[@]}" \
+      log "$MODE: gpu_ppo ${PRESET[*]}, ${L}s for its variants"
+      python3 bench/gpu_ppo.py "${PRESET[@]}" --assets "$A" --json-dir "$W" --total-time "$L" "${EXTRA[@]}" "${TINY[@]}" \
         > "$W/$MODE.log" 2>&1
       log "$MODE: rc=$?"
       grep -E "^(PPO iteration|  [a-z_]+ +[0-9.]+ ms|  [a-z_]+ +peak|variant |stopping|iteration )" "$W/$MODE.log" | tail -60
