@@ -11,6 +11,7 @@
 #   bash bench/run_h200.sh peers           # (c) 7B LoRA GRPO, this engine vs TRL (peers/run_h200.sh lora7b)
 #   bash bench/run_h200.sh long2k_mb4      # (b, optional) a fixed micro-batch of 4
 #   bash bench/run_h200.sh setup threads   # carry1: the default 0.5B workload at 16, 8, 4, 2 torch threads
+#   bash bench/run_h200.sh setup threads_compiled   # the same compiled at micro-batch 32: 16, 8, 4 threads
 #
 # `setup` copies what .carry/vllm and .carry/gin hold into /tmp/vc and installs once all of vLLM
 # is there, so the split carries carry1a then carry1b (`setup`, then `setup lora7b`) work too.
@@ -93,7 +94,7 @@ for MODE in "${MODES[@]}"; do
       bash .carry/peers/install.sh .carry/peers 2>&1 | tee "$W/install.log" || exit 3
       need trl datasets
       ;;
-    lora7b|long2k|long2k_mb4|threads)
+    lora7b|long2k|long2k_mb4|threads|threads_compiled)
       need vllm gin peft
       if [ "$MODE" = lora7b ]; then A=$A7; SHAPE=7b; PRESET=(--preset lora7b); else A=$A05; SHAPE=0.5b; PRESET=(--preset long2k); fi
       EXTRA=()
@@ -101,6 +102,12 @@ for MODE in "${MODES[@]}"; do
       if [ "$MODE" = threads ]; then  # the default 0.5B workload, one process, by torch's intra-op threads
         PRESET=(--steps 2 --suffix threads_h200)
         for t in 16 8 4 2; do EXTRA+=(--variant "threads$t=ppo.torch_threads = $t"); done
+      fi
+      if [ "$MODE" = threads_compiled ]; then  # the same, compiled, micro-batch 32, forward micro-batch 64
+        PRESET=(--steps 2 --suffix threads_compiled_h200)
+        for t in 16 8 4; do
+          EXTRA+=(--variant "compiled_threads$t=ppo.torch_compile = True; ppo.micro_batch_size = 32; ppo.forward_micro_batch_size = 64; ppo.torch_threads = $t")
+        done
       fi
       if [ ! -f "$A/model/config.json" ]; then  # before the time split: the 7B build takes ~1 minute
         log "$MODE: building the $SHAPE inputs in $A"
