@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
+
+GPU_TORCH_THREADS = 4
+"""torch's intra-op threads of a one-process GPU run that sets no `ppo.torch_threads`."""
 
 class ConfigError(ValueError):
     """A configuration value is invalid. The message names the binding and what is allowed."""
@@ -219,7 +223,10 @@ class PPOConfig:
     """GPU: compile the models' training and scoring forwards and the log-prob/entropy math with
     torch.compile (fuses the many small kernels of narrow models; the first steps compile)."""
     torch_threads: int = 0
-    """CPU threads for torch (0 leaves torch's default); on Ray, the threads of each rank."""
+    """CPU threads for torch; on Ray, the threads of each rank. 0: one thread on a CPU run (the
+    pinned numerics, rlhf/numerics.py), `GPU_TORCH_THREADS` (4) for a one-process GPU run, whose
+    host threads only launch kernels and share the cores with vLLM (on the H200, 4 threads were as
+    fast as 16 and 8, 2 slower: bench/results/threads/), on Ray `cpus_per_rank`."""
 
     # --- scale-out on Ray (bindings that say where a run executes, not what it computes) ---
     world_size: int = 1
@@ -343,6 +350,13 @@ class PPOConfig:
         """Whether a GPU computes in bf16 autocast: `dtype = 'bfloat16'`, or any LoRA (its frozen base
         is bf16 on a GPU)."""
         return self.dtype == "bfloat16" or self.lora_rank > 0 or self.resolved_critic_lora_rank > 0
+
+    def host_threads(self, device_type: str) -> int:
+        """torch's intra-op threads for a one-process run on `device_type`: `torch_threads`, else
+        `GPU_TORCH_THREADS` (at most the cores) on a GPU; 0 on a CPU (the pinned numerics decide)."""
+        if self.torch_threads:
+            return self.torch_threads
+        return min(GPU_TORCH_THREADS, os.cpu_count() or 1) if device_type == "cuda" else 0
 
     @property
     def resolved_critic_lora_rank(self) -> int:

@@ -80,8 +80,8 @@ class PPOTrainer:
         # On Ray the ranks hold the devices; this process only steers them (and computes advantages).
         local = self.ppo.resolved_placement == "local"
         self.device = resolve_device(self.ppo.device) if local else torch.device("cpu")
-        if self.ppo.torch_threads:
-            torch.set_num_threads(self.ppo.torch_threads)
+        if self.ppo.host_threads(self.device.type):  # on a GPU, kernel launches: more threads take cores from vLLM
+            torch.set_num_threads(self.ppo.host_threads(self.device.type))
         torch.use_deterministic_algorithms(True, warn_only=True)
         self.autocast_dtype = torch.bfloat16 if self.ppo.bf16_autocast and self.device.type == "cuda" else None
 

@@ -75,3 +75,15 @@ def test_config_errors_raise_in_process():
         PPOConfig(top_p=0.0)
     with pytest.raises(ConfigError, match="recipe 'missing.gin' does not exist"):
         configurable.resolve("missing.gin", [])
+
+
+def test_host_threads_default_by_device(monkeypatch):
+    """A one-process GPU run that sets no ppo.torch_threads gets GPU_TORCH_THREADS (its host threads
+    launch kernels beside vLLM); a CPU run leaves the count to the pinned numerics; a binding wins."""
+    from rlhf.config import GPU_TORCH_THREADS
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert PPOConfig().host_threads("cuda") == GPU_TORCH_THREADS == 4
+    assert PPOConfig().host_threads("cpu") == 0
+    assert PPOConfig(torch_threads=8).host_threads("cuda") == 8 and PPOConfig(torch_threads=3).host_threads("cpu") == 3
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert PPOConfig().host_threads("cuda") == 2
