@@ -244,8 +244,9 @@ def check_start_checkpoint(ckpt: str | Path, binding: str = "ppo.init_from") -> 
                               f"(another step_N, or the run's --resume)")
         return
     for sub in (ckpt / "actor", ckpt / "critic", ckpt):
-        if sub.is_dir():
-            check_weights(sub, binding)
+        reason = damaged_weights(sub) if sub.is_dir() else None
+        if reason is not None:
+            raise ConfigError(f"{binding} = {str(ckpt)!r}: {reason}; start from an intact checkpoint")
 
 
 # ------------------------------------------------------------------ a full disk
