@@ -97,7 +97,7 @@ def load_tokenizer(path: str | Path, binding: str = "model.tokenizer_path") -> P
     return tok
 
 
-CAUSAL_LM_ARCHITECTURES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+CAUSAL_LM_ARCHITECTURES = ("ForCausalLM", "LMHeadModel", "WithLMHead", "ForConditionalGeneration")
 """How the architectures of a checkpoint with a language-model head end (config.json)."""
 
 
