@@ -13,11 +13,14 @@ A checkpoint is written to a temporary folder and renamed into place, so a kill 
 half-written `step_N`. A checkpoint damaged later (a truncated copy, a full disk, bit rot) fails
 `verify_checkpoint` against its manifest; `latest_checkpoint` then skips it, saying why, and
 returns the newest intact one, and a resume moves the damaged ones aside (`corrupt-step_N`) so
-no retry trusts them again.
+no retry trusts them again. A write that fails (a full disk) removes its temporary folder and
+raises `DiskFull`, one line naming the newest intact checkpoint that `--resume` continues from.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -25,7 +28,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Iterator, Optional
 
 # torch and safetensors load inside the functions that need them: verifying and listing checkpoints
 # (the experiment manager does it for every run of a study) stays light.
@@ -184,6 +187,110 @@ def quarantine(ckpt: str | Path) -> Path:
     return target
 
 
+def resume_checkpoint(ckpt_root: str | Path, log: Callable[[str], None]) -> Optional[Path]:
+    """`--resume`: the newest intact checkpoint under `ckpt_root`, or None. Damaged newer ones are
+    reported (`log`) and moved aside, so that no later retry resumes into them."""
+    skipped: list = []
+    found = latest_checkpoint(ckpt_root, full=True, skipped=skipped)
+    for path, reason in skipped:
+        moved = quarantine(path)
+        log(f"--resume: skipped damaged checkpoint {path} ({reason}); moved to {moved}")
+    if skipped and found is not None:
+        log(f"--resume: resuming from {found}, the newest intact checkpoint")
+    return found
+
+
+def damaged_weights(model_dir: str | Path) -> Optional[str]:
+    """None when every safetensors file of a model directory reads (header present and the file as
+    long as the header says; the shards an index names present), else which one does not (one line).
+    Reads headers only."""
+    from safetensors import SafetensorError, safe_open
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            return f"{index.name} is unreadable ({type(err).__name__})"
+        for name in shards:
+            if not (root / name).is_file():
+                return f"{name} is missing (named by {index.name})"
+    for path in sorted(root.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except (SafetensorError, OSError, ValueError) as err:
+            return f"{path} is truncated or damaged ({str(err).splitlines()[0][:120]})"
+    return None
+
+
+def check_weights(model_dir: str | Path, binding: str) -> None:
+    """A ConfigError naming the file when a model directory's weights are damaged (a truncated copy)."""
+    from rlhf.config import ConfigError
+    reason = damaged_weights(model_dir)
+    if reason is not None:
+        raise ConfigError(f"{binding} = {str(model_dir)!r}: {reason}; copy or write the checkpoint again")
+
+
+def check_start_checkpoint(ckpt: str | Path, binding: str = "ppo.init_from") -> None:
+    """A start checkpoint is verified as `--resume` verifies one: against its manifest (sizes and
+    sha256), or, without one, by reading its safetensors headers. A ConfigError naming the damaged file."""
+    from rlhf.config import ConfigError
+    ckpt = Path(ckpt)
+    if (ckpt / MANIFEST).is_file():
+        reason = verify_checkpoint(ckpt, full=True)
+        if reason is not None:
+            raise ConfigError(f"{binding} = {str(ckpt)!r} is damaged: {reason}; start from an intact checkpoint "
+                              f"(another step_N, or the run's --resume)")
+        return
+    for sub in (ckpt / "actor", ckpt / "critic", ckpt):
+        reason = damaged_weights(sub) if sub.is_dir() else None
+        if reason is not None:
+            raise ConfigError(f"{binding} = {str(ckpt)!r}: {reason}; start from an intact checkpoint")
+
+
+# ------------------------------------------------------------------ a full disk
+class DiskFull(RuntimeError):
+    """A write ran out of space; its temporary files are gone and finished checkpoints are untouched."""
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """An OSError ENOSPC / EDQUOT, or safetensors' error for one (it reports I/O errors in its text)."""
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(err)
+    return type(err).__name__ == "SafetensorError" and ("No space left on device" in text or "StorageFull" in text
+                                                        or "os error 28" in text)
+
+
+def disk_full_message(err: BaseException, out: str | Path) -> Optional[str]:
+    """The one line a CLI prints for a full disk under run dir `out` (None for any other error)."""
+    if isinstance(err, DiskFull):
+        return str(err)
+    if not is_disk_full(err):
+        return None
+    where = f" writing {err.filename}" if isinstance(err, OSError) and err.filename else ""
+    latest = latest_checkpoint(Path(out) / "checkpoints", full=False)
+    return (f"disk full{where} (No space left on device): free space, then --resume continues from "
+            f"{latest if latest is not None else 'step 0 (no checkpoint was written)'}")
+
+
+@contextlib.contextmanager
+def writing(tmp: Path, what: str) -> Iterator[Path]:
+    """A checkpoint written into the temporary folder `tmp`: if the write fails, `tmp` is removed; a
+    full disk becomes `DiskFull`, naming the newest intact checkpoint beside it."""
+    try:
+        yield tmp
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(err):
+            latest = latest_checkpoint(tmp.parent, full=False)
+            raise DiskFull(f"disk full: cannot write {what} (No space left on device; nothing half-written is "
+                           f"left); free space, then --resume continues from "
+                           f"{latest if latest is not None else 'step 0 (no checkpoint was written)'}") from None
+        raise
+
+
 def save_checkpoint(ckpt_root: str | Path, step: int, *, actor, critic, tokenizer, trainer_state: dict,
                     keep: int) -> Path:
     """`actor` / `critic` (None without a critic): trained roles, in this process or proxies of Ray
@@ -194,25 +301,26 @@ def save_checkpoint(ckpt_root: str | Path, step: int, *, actor, critic, tokenize
     final = root / f"step_{step}"
     tmp = root / f".tmp_step_{step}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for role in (actor, critic):
-        for rel, data in (role.model_files().items() if role is not None else ()):
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / rel).write_bytes(data)
-    tokenizer.save_pretrained(str(tmp / "actor"))
-    state = {"step": step, "trainer": trainer_state}
-    for name, role in (("actor", actor), ("critic", critic)):
-        if role is None:
-            continue
-        tensors, meta = optimizer_to_flat(role.optimizer_state())
-        save_file(tensors, str(tmp / f"{name}_optim.safetensors"))
-        state[f"{name}_optim"] = meta
-        state[f"{name}_scheduler"] = {k: v for k, v in role.scheduler_state().items() if k != "lr_lambdas"}
-    rng_tensors, rng_meta = rng_state()
-    save_file(rng_tensors, str(tmp / "rng.safetensors"))
-    state["rng"] = rng_meta
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
-    write_manifest(tmp)
+    with writing(tmp, f"checkpoint {final}"):
+        tmp.mkdir()
+        for role in (actor, critic):
+            for rel, data in (role.model_files().items() if role is not None else ()):
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / rel).write_bytes(data)
+        tokenizer.save_pretrained(str(tmp / "actor"))
+        state = {"step": step, "trainer": trainer_state}
+        for name, role in (("actor", actor), ("critic", critic)):
+            if role is None:
+                continue
+            tensors, meta = optimizer_to_flat(role.optimizer_state())
+            save_file(tensors, str(tmp / f"{name}_optim.safetensors"))
+            state[f"{name}_optim"] = meta
+            state[f"{name}_scheduler"] = {k: v for k, v in role.scheduler_state().items() if k != "lr_lambdas"}
+        rng_tensors, rng_meta = rng_state()
+        save_file(rng_tensors, str(tmp / "rng.safetensors"))
+        state["rng"] = rng_meta
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        write_manifest(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     if keep > 0:

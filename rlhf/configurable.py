@@ -77,9 +77,40 @@ def _guard_package_probe() -> None:
 _guard_package_probe()
 
 
+OTHER_SCOPES: dict = {}
+"""Scopes another CLI registers with gin (the reward model's `rm`): named in messages like SCOPES,
+not built by `build`."""
+
+
+def register_scope(name: str, cls) -> None:
+    """Registers `cls` with gin as `name` for a CLI of its own (`python -m rlhf.reward_model`)."""
+    OTHER_SCOPES[name] = cls
+    try:
+        gin.external_configurable(cls, name)
+    except ValueError:  # already registered in this process
+        pass
+
+
+def _scope_class(scope: str):
+    return SCOPES.get(scope) or OTHER_SCOPES.get(scope)
+
+
 def _known_params(scope: str) -> list[str]:
     import dataclasses
-    return [f.name for f in dataclasses.fields(SCOPES[scope])]
+    return [f.name for f in dataclasses.fields(_scope_class(scope))]
+
+
+def _close_param(param: str, known: Sequence[str]) -> str | None:
+    """The known parameter `param` most likely means: a close spelling, else the one it abbreviates
+    (its initials, 'lr' for learning_rate), else the one that contains it."""
+    close = difflib.get_close_matches(param, known, n=1)
+    if close:
+        return close[0]
+    for name in known:
+        if "".join(part[0] for part in name.split("_") if part) == param.lower():
+            return name
+    inside = [name for name in known if len(param) >= 3 and param.lower() in name]
+    return inside[0] if len(inside) == 1 else None
 
 
 def _explain_gin_error(err: Exception) -> str:
@@ -93,9 +124,9 @@ def _explain_gin_error(err: Exception) -> str:
     m = re.match(r"Configurable '(\w+)' doesn't have a parameter named '(\w+)'", first)
     if m:
         scope, param = m.groups()
-        known = _known_params(scope) if scope in SCOPES else []
-        close = difflib.get_close_matches(param, known, n=1)
-        hint = f"; did you mean {scope}.{close[0]}?" if close else ""
+        known = _known_params(scope) if _scope_class(scope) is not None else []
+        close = _close_param(param, known)
+        hint = f"; did you mean {scope}.{close}?" if close else ""
         return f"{scope}.{param} is not a known binding{where}{hint} Allowed: {scope}.{{{', '.join(known)}}}"
     m = re.match(r"No configurable matching '([\w.]+)'", first)
     if m:
@@ -122,7 +153,7 @@ _TYPE_WORDS = {"float": "a number", "int": "an integer", "bool": "True or False"
 def _expected(scope: str, param: str, value: str) -> str:
     """'expected a number, e.g. ppo.kl_coef = 0.05', from the dataclass field of `scope.param`."""
     import dataclasses
-    fields = {f.name: f for f in dataclasses.fields(SCOPES[scope])} if scope in SCOPES else {}
+    fields = {f.name: f for f in dataclasses.fields(_scope_class(scope))} if _scope_class(scope) is not None else {}
     field = fields.get(param)
     if field is None:
         return "a value is a number, True/False, a quoted string, a list or a dict"

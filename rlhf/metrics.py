@@ -59,7 +59,12 @@ class JsonlSink:
         self.file.flush()
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError as err:  # a full disk: the write that failed has raised already
+            import errno
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
 
 
 class ConsoleProgress:

@@ -29,11 +29,64 @@ def adamw(params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay
     return torch.optim.AdamW(list(params), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fused=True)
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """A left-padding tokenizer (generation pads prompts on the left)."""
-    if not Path(path).is_dir():
-        raise ConfigError(f"tokenizer directory {str(path)!r} does not exist (model.tokenizer_path)")
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "merges.txt", "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+"""What a saved tokenizer leaves in its directory (one of them at least)."""
+
+
+def read_tokenizer(path: str | Path, binding: str, fix: str = "") -> PreTrainedTokenizerBase:
+    """The tokenizer saved in `path` (named by `binding`), or a one-line ConfigError naming the binding
+    to set (`fix`): for a missing directory, a directory without tokenizer files (transformers would
+    build an empty tokenizer for some model types from config.json alone), one it cannot load, and
+    a tokenizer without a vocabulary."""
+    path = Path(path)
+    where = f"{binding} = {str(path)!r}"
+    set_it = f"set {fix} to the directory the model's tokenizer was saved in" if fix and fix != binding else \
+        "point it at the directory the model's tokenizer was saved in"
+    if not path.is_dir():
+        raise ConfigError(f"{where} is invalid: no such tokenizer directory; {set_it}")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{where}: no tokenizer files in that directory (none of {', '.join(TOKENIZER_FILES[:4])}, "
+                          f"...); {set_it}")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, OSError, KeyError, TypeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{where}: cannot load a tokenizer there ({first}); {set_it}") from None
+    special = set(tok.all_special_tokens)
+    if not [t for t in tok.get_vocab() if t not in special]:
+        raise ConfigError(f"{where}: the tokenizer there has an empty vocabulary ({len(tok)} tokens, all special); "
+                          f"{set_it}")
+    return tok
+
+
+def check_vocab_fits(tokenizer, tokenizer_binding: str, tokenizer_dir: str | Path, model_binding: str,
+                     model_dir: str | Path) -> None:
+    """A ConfigError unless every id of `tokenizer` (from `tokenizer_dir`, named by `tokenizer_binding`)
+    indexes the embedding of the model in `model_dir`
+    (`vocab_size` in its config.json; nothing to check when it says none): a larger id would fail
+    inside the forward pass."""
+    import json
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    vocab_size = text.get("vocab_size") if isinstance(text, dict) else None
+    if not isinstance(vocab_size, int) or vocab_size <= 0:
+        return
+    max_id = max(tokenizer.get_vocab().values(), default=-1)
+    if max_id >= vocab_size:
+        raise ConfigError(f"{tokenizer_binding} = {str(tokenizer_dir)!r}: the tokenizer has ids up to {max_id} "
+                          f"({len(tokenizer)} tokens), beyond the embedding of {model_binding} = {str(model_dir)!r} "
+                          f"(vocab_size = {vocab_size} in its config.json); use the tokenizer the model was "
+                          f"trained with")
+
+
+def load_tokenizer(path: str | Path, binding: str = "model.tokenizer_path") -> PreTrainedTokenizerBase:
+    """A left-padding tokenizer (generation pads prompts on the left). `binding`: the one that named
+    `path` (model.tokenizer_path, or model.name_or_path when the tokenizer is the model's own)."""
+    tok = read_tokenizer(path, binding, fix="model.tokenizer_path")
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
@@ -44,11 +97,35 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
+CAUSAL_LM_ARCHITECTURES = ("ForCausalLM", "LMHeadModel", "WithLMHead", "ForConditionalGeneration")
+"""How the architectures of a checkpoint with a language-model head end (config.json)."""
+
+
+def check_policy_dir(path: str | Path, binding: str = "model.name_or_path") -> None:
+    """The policy directory holds a causal LM: config.json present and its `architectures` (when it
+    names them) a model with a language-model head. A sequence classifier or a bare backbone would
+    load into AutoModelForCausalLM with a freshly initialised head: a ConfigError instead, before
+    any weights load."""
+    import json
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{binding} = {str(path)!r} is invalid: not a local model directory (no config.json); "
+                          f"use 'tiny' or a saved AutoModelForCausalLM checkpoint")
+    try:
+        archs = json.loads(cfg_file.read_text()).get("architectures") or []
+    except (ValueError, AttributeError):
+        raise ConfigError(f"{binding} = {str(path)!r}: config.json is not a JSON object") from None
+    if archs and not any(str(a).endswith(CAUSAL_LM_ARCHITECTURES) for a in archs):
+        kind = "a sequence classifier (a reward model?)" if any(str(a).endswith("ForSequenceClassification")
+                                                                for a in archs) else "not a causal LM"
+        raise ConfigError(f"{binding} = {str(path)!r} is invalid: its config.json says architectures = {archs}, "
+                          f"{kind}; loading it as the policy would start from an untrained LM head. Use a "
+                          f"causal LM checkpoint (architectures ending in ForCausalLM)")
+
+
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> nn.Module:
     """`device`: a GPU to load the weights straight onto (a frozen 7B base: no pass through host memory)."""
-    if not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"model.name_or_path = {str(path)!r}: not a local model directory "
-                          f"(no config.json); use 'tiny' or a saved AutoModelForCausalLM checkpoint")
+    check_policy_dir(path)
     on_gpu = device is not None and torch.device(device).type == "cuda"
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
                                                  **({"device_map": str(torch.device(device))} if on_gpu else {}))

@@ -3,6 +3,7 @@
     python -m rlhf.train RECIPE.gin [-b 'BINDING']... --out DIR [--resume] [--ray-address ADDR]
 
 Exit codes: 0 done, 2 bad configuration (one line, before any compute), 3 training diverged,
+4 disk full (one line; nothing half-written is left, --resume continues from the last checkpoint),
 1 any other error.
 """
 
@@ -14,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_DIVERGED = 0, 1, 2, 3
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_DIVERGED, EXIT_DISK_FULL = 0, 1, 2, 3, 4
 
 
 def parse_args(argv):
@@ -87,6 +88,12 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         (out / "summary.json").write_text(json.dumps({"status": "diverged", "error": str(err)}, indent=1))
         return EXIT_DIVERGED
+    except Exception as err:  # a full disk: one line (checkpoint.disk_full_message), not a traceback
+        message = checkpoint.disk_full_message(err, out)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_DISK_FULL
     finally:
         logger.close()
         trainer.close()
@@ -110,16 +117,9 @@ def check_writable(out: Path) -> None:
 
 def resume_checkpoint(ckpt_root: Path):
     """The newest intact checkpoint; damaged newer ones are reported and moved aside so that no
-    later retry resumes into them."""
+    later retry resumes into them (`rlhf.checkpoint.resume_checkpoint`)."""
     from rlhf import checkpoint
-    skipped: list = []
-    found = checkpoint.latest_checkpoint(ckpt_root, full=True, skipped=skipped)
-    for path, reason in skipped:
-        moved = checkpoint.quarantine(path)
-        print(f"--resume: skipped damaged checkpoint {path} ({reason}); moved to {moved}", file=sys.stderr)
-    if skipped and found is not None:
-        print(f"--resume: resuming from {found}, the newest intact checkpoint", file=sys.stderr)
-    return found
+    return checkpoint.resume_checkpoint(ckpt_root, log=lambda m: print(m, file=sys.stderr))
 
 
 def runs_on_gpu(cfg) -> bool:

@@ -24,7 +24,7 @@ from rlhf.config import RunConfig
 from rlhf.chat import PromptRenderer
 from rlhf.data import Example, PromptSampler, dataset_hash, load_task
 from rlhf.metrics import MetricLogger, read_metrics, window_means
-from rlhf.models import load_tokenizer
+from rlhf.models import check_policy_dir, check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles, memory
 from rlhf.rollout import SamplingParams, decode_responses, derive_seed, rollout_logprob_gap
 from rlhf.tiny import prepare_tiny
@@ -49,11 +49,8 @@ def resolve_model_paths(cfg: RunConfig, log=print) -> tuple[Path, Path]:
     """(policy dir, tokenizer dir): the tiny default is built (once, cached) on demand."""
     if cfg.model.name_or_path == "tiny":
         return prepare_tiny(cfg.tiny_model, cfg.sft, cfg.task, log=log)
-    from rlhf.config import ConfigError
     model_dir = Path(cfg.model.name_or_path)
-    if not (model_dir / "config.json").is_file():
-        raise ConfigError(f"model.name_or_path = {str(model_dir)!r} is invalid: not a local model directory "
-                          f"(no config.json); use 'tiny' or a saved AutoModelForCausalLM checkpoint")
+    check_policy_dir(model_dir)  # a causal LM (config.json), before any weights load
     return model_dir, Path(cfg.model.tokenizer_path or model_dir)
 
 
@@ -86,7 +83,9 @@ class PPOTrainer:
         self.autocast_dtype = torch.bfloat16 if self.ppo.bf16_autocast and self.device.type == "cuda" else None
 
         self.model_dir, self.tokenizer_dir = resolve_model_paths(cfg, log)
-        self.tokenizer = load_tokenizer(self.tokenizer_dir)
+        tokenizer_binding = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.name_or_path"
+        self.tokenizer = load_tokenizer(self.tokenizer_dir, tokenizer_binding)
+        check_vocab_fits(self.tokenizer, tokenizer_binding, self.tokenizer_dir, "model.name_or_path", self.model_dir)
         self.prompts = PromptRenderer.from_task(self.tokenizer, cfg.task)  # rollout, evaluation and reward model alike
         log(self.prompts.describe())
         self.train_examples, held = load_task(cfg.task)
@@ -98,6 +97,10 @@ class PPOTrainer:
         self.sampler = PromptSampler(self.train_examples, seed=self.ppo.seed)
 
         start_dir = Path(self.ppo.init_from) / "actor" if self.ppo.init_from else self.model_dir
+        if self.ppo.init_from:  # verified as --resume verifies a checkpoint: a damaged file is one line here
+            checkpoint.check_start_checkpoint(self.ppo.init_from)
+        if cfg.model.name_or_path != "tiny":
+            checkpoint.check_weights(self.model_dir, "model.name_or_path")
         self.start_checkpoint = str(start_dir)
         # The predicted memory plan, before any model is built: on a GPU a run that cannot fit stops
         # here with one line naming the bindings that would make it fit (rlhf/placement/memory.py).

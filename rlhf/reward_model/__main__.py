@@ -2,7 +2,8 @@
 
     python -m rlhf.reward_model RECIPE.gin [-b 'BINDING']... --out DIR [--resume]
 
-Exit codes: 0 done, 2 bad configuration or data (one line, before any compute), 1 any other error.
+Exit codes: 0 done, 2 bad configuration or data (one line, before any compute), 4 disk full (one
+line; nothing half-written is left, --resume continues from the last checkpoint), 1 any other error.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import json
 import sys
 
-from rlhf.train import EXIT_CONFIG, EXIT_ERROR, EXIT_OK  # the engine's exit codes
+from rlhf.train import EXIT_CONFIG, EXIT_DISK_FULL, EXIT_OK, check_writable  # the engine's exit codes
 
 
 def main(argv=None) -> int:
@@ -28,26 +29,36 @@ def main(argv=None) -> int:
     except numerics.NumericsError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    from pathlib import Path
+
+    from rlhf import checkpoint
     from rlhf.config import ConfigError
     from rlhf.reward_model.config import resolve
     from rlhf.reward_model.train import RewardModelTrainer
 
+    out = Path(args.out)
     try:
         cfg, operative = resolve(args.recipe, args.binding)
+        check_writable(out)  # an existing file, an unwritable dir: one line before anything loads
+        saved = out / "config.gin"
+        if args.resume and saved.is_file() and saved.read_text() != operative:
+            raise ConfigError(f"--resume: the configuration differs from the one {args.out} was started with "
+                              f"(see {saved}); resume with the same recipe and bindings")
         if cfg.device != "cuda":
             numerics.set_threads(cfg.torch_threads)
-        trainer = RewardModelTrainer(cfg, args.out, log=lambda m: print(m, file=sys.stderr))
+        trainer = RewardModelTrainer(cfg, out, log=lambda m: print(m, file=sys.stderr))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    trainer.out.mkdir(parents=True, exist_ok=True)
-    saved = trainer.out / "config.gin"
-    if args.resume and saved.is_file() and saved.read_text() != operative:
-        print(f"error: --resume: the configuration differs from the one {args.out} was started with "
-              f"(see {saved}); resume with the same recipe and bindings", file=sys.stderr)
-        return EXIT_CONFIG
-    saved.write_text(operative)
-    summary = trainer.run(resume=args.resume)
+    try:
+        saved.write_text(operative)
+        summary = trainer.run(resume=args.resume)
+    except Exception as err:  # a full disk: one line (checkpoint.disk_full_message), not a traceback
+        message = checkpoint.disk_full_message(err, out)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_DISK_FULL
     print(json.dumps({"initial": summary["initial"], "final": summary["final"]}), file=sys.stderr)
     return EXIT_OK
 

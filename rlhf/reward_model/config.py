@@ -92,16 +92,45 @@ class RMTrainConfig:
                    "no such template file (use 'auto', 'none' or the path of a Jinja chat template)")
 
 
+def check_rm_only(recipe, bindings=()) -> None:
+    """The reward-model CLI reads rm.* bindings only: one for another scope (ppo.*, model.*, ...)
+    would be silently ignored, so it is a ConfigError naming it (the -b binding, or file:line)."""
+    from gin import config as gin_config
+    from gin import config_parser
+
+    from rlhf import configurable
+
+    def statements():
+        for text in bindings:
+            try:
+                for statement in config_parser.ConfigParser(text, gin_config.ParserDelegate(skip_unknown=True)):
+                    yield f"-b {text.strip()!r}", statement
+            except (ValueError, SyntaxError, TypeError, KeyError):  # gin reports it when it parses
+                continue
+        if recipe is not None and Path(recipe).is_file():
+            for path, statement in configurable.iter_statements(recipe):
+                yield f"{path}:{statement.location.line_num}", statement
+
+    for where, statement in statements():
+        if isinstance(statement, config_parser.BindingStatement) and statement.arg_name \
+                and statement.selector != "rm":
+            name = f"{statement.selector}.{statement.arg_name}"
+            other = (f"; {statement.selector}.* configures PPO (python -m rlhf.train)"
+                     if statement.selector in configurable.SCOPES else "")
+            allowed = ", ".join(f.name for f in dataclasses.fields(RMTrainConfig))
+            raise ConfigError(f"{name} ({where}) is not a reward-model binding: python -m rlhf.reward_model "
+                              f"accepts rm.* bindings only{other}. Allowed: rm.{{{allowed}}}")
+
+
 def resolve(recipe, bindings=()) -> tuple[RMTrainConfig, str]:
     """The validated RMTrainConfig and gin's operative config for a recipe plus `-b` bindings."""
     import gin
 
     from rlhf import configurable
 
-    try:
-        gin.external_configurable(RMTrainConfig, "rm")
-    except ValueError:  # already registered in this process
-        pass
+    configurable.register_scope("rm", RMTrainConfig)
+    bindings = list(bindings)
+    check_rm_only(recipe, bindings)
     configurable.parse(recipe, bindings)
     try:
         cfg = gin.get_configurable("rm")()

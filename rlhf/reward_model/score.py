@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 from rlhf.chat import Prompt, PromptRenderer
@@ -63,13 +63,10 @@ def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32, bind
 
 
 def load_reward_tokenizer(path: str | Path, binding: str = "reward.tokenizer_path"):
-    if not Path(path).is_dir():
-        raise ConfigError(f"{binding} = {str(path)!r} is invalid: no such tokenizer directory")
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (ValueError, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"{binding} = {str(path)!r}: cannot load a tokenizer there ({first})") from None
+    """`binding`: the one that named `path` (SCOPE.tokenizer_path, or the model's binding when the
+    tokenizer is the model's own); a directory without a tokenizer names SCOPE.tokenizer_path to set."""
+    from rlhf.models import read_tokenizer
+    tok = read_tokenizer(path, binding, fix=f"{binding.split('.')[0]}.tokenizer_path")
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
             raise ConfigError(f"{binding} = {str(path)!r}: the tokenizer has neither a pad nor an EOS token")

@@ -31,7 +31,7 @@ from rlhf import checkpoint as ckpt_io
 from rlhf.chat import PromptRenderer, prompt_key
 from rlhf.config import ConfigError
 from rlhf.data import PreferencePair, _unit_hash, load_pairs
-from rlhf.models import adamw, enable_gradient_checkpointing
+from rlhf.models import adamw, check_vocab_fits, enable_gradient_checkpointing
 from rlhf.reward_model.config import RMTrainConfig
 from rlhf.reward_model.score import (encode_conversation, ensure_pad_id, last_token_scores, load_reward_tokenizer,
                                      pack_left)
@@ -42,16 +42,35 @@ def pair_key(pair: PreferencePair) -> str:
     return prompt_key(pair.prompt) if pair.prompt is not None else prompt_key(pair.chosen)
 
 
-def split_pairs(pairs: Sequence[PreferencePair], fraction: float) -> Tuple[List[PreferencePair], List[PreferencePair]]:
+def split_pairs(pairs: Sequence[PreferencePair], fraction: float, items: Sequence | None = None) -> Tuple[list, list]:
+    """(train, held-out): a deterministic hash split on each pair's prompt; `items` (one per pair,
+    e.g. its encoding) are split instead of the pairs when given."""
     train, held = [], []
-    for p in pairs:
-        (held if _unit_hash("rm:" + pair_key(p)) < fraction else train).append(p)
+    for p, item in zip(pairs, pairs if items is None else items):
+        (held if _unit_hash("rm:" + pair_key(p)) < fraction else train).append(item)
     return train, held
 
 
 def encode_pairs(renderer: PromptRenderer, pairs: Sequence[PreferencePair]) -> List[Tuple[List[int], List[int], float]]:
     return [(encode_conversation(renderer, p.prompt, p.chosen), encode_conversation(renderer, p.prompt, p.rejected),
              p.margin) for p in pairs]
+
+
+def load_encoded_pairs(renderer: PromptRenderer, path: str, binding: str, prompt_key_: str):
+    """The pairs of a file and their encodings. A pair whose chosen and rejected sides are the same
+    token ids teaches nothing (its loss is ln 2 whatever the weights) and counts as a miss in pair
+    accuracy: a ConfigError naming the file and the row (the first row, and how many)."""
+    pairs = load_pairs(path, prompt_key_=prompt_key_)
+    encoded = encode_pairs(renderer, pairs)
+    same = [i for i, (chosen, rejected, _) in enumerate(encoded) if chosen == rejected]
+    if len(same) == 1:
+        raise ConfigError(f"{binding} = {path!r}: row {same[0]} has chosen == rejected (the same token ids): a pair "
+                          f"must prefer one response over another; remove that row")
+    if same:
+        raise ConfigError(f"{binding} = {path!r}: {len(same)} of {len(pairs)} rows have chosen == rejected (the same "
+                          f"token ids; the first is row {same[0]}): a pair must prefer one response over another; "
+                          f"remove those rows")
+    return pairs, encoded
 
 
 def load_base_model(path: str, seed: int, dtype: torch.dtype):
@@ -121,21 +140,24 @@ class RewardModelTrainer:
         self.device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                                    ("cpu" if cfg.device == "auto" else cfg.device))
         self.autocast = torch.bfloat16 if cfg.dtype == "bfloat16" and self.device.type == "cuda" else None
-        self.tokenizer = load_reward_tokenizer(cfg.tokenizer_path or cfg.base_model, "rm.tokenizer_path")
+        tokenizer_binding = "rm.tokenizer_path" if cfg.tokenizer_path else "rm.base_model"
+        self.tokenizer = load_reward_tokenizer(cfg.tokenizer_path or cfg.base_model, tokenizer_binding)
+        check_vocab_fits(self.tokenizer, tokenizer_binding, cfg.tokenizer_path or cfg.base_model, "rm.base_model",
+                         cfg.base_model)
+        ckpt_io.check_weights(cfg.base_model, "rm.base_model")
         self.renderer = PromptRenderer(self.tokenizer, cfg.chat_template, cfg.system_prompt, cfg.instruction_suffix,
                                        binding="rm.chat_template")
         log(f"reward model: {self.renderer.describe()}")
-        pairs = load_pairs(cfg.train_path, prompt_key_=cfg.prompt_key)
+        pairs, encoded = load_encoded_pairs(self.renderer, cfg.train_path, "rm.train_path", cfg.prompt_key)
         if cfg.eval_path:
-            train, held = pairs, load_pairs(cfg.eval_path, prompt_key_=cfg.prompt_key)
+            self.train = encoded
+            self.held = load_encoded_pairs(self.renderer, cfg.eval_path, "rm.eval_path", cfg.prompt_key)[1]
         else:
-            train, held = split_pairs(pairs, cfg.eval_fraction)
-        if not train:
+            self.train, self.held = split_pairs(pairs, cfg.eval_fraction, encoded)
+        if not self.train:
             raise ConfigError(f"rm.train_path = {cfg.train_path!r}: no training pairs left after the held-out split")
-        if not held:
+        if not self.held:
             raise ConfigError("the held-out pairs are empty: set rm.eval_path or raise rm.eval_fraction")
-        self.train = encode_pairs(self.renderer, train)
-        self.held = encode_pairs(self.renderer, held)
         self.data_hash = hashlib.sha256(json.dumps([self.train, self.held]).encode()).hexdigest()
         self.model = load_base_model(cfg.base_model, cfg.seed, torch.float32 if self.autocast is None else
                                      torch.float32).to(self.device)
@@ -223,17 +245,31 @@ class RewardModelTrainer:
             tok.chat_template = self.renderer.template  # the template it was trained with travels with it
         tok.save_pretrained(str(path))
 
+    def save_final(self) -> None:
+        """The trained model into OUT itself: written into a temporary folder first, so a failed
+        write (a full disk) leaves no half-written file in OUT; then moved in file by file."""
+        tmp = self.out / f".tmp_model_{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        with ckpt_io.writing(tmp, f"the trained model into {self.out}"):
+            tmp.mkdir(parents=True)
+            self.save_model(tmp)
+        for path in sorted(tmp.iterdir()):
+            os.replace(path, self.out / path.name)
+        tmp.rmdir()
+
     def save_checkpoint(self) -> Path:
         root = self.out / "checkpoints"
         final = root / f"step_{self.step}"
         tmp = root / f".tmp_step_{self.step}_{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self.save_model(tmp / "model")
-        tensors, meta = ckpt_io.optimizer_to_flat(self.optimizer.state_dict())
-        save_file(tensors, str(tmp / "optim.safetensors"))
-        (tmp / "state.json").write_text(json.dumps({"step": self.step, "optimizer": meta,
-                                                    "scheduler": self.scheduler.state_dict()}, indent=1))
+        with ckpt_io.writing(tmp, f"checkpoint {final}"):
+            tmp.mkdir(parents=True)
+            self.save_model(tmp / "model")
+            tensors, meta = ckpt_io.optimizer_to_flat(self.optimizer.state_dict())
+            save_file(tensors, str(tmp / "optim.safetensors"))
+            (tmp / "state.json").write_text(json.dumps({"step": self.step, "optimizer": meta,
+                                                        "scheduler": self.scheduler.state_dict()}, indent=1))
+            ckpt_io.write_manifest(tmp)  # verified before a --resume trusts it
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         if self.cfg.keep_checkpoints:
@@ -254,7 +290,9 @@ class RewardModelTrainer:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         metrics_path = self.out / "metrics.jsonl"
-        latest = ckpt_io.latest_checkpoint(self.out / "checkpoints") if resume else None
+        latest = ckpt_io.resume_checkpoint(self.out / "checkpoints", log=self.log) if resume else None
+        if resume and latest is None:
+            self.log(f"--resume: no checkpoint in {self.out}: starting from step 0")
         if latest is not None:
             self.restore(latest)
             self.log(f"resumed from {latest} at step {self.step}")
@@ -284,13 +322,18 @@ class RewardModelTrainer:
             progress.close()
         if final is None:
             final = {k: v for k, v in _read_jsonl(metrics_path)[-1].items() if k.startswith("eval/")}
-        self.save_model(self.out)
+        self.save_final()
         summary = {"status": "completed", "steps": self.step, "seed": cfg.seed, "train_pairs": len(self.train),
                    "held_out_pairs": len(self.held), "data_sha256": self.data_hash,
                    "initial": {k: v for k, v in initial.items() if k.startswith("eval/")}, "final": final,
                    "chat": self.renderer.describe()}
         # No wall time in the checkpoint: the same seed and data give the same bytes (a DVC output).
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        tmp = self.out / f".summary.json.tmp{os.getpid()}"  # written last and atomically: the run is complete
+        try:
+            tmp.write_text(json.dumps(summary, indent=1))
+            os.replace(tmp, self.out / "summary.json")
+        finally:
+            tmp.unlink(missing_ok=True)
         self.log(f"reward model trained in {time.time() - start:.0f} s")
         return summary
 

@@ -19,11 +19,17 @@ from rlhf.roles.dispatch import ROWS, dispatch
 
 def check_reward_model(reward: RewardConfig, task: TaskConfig) -> None:
     """The reward model's checkpoint, tokenizer and chat template, checked where the run starts
-    (config.json and the tokenizer only, no weights): each problem is a one-line ConfigError."""
+    (config.json, the weights' safetensors headers, the tokenizer and that its ids fit the model's
+    embedding; no weights load): each problem is a one-line ConfigError."""
+    from rlhf.checkpoint import check_weights
+    from rlhf.models import check_vocab_fits
     from rlhf.reward_model.score import check_reward_checkpoint, load_reward_tokenizer
     check_reward_checkpoint(reward.model_path)
-    tokenizer = load_reward_tokenizer(reward.tokenizer_path or reward.model_path,
-                                      "reward.tokenizer_path" if reward.tokenizer_path else "reward.model_path")
+    check_weights(reward.model_path, "reward.model_path")
+    tokenizer_binding = "reward.tokenizer_path" if reward.tokenizer_path else "reward.model_path"
+    tokenizer = load_reward_tokenizer(reward.tokenizer_path or reward.model_path, tokenizer_binding)
+    check_vocab_fits(tokenizer, tokenizer_binding, reward.tokenizer_path or reward.model_path, "reward.model_path",
+                     reward.model_path)
     PromptRenderer(tokenizer, reward.chat_template, task.system_prompt, task.instruction_suffix,
                    binding="reward.chat_template")
 
