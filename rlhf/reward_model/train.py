@@ -56,20 +56,22 @@ def encode_pairs(renderer: PromptRenderer, pairs: Sequence[PreferencePair]) -> L
              p.margin) for p in pairs]
 
 
-def load_encoded_pairs(renderer: PromptRenderer, path: str, binding: str, prompt_key_: str):
+def load_encoded_pairs(renderer: PromptRenderer, path: str, binding: str, prompt_key_: str, log=print):
     """The pairs of a file and their encodings. A pair whose chosen and rejected sides are the same
-    token ids teaches nothing (its loss is ln 2 whatever the weights) and counts as a miss in pair
-    accuracy: a ConfigError naming the file and the row (the first row, and how many)."""
+    token ids teaches nothing (its loss is ln 2 whatever the weights) and would count as a miss in
+    pair accuracy: such pairs are left out with a one-line notice naming the first row and how many
+    (public preference sets carry a few); a file of nothing else is a ConfigError."""
     pairs = load_pairs(path, prompt_key_=prompt_key_)
     encoded = encode_pairs(renderer, pairs)
-    same = [i for i, (chosen, rejected, _) in enumerate(encoded) if chosen == rejected]
-    if len(same) == 1:
-        raise ConfigError(f"{binding} = {path!r}: row {same[0]} has chosen == rejected (the same token ids): a pair "
-                          f"must prefer one response over another; remove that row")
+    same = {i for i, (chosen, rejected, _) in enumerate(encoded) if chosen == rejected}
+    if same and len(same) == len(pairs):
+        raise ConfigError(f"{binding} = {path!r}: every row has chosen == rejected (the same token ids): a pair "
+                          f"must prefer one response over another")
     if same:
-        raise ConfigError(f"{binding} = {path!r}: {len(same)} of {len(pairs)} rows have chosen == rejected (the same "
-                          f"token ids; the first is row {same[0]}): a pair must prefer one response over another; "
-                          f"remove those rows")
+        log(f"{binding} = {path!r}: {len(same)} of {len(pairs)} rows have chosen == rejected (the same token ids; "
+            f"the first is row {min(same)}); they carry no preference and are left out")
+        pairs = [p for i, p in enumerate(pairs) if i not in same]
+        encoded = [e for i, e in enumerate(encoded) if i not in same]
     return pairs, encoded
 
 
@@ -148,10 +150,10 @@ class RewardModelTrainer:
         self.renderer = PromptRenderer(self.tokenizer, cfg.chat_template, cfg.system_prompt, cfg.instruction_suffix,
                                        binding="rm.chat_template")
         log(f"reward model: {self.renderer.describe()}")
-        pairs, encoded = load_encoded_pairs(self.renderer, cfg.train_path, "rm.train_path", cfg.prompt_key)
+        pairs, encoded = load_encoded_pairs(self.renderer, cfg.train_path, "rm.train_path", cfg.prompt_key, log)
         if cfg.eval_path:
             self.train = encoded
-            self.held = load_encoded_pairs(self.renderer, cfg.eval_path, "rm.eval_path", cfg.prompt_key)[1]
+            self.held = load_encoded_pairs(self.renderer, cfg.eval_path, "rm.eval_path", cfg.prompt_key, log)[1]
         else:
             self.train, self.held = split_pairs(pairs, cfg.eval_fraction, encoded)
         if not self.train:

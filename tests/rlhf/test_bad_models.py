@@ -6,6 +6,7 @@ continues from the last intact checkpoint to the numbers of an uninterrupted run
 
 import errno
 import json
+import re
 import shutil
 
 import pytest
@@ -120,18 +121,27 @@ def test_tokenizer_ids_past_the_embedding_name_tokenizer_and_model(setup, rm_dat
     assert f"beyond the embedding of rm.base_model = " in one_error(capsys)
 
 
-def test_pairs_with_chosen_equal_to_rejected_name_the_file_and_row(rm_data, tmp_path, capsys):  # noqa: F811
+def test_pairs_with_chosen_equal_to_rejected_are_left_out_or_refused(rm_data, tmp_path, capsys):  # noqa: F811
+    """A few identical pairs (public preference sets carry some) are left out with a notice naming
+    the first row and how many; a file of nothing else is one line before training."""
+    from rlhf.chat import PromptRenderer
+    from rlhf.reward_model.score import load_reward_tokenizer
+    from rlhf.reward_model.train import load_encoded_pairs
     rows = [json.loads(line) for line in (rm_data.parent / "train.jsonl").read_text().splitlines()][:40]
-    one, many = tmp_path / "one.jsonl", tmp_path / "many.jsonl"
-    for path, same in ((one, {7}), (many, {3, 8, 20})):
-        path.write_text("".join(json.dumps({**r, "rejected": r["chosen"]} if i in same else r) + "\n"
-                                for i, r in enumerate(rows)))
-    assert rm_main(capsys, rm_data, "--out", tmp_path / "rm", "-b", f"rm.train_path = '{one}'") == 2
-    assert one_error(capsys) == (f"error: rm.train_path = '{one}': row 7 has chosen == rejected (the same token ids): "
-                                 f"a pair must prefer one response over another; remove that row")
-    assert rm_main(capsys, rm_data, "--out", tmp_path / "rm", "-b", f"rm.eval_path = '{many}'") == 2
-    assert one_error(capsys).startswith(f"error: rm.eval_path = '{many}': 3 of 40 rows have chosen == rejected (the "
-                                        f"same token ids; the first is row 3)")
+    some, every = tmp_path / "some.jsonl", tmp_path / "every.jsonl"
+    some.write_text("".join(json.dumps({**r, "rejected": r["chosen"]} if i in {3, 8, 20} else r) + "\n"
+                            for i, r in enumerate(rows)))
+    every.write_text("".join(json.dumps({**r, "rejected": r["chosen"]}) + "\n" for r in rows))
+    tokenizer_dir = re.search(r"rm.tokenizer_path = '([^']+)'", rm_data.read_text()).group(1)
+    renderer = PromptRenderer(load_reward_tokenizer(tokenizer_dir), "auto")
+    notices = []
+    pairs, encoded = load_encoded_pairs(renderer, str(some), "rm.train_path", "prompt", notices.append)
+    assert len(pairs) == len(encoded) == 37 and all(c != r for c, r, _ in encoded)
+    assert notices == [f"rm.train_path = '{some}': 3 of 40 rows have chosen == rejected (the same token ids; the "
+                       f"first is row 3); they carry no preference and are left out"]
+    assert rm_main(capsys, rm_data, "--out", tmp_path / "rm", "-b", f"rm.eval_path = '{every}'") == 2
+    assert one_error(capsys) == (f"error: rm.eval_path = '{every}': every row has chosen == rejected (the same token "
+                                 f"ids): a pair must prefer one response over another")
 
 
 def test_reward_model_cli_takes_rm_bindings_only_and_names_the_real_ones(rm_data, tmp_path, capsys):  # noqa: F811
