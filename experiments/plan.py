@@ -274,6 +274,7 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
     data_hashes = {json.dumps(dataclasses.asdict(base_cfg.task), sort_keys=True):
                    dataset_hash(train + held_out)}
     specs = []
+    variant_of_hash: Dict[str, str] = {}
     for variant in study.all_variants:
         where = f"study.variants[{variant.name!r}]"
         var_cfg, _ = resolve_config(study.baseline_recipe, [*study.baseline_bindings, *variant.bindings], where)
@@ -306,6 +307,11 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
             run_hash = _sha(json.dumps({"config": config_hash, "code": code["engine_sha256"],
                                         "data": data_hashes[task_key], "init_from": init_hash,
                                         **checkpoints_of(cfg)}, sort_keys=True))
+            twin = variant_of_hash.setdefault(run_hash, variant.name)
+            if twin != variant.name:
+                raise StudyError(f"{where} and study.variants[{twin!r}] run the same configuration "
+                                 f"({', '.join(f'{k} = {v!r}' for k, v in changes.items())}: one run hash); "
+                                 f"remove one of them or make them differ")
             specs.append(RunSpec(
                 study=study.name, variant=variant.name, seed=seed, recipe=study.baseline_recipe,
                 bindings=bindings, changes=changes, run_dir=str(study_dir / "runs" / variant.name / f"seed{seed}"),
