@@ -143,17 +143,20 @@ def check_writable(study_path: Path, specs: List[RunSpec]) -> None:
             raise StudyError(f"run dir {run_dir} is not writable; fix its permissions or move it away")
 
 
-def wandb_fallback(display: StudyDisplay) -> Optional[str]:
-    """The W&B mode the runs use. `WANDB_MODE=online` without a W&B login would drop every run's
-    data: say so once, here, and log offline instead (uploadable later with `wandb sync`)."""
-    from experiments.wandb_sink import logged_in, wandb_mode
-    mode = wandb_mode()
+def wandb_fallback(display: StudyDisplay, wandb_dir: str) -> Optional[str]:
+    """The W&B mode the runs use, said in one line with the directory of the run files
+    (`wandb_dir`, or WANDB_DIR when set). `WANDB_MODE=online` without a W&B login would drop
+    every run's data: say so once, here, and log offline instead (uploadable later with `wandb sync`)."""
+    from experiments.wandb_sink import files_root, logged_in, wandb_mode
+    mode, root = wandb_mode(), files_root(wandb_dir)
     if mode == "online" and not logged_in():
-        display.console.print("warning: W&B: WANDB_MODE=online but this machine is not logged in to W&B (no "
-                              "WANDB_API_KEY, no `wandb login`): the runs log offline instead; after `wandb login`, "
-                              "upload them with `wandb sync RESULTS/wandb/wandb/offline-run-*`",
+        display.console.print(f"warning: W&B: WANDB_MODE=online but this machine is not logged in to W&B (no "
+                              f"WANDB_API_KEY, no `wandb login`): the runs log offline instead; after `wandb login`, "
+                              f"upload them with `wandb sync {root}/wandb/offline-run-*`",
                               highlight=False, markup=False, soft_wrap=True)
-        return "offline"
+        mode = "offline"
+    if mode != "disabled":
+        display.console.print(f"W&B {mode} run files: {root}", highlight=False, markup=False, soft_wrap=True)
     return mode
 
 
@@ -207,7 +210,8 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
                     result.failed[s.key] = last_attempt(s.run_dir).get("error") or "failed"
         if not todo:
             return result
-        wandb_mode = wandb_fallback(display)
+        wandb_dir = str(Path(results_dir).resolve() / "wandb")
+        wandb_mode = wandb_fallback(display, wandb_dir)
         if wandb_mode == "offline":  # a local Ray's workers inherit it; remote ones get it per task
             os.environ["WANDB_MODE"] = "offline"
         ray_was_up = ray.is_initialized()
@@ -217,7 +221,7 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
             manager = manager_fields(study_path.parent, argv)
             manager["ray_address"] = ray.get_runtime_context().gcs_address
             manager["wandb_project"] = study.wandb_project or study.name
-            manager["wandb_dir"] = str(Path(results_dir).resolve() / "wandb")
+            manager["wandb_dir"] = wandb_dir
             manager["wandb_mode"] = wandb_mode
             task = ray.remote(execute)
             numerics_env = numerics.forwarded_env()

@@ -42,6 +42,11 @@ def logged_in() -> bool:
         return False
 
 
+def files_root(directory: Optional[str]) -> Optional[str]:
+    """Where W&B writes its run files (under `<root>/wandb/`): WANDB_DIR when set, else `directory`."""
+    return os.environ.get("WANDB_DIR") or directory
+
+
 def _warn(message: str) -> None:
     print(f"warning: W&B: {message} (continuing without it)", file=sys.stderr)
 
@@ -84,7 +89,7 @@ class WandbRun:
             if directory:
                 Path(directory).mkdir(parents=True, exist_ok=True)
             self.run = wandb.init(project=project, group=group, job_type=job_type, name=name, id=run_id,
-                                  config=config, dir=os.environ.get("WANDB_DIR") or directory, mode=self.mode,
+                                  config=config, dir=files_root(directory), mode=self.mode,
                                   resume="allow", tags=list(tags), reinit="create_new",
                                   settings=wandb.Settings(silent=True, console="off"))
         except Exception as err:  # noqa: BLE001 - W&B must never take a run down

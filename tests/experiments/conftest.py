@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import textwrap
@@ -10,6 +11,23 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+WANDB_TEST_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+"""The only W&B variables the manager's tests run with; the user's own (WANDB_DIR, WANDB_PROJECT,
+WANDB_ENTITY, WANDB_RUN_ID, WANDB_RESUME, WANDB_API_KEY, WANDB_BASE_URL, ...) are cleared."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_wandb_environment():
+    """Tests never depend on the user's W&B set-up (where files go, which project, a login); a
+    test that needs a variable sets it itself."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith("WANDB_")]:
+            mp.delenv(key)
+        for key, value in WANDB_TEST_ENV.items():
+            mp.setenv(key, value)
+        yield
 
 
 @pytest.fixture

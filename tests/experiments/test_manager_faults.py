@@ -49,11 +49,23 @@ def test_wandb_online_without_login_says_so_once_and_logs_offline(monkeypatch, t
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
     monkeypatch.delenv("NETRC", raising=False)
     display = _Display()
-    assert wandb_fallback(display) == "offline"
+    assert wandb_fallback(display, str(tmp_path / "wandb")) == "offline"
     text = display.buffer.getvalue()
     assert text.count("warning: W&B: WANDB_MODE=online but this machine is not logged in") == 1
+    assert f"wandb sync {tmp_path / 'wandb'}/wandb/offline-run-*" in text
+    assert f"W&B offline run files: {tmp_path / 'wandb'}\n" in text
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
-    assert wandb_fallback(_Display()) == "online"
+    assert wandb_fallback(_Display(), str(tmp_path / "wandb")) == "online"
+
+
+def test_the_wandb_run_files_directory_is_said_and_honours_wandb_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+    display = _Display()
+    assert wandb_fallback(display, str(tmp_path / "results" / "wandb")) == "offline"
+    assert display.buffer.getvalue() == f"W&B offline run files: {tmp_path / 'elsewhere'}\n"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    display = _Display()
+    assert wandb_fallback(display, str(tmp_path)) == "disabled" and display.buffer.getvalue() == ""
 
 
 MANAGER = """
