@@ -4,7 +4,8 @@ Each run is one Ray task holding the study's declared CPUs/GPUs; the task runs t
 subprocess (`execute.py`). The driver holds no resources: it only submits, waits and records.
 On rerun, the run dirs decide: a finished run with the same hash is skipped, an interrupted
 one resumes from its latest checkpoint, a run whose hash changed starts over (the old dir is
-kept under `superseded/`). A failing run is recorded and the others go on; crashes and kills
+moved under `superseded/`; once the plan has run, `prune_superseded` removes the runs the plan no
+longer has). A failing run is recorded and the others go on; crashes and kills
 are retried up to `study.retries` times, divergences and configuration errors are not.
 """
 
@@ -19,11 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from experiments.atomic import is_disk_full
 from experiments.display import DONE_BEFORE, StudyDisplay
 from experiments.execute import execute, now
 from experiments.plan import REPO_ROOT, RunSpec, latest_checkpoint
 from experiments.rundir import (COMPLETED, DETERMINISTIC_FAILURES, FAILED, INTERRUPTED, STALE,
-                                clear_engine_outputs, last_attempt, read_record, state, supersede,
+                                clear_engine_outputs, last_attempt, prune, read_record, state, supersede,
                                 write_json, RECORD)
 from experiments.study import Study, StudyError
 from rlhf import numerics
@@ -89,6 +91,16 @@ class StudyLock:
     def __exit__(self, *exc) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
+
+
+def prune_superseded(study_path: Path, specs: List[RunSpec]) -> Optional[int]:
+    """Removes the study's runs that are not in its current plan (`rundir.prune`), under the
+    study's lock; None (and nothing removed) when another manager holds the lock."""
+    try:
+        with StudyLock(study_path):
+            return prune(study_path, [s.run_dir for s in specs])
+    except StudyBusy:
+        return None
 
 
 def is_locked(study_dir: Path) -> bool:
@@ -223,6 +235,7 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
             manager["wandb_project"] = study.wandb_project or study.name
             manager["wandb_dir"] = wandb_dir
             manager["wandb_mode"] = wandb_mode
+            manager["start_gap_s"] = study.start_gap_s
             task = ray.remote(execute)
             numerics_env = numerics.forwarded_env()
             attempts = {s.key: 0 for s in todo}
@@ -269,6 +282,10 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
                 except KeyboardInterrupt:
                     result.interrupted = True
                     _cancel(refs, display)
+                except OSError as err:  # a full disk: the running engines stop in order, then one line
+                    if is_disk_full(err):
+                        _cancel(refs, display)
+                    raise
         finally:
             if not ray_was_up:
                 _stop_ray(watchdog)
@@ -289,6 +306,8 @@ def _outcome(ref, spec: RunSpec) -> dict:
     try:
         return ray.get(ref)
     except ray.exceptions.RayError as err:
+        if is_disk_full(getattr(err, "cause", None)):  # the task could not write the run dir: stop the study
+            raise err.cause from None
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         error = f"{type(err).__name__}: {message}"
         record = read_record(spec.run_dir)

@@ -46,6 +46,8 @@ ENGINE_SCOPES = tuple(SCOPES)
 """The engine's gin scopes (rlhf/configurable.py): what a study's engine bindings may bind."""
 MANAGED_BINDINGS = ("ppo.seed", "ppo.init_from", "ppo.torch_threads")
 """Set by the manager per run; a study may not bind them (seeds come from `study.seeds`)."""
+START_GAP_S = 60.0
+"""Default `study.start_gap_s`: a vLLM engine's start-up (load, memory profile, CUDA graphs) takes about a minute."""
 METRIC_SOURCES = ("final", "final_window")
 DIRECTIONS = ("higher", "lower")
 from experiments.results import BASELINE  # noqa: E402  (one definition: the results name the baseline)
@@ -106,6 +108,8 @@ class Study:
     """When set, seeds are added to undecided variants up to a maximum (experiments/adaptive.py)."""
     resume_setting: bool = False
     """Also take the resumed variant's bindings into the baseline (planning reads them)."""
+    start_gap_s: float = START_GAP_S
+    """Runs sharing a GPU (gpus_per_run < 1) start their engines at most this far apart per GPU."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME_RE.match(self.name):
@@ -135,6 +139,8 @@ class Study:
                 raise _bad(f"study.{key}", getattr(self, key), "must be a string")
         if not isinstance(self.resume_setting, bool):
             raise _bad("study.resume_setting", self.resume_setting, "must be True or False")
+        if not _is_number(self.start_gap_s) or self.start_gap_s < 0:
+            raise _bad("study.start_gap_s", self.start_gap_s, "must be a number of seconds >= 0")
 
     @property
     def all_variants(self) -> Tuple[Variant, ...]:
@@ -175,7 +181,7 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
           metric_from: str = "final", direction: str = "higher", guardrails: Mapping = None,
           resume_from: str = "", resume_variant: str = "", cpus_per_run: int = 1,
           gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, wandb_project: str = "",
-          adaptive_seeds: Mapping = None, resume_setting: bool = False) -> dict:
+          adaptive_seeds: Mapping = None, resume_setting: bool = False, start_gap_s: float = START_GAP_S) -> dict:
     """What a study file binds (`study.<parameter> = value`), with its defaults; returns them.
 
     name: the study's name; its results live in RESULTS/<name>/. Required.
@@ -196,6 +202,10 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
         (before study.baseline_bindings, which win), so a round continues the previous round's
         setting and not only its weights; read at planning, when that study has run.
     cpus_per_run, gpus_per_run: Ray resources each run holds.
+    start_gap_s: when runs share a GPU (gpus_per_run < 1), each GPU starts one engine at a time:
+        the next waits until the previous has logged its first step, at most this many seconds
+        (engines starting together each measure the others' memory as their own, and vLLM then
+        finds no memory for its cache); 0 starts them together.
     retries: extra attempts for a run that crashed or was killed (a divergence or a
         configuration error is deterministic and never retried).
     alpha: significance level of the Holm-corrected Welch tests.
@@ -321,7 +331,7 @@ def _validate(args: dict, path: Path) -> Study:
         gpus_per_run=float(args["gpus_per_run"]) if _is_number(args["gpus_per_run"]) else args["gpus_per_run"],
         retries=args["retries"], alpha=args["alpha"], wandb_project=args["wandb_project"],
         adaptive_seeds=parse_adaptive_seeds(args["adaptive_seeds"], len(seeds)),
-        resume_setting=args["resume_setting"])
+        resume_setting=args["resume_setting"], start_gap_s=args["start_gap_s"])
 
 
 def split_cli_bindings(bindings: Sequence[str]) -> Tuple[List[str], List[str]]:

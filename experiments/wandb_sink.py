@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 from experiments.results import StudyAggregate
+from experiments.atomic import write_json
 
 STATE_FILE = "wandb.json"
 
@@ -182,7 +183,10 @@ class RunDirStreamer:
             self.last_step = int(record["step"])
             sent += 1
         if sent:
-            (self.run_dir / STATE_FILE).write_text(json.dumps({"run_id": self._run_id(), "last_step": self.last_step}))
+            try:
+                write_json(self.run_dir / STATE_FILE, {"run_id": self._run_id(), "last_step": self.last_step})
+            except OSError as err:  # e.g. a full disk: the run goes on; a resume may resend these steps
+                _warn(f"cannot record the last step sent ({err})")
         return sent
 
     def close(self, exit_code: int) -> None:
