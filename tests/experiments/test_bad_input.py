@@ -73,6 +73,11 @@ def test_vllm_runs_sharing_a_gpu_must_fit_their_share(capsys, tmp_path):
                                   "-b", "ppo.device = 'cuda'", "--results", str(tmp_path)])
     assert "ppo.vllm_gpu_memory_utilization = 0.3 does not fit study.gpus_per_run = 0.25" in err
     assert "4 runs share each GPU" in err
+    err = one_line_error(capsys, ["plan", SMOKE, "-b", "study.gpus_per_run = 0.25", "-b", "ppo.rollout_backend = 'vllm'",
+                                  "-b", "ppo.device = 'cuda'", "-b", "ppo.vllm_gpu_memory_utilization = 0.24",
+                                  "--results", str(tmp_path)])
+    assert "(4 x 0.24 = 0.96; the engines of one GPU may take 0.9 together" in err
+    assert "set ppo.vllm_gpu_memory_utilization at most 0.225" in err
     assert main(["plan", SMOKE, "-b", "study.gpus_per_run = 0.25", "-b", "ppo.rollout_backend = 'vllm'",
                  "-b", "ppo.device = 'cuda'", "-b", "ppo.vllm_gpu_memory_utilization = 0.2",
                  "--results", str(tmp_path)]) == 0
