@@ -306,15 +306,23 @@ def _outcome(ref, spec: RunSpec) -> dict:
     try:
         return ray.get(ref)
     except ray.exceptions.RayError as err:
-        if is_disk_full(getattr(err, "cause", None)):  # the task could not write the run dir: stop the study
-            raise err.cause from None
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        error = f"{type(err).__name__}: {message}"
+        cause = getattr(err, "cause", None)  # what the task raised (RayTaskError), else how it died
+        if is_disk_full(cause):  # the task could not write the run dir: stop the study
+            raise cause from None
+        if isinstance(cause, BaseException):
+            error = f"{type(cause).__name__}: {_first_line(cause)}"
+        else:
+            error = f"{type(err).__name__}: {_first_line(err)}"
         record = read_record(spec.run_dir)
         if record and record.get("attempts") and record["attempts"][-1].get("end") is None:
             record["attempts"][-1].update(end=now(), exit_code=-1, error=error)
             write_json(Path(spec.run_dir) / RECORD, record)
         return {"key": spec.key, "exit_code": -1, "error": error, "status": "failed", "retriable": True}
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _cancel(refs: Dict, display: StudyDisplay, grace_s: float = 20.0) -> None:

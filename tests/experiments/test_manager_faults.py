@@ -188,6 +188,12 @@ def test_a_failed_runs_cause_is_its_exception_in_the_record_the_status_and_the_r
     assert outcome["error"] == cause and outcome["retriable"]  # the live line shows it when retrying
     assert last_attempt(spec.run_dir)["error"] == cause  # `status`
     assert read_run(spec, study).error == cause  # the report
+    import ray
+    from ray.exceptions import RayTaskError
+    from experiments.launch import _outcome
+    raised = RayTaskError("execute", "Traceback ...", ValueError("boom\nmore")).as_instanceof_cause()
+    monkeypatch.setattr(ray, "get", lambda ref: (_ for _ in ()).throw(raised))
+    assert _outcome(None, spec)["error"] == "ValueError: boom"  # what the task raised, not Ray's banner
     vllm_v1 = ("(EngineCore_0 pid=7) Traceback (most recent call last):\n(EngineCore_0 pid=7)   File \"core.py\"\n"
                "(EngineCore_0 pid=7) ValueError: No available memory for the cache blocks.\n"
                "Traceback (most recent call last):\n  File \"llm.py\"\nRuntimeError: Engine core initialization "
