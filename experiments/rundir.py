@@ -9,7 +9,6 @@ is whatever is on disk, whoever wrote it and however it stopped.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -74,6 +73,9 @@ def last_attempt(run_dir: str | Path) -> dict:
     return attempts[-1]
 
 
+SUPERSEDED = "superseded"
+
+
 def supersede(run_dir: str | Path) -> Optional[Path]:
     """Moves an old run (another hash) aside to `<study>/superseded/`, out of the new run's way;
     `prune` removes it once the study has run its current plan."""
@@ -82,13 +84,10 @@ def supersede(run_dir: str | Path) -> Optional[Path]:
         return None
     old = (read_record(run_dir) or {}).get("run_hash", "unknown")[:12]
     study_dir = run_dir.parent.parent.parent
-    target = study_dir / "superseded" / f"{run_dir.parent.name}-{run_dir.name}-{old}-{int(time.time())}"
+    target = study_dir / SUPERSEDED / f"{run_dir.parent.name}-{run_dir.name}-{old}-{int(time.time())}"
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(str(run_dir), str(target))
     return target
-
-
-SUPERSEDED = "superseded"
 
 
 def prune(study_dir: str | Path, keep: Iterable[str | Path]) -> int:

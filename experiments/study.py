@@ -153,7 +153,7 @@ _KNOWN = (f"the engine logs {', '.join(METRICS)}, the held-out {', '.join(EVAL_M
 
 
 def _close_metric(name) -> str:
-    """'; did you mean 'eval/accuracy'?' for a misspelt metric name, else ''."""
+    """" (did you mean 'eval/accuracy'?)" for a misspelt metric name, else ''."""
     close = difflib.get_close_matches(str(name), METRICS + EVAL_METRICS, n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
