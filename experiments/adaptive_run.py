@@ -19,8 +19,8 @@ from rich.console import Console
 from experiments.adaptive import decide_look, extra_seeds
 from experiments.collect import collect
 from experiments.commands import (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNS_FAILED, decision_line,
-                                  sigterm_as_interrupt)
-from experiments.launch import StudyBusy, launch
+                                  report_pruned, sigterm_as_interrupt)
+from experiments.launch import StudyBusy, launch, prune_superseded
 from experiments.plan import expand, study_dir
 from experiments.results import AdaptiveRecord, AdaptiveVariant
 from experiments.rundir import COMPLETED
@@ -79,6 +79,7 @@ def _run(study: Study, args: Namespace, console: Console) -> int:
         n = min(n + cfg.step, cfg.max_seeds)
     out = study_dir(study, args.results)
     all_specs = list(specs_by_key.values())
+    report_pruned(prune_superseded(out, all_specs), console)
     full = dataclasses.replace(study, seeds=tuple(seeds[:max(d.n for d in decided.values())
                                                         if decided else n]))
     used, fixed = len(all_specs), (1 + len(study.variants)) * cfg.max_seeds

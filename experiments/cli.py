@@ -5,7 +5,9 @@ Study subcommands (`plan`, `run`, `status`, `report`, `advise`) take `STUDY.gin 
 `summary`, see `experiments/stages.py`) take their own arguments. Subcommands are registered in
 `SUBCOMMANDS` (name -> help, handler, extra arguments), so a new step of the loop adds one
 entry and one module. Exit codes: 0 success, 1 some runs failed (or nothing could be decided),
-2 invalid study, binding or input (one line, no traceback), 130 interrupted.
+2 invalid study, binding or input (one line, no traceback), 130 interrupted; a full disk
+stops the manager with one line and exit code 1 (its files are written atomically, so a rerun
+picks up where it stopped).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Union
 from rich.console import Console
 
 from rlhf.config import ConfigError
-from rlhf.train import EXIT_CONFIG
+from rlhf.train import EXIT_CONFIG, EXIT_ERROR
 
 Hook = Union[str, Callable, None]
 """A function, or 'module:function' imported when its subcommand is used: `data` and `sft` must not
@@ -123,6 +125,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    except OSError as err:
+        from experiments.atomic import is_disk_full
+        if not is_disk_full(err):
+            raise
+        print(f"error: {err.strerror or 'no space left on device'}{f' writing {err.filename}' if err.filename else ''}: "
+              f"free some space, then run the same command again (what was written is kept: finished runs are "
+              f"skipped, interrupted ones resume)", file=sys.stderr)
+        return EXIT_ERROR
     except Exception as err:
         study = sys.modules.get("experiments.study")  # a StudyError can only come from a loaded study module
         if study is None or not isinstance(err, study.StudyError):

@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from experiments.launch import StudyBusy, is_locked, launch
+from experiments.launch import StudyBusy, is_locked, launch, prune_superseded
 from experiments.plan import expand, study_dir
 from experiments.rundir import (COMPLETED, FAILED, last_attempt, scalar, state, tail_metrics)
 from experiments.study import StudyError, load_study
@@ -88,6 +88,7 @@ def cmd_run(args: Namespace, console: Console) -> int:
     if result.interrupted:
         console.print("interrupted: run the same command again to resume", highlight=False)
         return EXIT_INTERRUPTED
+    report_pruned(prune_superseded(study_dir(study, args.results), specs), console)
     agg = write_report(study, study_dir(study, args.results), specs)
     try:
         from experiments.wandb_sink import log_aggregate_dir, wandb_mode
@@ -99,6 +100,16 @@ def cmd_run(args: Namespace, console: Console) -> int:
     console.print(f"{decision_line(agg)}; report: {study_dir(study, args.results) / 'report.md'}",
                   highlight=False, soft_wrap=True)
     return EXIT_RUNS_FAILED if result.failed or agg.decision.chosen is None else EXIT_OK
+
+
+def report_pruned(removed, console: Console) -> None:
+    """One line for `launch.prune_superseded`'s outcome (nothing when there was nothing to remove)."""
+    if removed is None:
+        console.print("notice: another manager holds the study's lock: superseded runs were not removed",
+                      highlight=False)
+    elif removed:
+        console.print(f"removed {removed} superseded run{'s' if removed != 1 else ''} (not in the current plan)",
+                      highlight=False)
 
 
 def decision_line(agg) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime as dt
+import fcntl
 import os
 import platform
 import re
@@ -19,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -108,23 +110,35 @@ def _tail(path: Path, limit: int = STDERR_TAIL) -> str:
 
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure|Warning)|"
                              r"[A-Za-z_][\w.]*\.[A-Z]\w*)(?::\s?(.*))?$")
+_LOGGED_EXCEPTION = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception)): \S.*$")
+_PROCESS_PREFIX = re.compile(r"^\((?:pid=\d+|[\w.-]+ pid=\d+)(?:, ip=[\w.:-]+)?\)\s?")
+"""A line's process tag: Ray's `(pid=N)` / `(execute pid=N, ip=...)`, vLLM's `(EngineCore_0 pid=N)`."""
+_SEE_ABOVE = re.compile(r"(root cause|see above|the above exception)", re.I)
+"""A wrapper's message that points at an earlier exception (vLLM: 'Engine core initialization
+failed. See root cause above.')."""
 
 
 def failure_cause(stderr: str) -> str:
     """What a failed engine said about its failure: its own one-line `error: ...`, else the
-    exception (type and message) its last traceback ends with, else its last stderr line.
-    Lines printed after the traceback (a library's shutdown warnings) are not the cause."""
-    lines = [line.rstrip() for line in stderr.strip().splitlines()]
+    exception (type and message) its last traceback ends with (the one before when that one only
+    points at it, as vLLM's engine start-up does), else the last exception line logged, else its
+    last stderr line. Lines printed after the traceback (a library's shutdown warnings) are not
+    the cause."""
+    lines = [_PROCESS_PREFIX.sub("", line.rstrip()) for line in stderr.strip().splitlines()]
     own = [line for line in lines if line.startswith("error: ")]
     if own:
         return own[-1][len("error: "):]
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
-    if starts:
-        for line in lines[starts[-1] + 1:]:
-            if line and not line[0].isspace():
-                m = _EXCEPTION_LINE.match(line)
-                if m:
-                    return line
+    raised = []
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last)"):
+            raised.append(next((ln for ln in lines[i + 1:] if ln and not ln[0].isspace()
+                                and _EXCEPTION_LINE.match(ln)), None))
+    raised = [line for line in raised if line]
+    if raised:
+        return next((line for line in reversed(raised) if not _SEE_ABOVE.search(line)), raised[-1])
+    logged = [m.group(0) for m in map(_LOGGED_EXCEPTION.search, lines) if m]
+    if logged:
+        return logged[-1]
     return lines[-1] if lines else ""
 
 
@@ -178,6 +192,39 @@ def merge_provenance(run_dir: Path, spec: dict, record: dict, manager: dict) -> 
     write_json(path, prov)
 
 
+def wait_for_gpu_start(run_dir: Path, gap_s: float, gate_dir: Optional[str] = None) -> float:
+    """Starts one engine at a time on this task's GPU (CUDA_VISIBLE_DEVICES, which Ray sets for a
+    fractional GPU): waits until the engine started last on it has logged a step, at most `gap_s`
+    seconds after it started, then records this run as the last. Engines that start together
+    each take the others' allocations for their own while measuring the free memory (vLLM then
+    finds none for its cache). Returns the seconds waited; 0 without a GPU or a gap."""
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if gap_s <= 0 or not gpu or "," in gpu:
+        return 0.0
+    root = Path(gate_dir or tempfile.gettempdir())
+    gate = root / f"rlhf-gpu-start-{os.getuid()}-{socket.gethostname()}-gpu{gpu}.json"
+    t0 = time.monotonic()
+    try:
+        with open(gate.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the next starter waits here for this one's turn
+            last = read_json(gate) or {}
+            started = float(last.get("time", 0))
+            while time.time() - started < gap_s and not _logged_since(last.get("run_dir"), started):
+                time.sleep(min(1.0, max(0.01, gap_s - (time.time() - started))))
+            write_json(gate, {"run_dir": str(run_dir), "time": time.time()})
+    except OSError as err:  # the gate is an aid: without it the engine starts now
+        print(f"warning: GPU start gate {gate}: {err} (starting without waiting)", file=sys.stderr)
+    return time.monotonic() - t0
+
+
+def _logged_since(run_dir: Optional[str], since: float) -> bool:
+    """The engine of `run_dir` has written a metrics row since `since` (its start-up is over)."""
+    try:
+        return run_dir is not None and os.path.getmtime(Path(run_dir) / "metrics.jsonl") > since
+    except OSError:
+        return False
+
+
 def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: str) -> dict:
     """Runs one attempt and returns its outcome: {key, exit_code, error, status, seconds}.
 
@@ -187,6 +234,8 @@ def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: st
     """
     run_dir = Path(spec["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
+    if 0 < spec["gpus"] < 1:  # runs share this GPU: their engines start one at a time
+        wait_for_gpu_start(run_dir, manager.get("start_gap_s", 0.0))
     record = _record(spec)
     argv = engine_argv(spec, resume, manager.get("ray_address"))
     entry = {"attempt": attempt, "resumed": resume, "command": argv, "start": now(), "end": None,

@@ -4,7 +4,8 @@ Each run is one Ray task holding the study's declared CPUs/GPUs; the task runs t
 subprocess (`execute.py`). The driver holds no resources: it only submits, waits and records.
 On rerun, the run dirs decide: a finished run with the same hash is skipped, an interrupted
 one resumes from its latest checkpoint, a run whose hash changed starts over (the old dir is
-kept under `superseded/`). A failing run is recorded and the others go on; crashes and kills
+moved under `superseded/`; once the plan has run, `prune_superseded` removes the runs the plan no
+longer has). A failing run is recorded and the others go on; crashes and kills
 are retried up to `study.retries` times, divergences and configuration errors are not.
 """
 
@@ -19,11 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from experiments.atomic import is_disk_full
 from experiments.display import DONE_BEFORE, StudyDisplay
 from experiments.execute import execute, now
 from experiments.plan import REPO_ROOT, RunSpec, latest_checkpoint
 from experiments.rundir import (COMPLETED, DETERMINISTIC_FAILURES, FAILED, INTERRUPTED, STALE,
-                                clear_engine_outputs, last_attempt, read_record, state, supersede,
+                                clear_engine_outputs, last_attempt, prune, read_record, state, supersede,
                                 write_json, RECORD)
 from experiments.study import Study, StudyError
 from rlhf import numerics
@@ -91,6 +93,16 @@ class StudyLock:
         os.close(self.fd)
 
 
+def prune_superseded(study_path: Path, specs: List[RunSpec]) -> Optional[int]:
+    """Removes the study's runs that are not in its current plan (`rundir.prune`), under the
+    study's lock; None (and nothing removed) when another manager holds the lock."""
+    try:
+        with StudyLock(study_path):
+            return prune(study_path, [s.run_dir for s in specs])
+    except StudyBusy:
+        return None
+
+
 def is_locked(study_dir: Path) -> bool:
     path = study_dir / LOCK
     if not path.exists():
@@ -143,17 +155,20 @@ def check_writable(study_path: Path, specs: List[RunSpec]) -> None:
             raise StudyError(f"run dir {run_dir} is not writable; fix its permissions or move it away")
 
 
-def wandb_fallback(display: StudyDisplay) -> Optional[str]:
-    """The W&B mode the runs use. `WANDB_MODE=online` without a W&B login would drop every run's
-    data: say so once, here, and log offline instead (uploadable later with `wandb sync`)."""
-    from experiments.wandb_sink import logged_in, wandb_mode
-    mode = wandb_mode()
+def wandb_fallback(display: StudyDisplay, wandb_dir: str) -> Optional[str]:
+    """The W&B mode the runs use, said in one line with the directory of the run files
+    (`wandb_dir`, or WANDB_DIR when set). `WANDB_MODE=online` without a W&B login would drop
+    every run's data: say so once, here, and log offline instead (uploadable later with `wandb sync`)."""
+    from experiments.wandb_sink import files_root, logged_in, wandb_mode
+    mode, root = wandb_mode(), files_root(wandb_dir)
     if mode == "online" and not logged_in():
-        display.console.print("warning: W&B: WANDB_MODE=online but this machine is not logged in to W&B (no "
-                              "WANDB_API_KEY, no `wandb login`): the runs log offline instead; after `wandb login`, "
-                              "upload them with `wandb sync RESULTS/wandb/wandb/offline-run-*`",
+        display.console.print(f"warning: W&B: WANDB_MODE=online but this machine is not logged in to W&B (no "
+                              f"WANDB_API_KEY, no `wandb login`): the runs log offline instead; after `wandb login`, "
+                              f"upload them with `wandb sync {root}/wandb/offline-run-*`",
                               highlight=False, markup=False, soft_wrap=True)
-        return "offline"
+        mode = "offline"
+    if mode != "disabled":
+        display.console.print(f"W&B {mode} run files: {root}", highlight=False, markup=False, soft_wrap=True)
     return mode
 
 
@@ -207,7 +222,8 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
                     result.failed[s.key] = last_attempt(s.run_dir).get("error") or "failed"
         if not todo:
             return result
-        wandb_mode = wandb_fallback(display)
+        wandb_dir = str(Path(results_dir).resolve() / "wandb")
+        wandb_mode = wandb_fallback(display, wandb_dir)
         if wandb_mode == "offline":  # a local Ray's workers inherit it; remote ones get it per task
             os.environ["WANDB_MODE"] = "offline"
         ray_was_up = ray.is_initialized()
@@ -217,8 +233,9 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
             manager = manager_fields(study_path.parent, argv)
             manager["ray_address"] = ray.get_runtime_context().gcs_address
             manager["wandb_project"] = study.wandb_project or study.name
-            manager["wandb_dir"] = str(Path(results_dir).resolve() / "wandb")
+            manager["wandb_dir"] = wandb_dir
             manager["wandb_mode"] = wandb_mode
+            manager["start_gap_s"] = study.start_gap_s
             task = ray.remote(execute)
             numerics_env = numerics.forwarded_env()
             attempts = {s.key: 0 for s in todo}
@@ -265,6 +282,10 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
                 except KeyboardInterrupt:
                     result.interrupted = True
                     _cancel(refs, display)
+                except OSError as err:  # a full disk: the running engines stop in order, then one line
+                    if is_disk_full(err):
+                        _cancel(refs, display)
+                    raise
         finally:
             if not ray_was_up:
                 _stop_ray(watchdog)
@@ -285,13 +306,23 @@ def _outcome(ref, spec: RunSpec) -> dict:
     try:
         return ray.get(ref)
     except ray.exceptions.RayError as err:
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        error = f"{type(err).__name__}: {message}"
+        cause = getattr(err, "cause", None)  # what the task raised (RayTaskError), else how it died
+        if is_disk_full(cause):  # the task could not write the run dir: stop the study
+            raise cause from None
+        if isinstance(cause, BaseException):
+            error = f"{type(cause).__name__}: {_first_line(cause)}"
+        else:
+            error = f"{type(err).__name__}: {_first_line(err)}"
         record = read_record(spec.run_dir)
         if record and record.get("attempts") and record["attempts"][-1].get("end") is None:
             record["attempts"][-1].update(end=now(), exit_code=-1, error=error)
             write_json(Path(spec.run_dir) / RECORD, record)
         return {"key": spec.key, "exit_code": -1, "error": error, "status": "failed", "retriable": True}
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _cancel(refs: Dict, display: StudyDisplay, grace_s: float = 20.0) -> None:

@@ -192,22 +192,29 @@ def _gpu_memory_gib() -> Optional[float]:
     return None
 
 
+VLLM_SHARED_BUDGET = 0.9
+"""The fraction of a GPU's memory the vLLM engines of the runs sharing it may reserve together."""
+
+
 def check_gpu_share(study: Study, cfg, where: str) -> None:
     """Runs that share a GPU (study.gpus_per_run < 1) with vLLM rollouts must fit their vLLM
     engine in their share: vLLM takes `ppo.vllm_gpu_memory_utilization` of the whole GPU's
-    memory per engine, so k runs on one GPU need k times that, plus their trainers' memory.
-    Refused at planning with the numbers, rather than one run losing the race for memory."""
+    memory per engine, so k runs on one GPU need k times that (at most `VLLM_SHARED_BUDGET`),
+    plus their trainers' memory. Refused at planning with the numbers, rather than one run losing
+    the race for memory."""
     share = study.gpus_per_run
     if not 0 < share < 1 or cfg.ppo.rollout_backend != "vllm":
         return
     runs_per_gpu = int(1 // share)
     util = cfg.ppo.vllm_gpu_memory_utilization
-    if util >= share:
+    if util >= share or runs_per_gpu * util > VLLM_SHARED_BUDGET:
+        most = min(VLLM_SHARED_BUDGET / runs_per_gpu, share)
         raise StudyError(
             f"{where}: ppo.vllm_gpu_memory_utilization = {util:g} does not fit study.gpus_per_run = {share:g}: "
             f"{runs_per_gpu} runs share each GPU and each vLLM engine reserves {util:g} of the GPU's memory "
-            f"({runs_per_gpu} x {util:g} = {runs_per_gpu * util:.2f}, plus the trainers); set "
-            f"ppo.vllm_gpu_memory_utilization below {share:g} (the trainer needs the rest of the share) or "
+            f"({runs_per_gpu} x {util:g} = {runs_per_gpu * util:.2f}; the engines of one GPU may take "
+            f"{VLLM_SHARED_BUDGET:g} together, the trainers need the rest of their share); set "
+            f"ppo.vllm_gpu_memory_utilization {'below' if most == share else 'at most'} {most:.3g} or "
             f"raise study.gpus_per_run")
     weights, memory = _weights_gib(cfg.model.name_or_path), _gpu_memory_gib()
     if weights is not None and memory is not None and util * memory < 1.2 * weights:
@@ -274,6 +281,7 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
     data_hashes = {json.dumps(dataclasses.asdict(base_cfg.task), sort_keys=True):
                    dataset_hash(train + held_out)}
     specs = []
+    variant_of_hash: Dict[str, str] = {}
     for variant in study.all_variants:
         where = f"study.variants[{variant.name!r}]"
         var_cfg, _ = resolve_config(study.baseline_recipe, [*study.baseline_bindings, *variant.bindings], where)
@@ -306,6 +314,11 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
             run_hash = _sha(json.dumps({"config": config_hash, "code": code["engine_sha256"],
                                         "data": data_hashes[task_key], "init_from": init_hash,
                                         **checkpoints_of(cfg)}, sort_keys=True))
+            twin = variant_of_hash.setdefault(run_hash, variant.name)
+            if twin != variant.name:
+                raise StudyError(f"{where} and study.variants[{twin!r}] run the same configuration "
+                                 f"({', '.join(f'{k} = {v!r}' for k, v in changes.items())}: one run hash); "
+                                 f"remove one of them or make them differ")
             specs.append(RunSpec(
                 study=study.name, variant=variant.name, seed=seed, recipe=study.baseline_recipe,
                 bindings=bindings, changes=changes, run_dir=str(study_dir / "runs" / variant.name / f"seed{seed}"),

@@ -15,6 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from experiments.collect import RunResult, band, curves  # noqa: E402
+from experiments.atomic import write_atomic  # noqa: E402
 
 FIGURES = {
     "reward_mean": ["reward_mean"],
@@ -56,7 +57,7 @@ def plot_study(study_name: str, results: Sequence[RunResult], out_dir: Path) -> 
             fig.suptitle(f"{study_name}: mean ± std over seeds", fontsize="medium")
             fig.tight_layout()
             path = out_dir / f"{stem}.png"
-            fig.savefig(path, dpi=110)
+            write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
             written[stem] = f"{out_dir.name}/{path.name}"
         plt.close(fig)
     return written

@@ -16,6 +16,7 @@ from experiments.collect import RunResult, collect, load_plan
 from experiments.plan import RunSpec
 from experiments.plots import plot_study
 from experiments.results import AdaptiveRecord, StudyAggregate, VariantResult
+from experiments.atomic import write_text
 from experiments.rundir import read_json
 from experiments.study import Study
 from rlhf.provenance import hardware_fingerprint
@@ -220,7 +221,7 @@ def write_report(study: Study, study_dir: Path, specs: Optional[List[RunSpec]] =
     plots = plot_study(study.name, results, study_dir / "plots")
     agg = aggregate(study, results, provenance_summary(specs), plots=plots, adaptive=adaptive)
     agg.save(study_dir / "aggregate.json")
-    (study_dir / "report.md").write_text(render(agg))
+    write_text(study_dir / "report.md", render(agg))
     return agg
 
 

@@ -9,12 +9,12 @@ is whatever is on disk, whoever wrote it and however it stopped.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterable, Iterator, Optional
 
+from experiments.atomic import write_json  # noqa: F401  (the run dirs' files are written atomically)
 from experiments.plan import RunSpec, latest_checkpoint
 
 from rlhf.train import EXIT_CONFIG, EXIT_DIVERGED  # noqa: E402  (the engine owns its exit codes)
@@ -32,14 +32,6 @@ def read_json(path: Path) -> Optional[dict]:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Atomic write: readers never see half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def read_record(run_dir: str | Path) -> Optional[dict]:
@@ -81,17 +73,49 @@ def last_attempt(run_dir: str | Path) -> dict:
     return attempts[-1]
 
 
+SUPERSEDED = "superseded"
+
+
 def supersede(run_dir: str | Path) -> Optional[Path]:
-    """Moves an old run (another hash) aside to `<study>/superseded/`, keeping it for reference."""
+    """Moves an old run (another hash) aside to `<study>/superseded/`, out of the new run's way;
+    `prune` removes it once the study has run its current plan."""
     run_dir = Path(run_dir)
     if not run_dir.exists():
         return None
     old = (read_record(run_dir) or {}).get("run_hash", "unknown")[:12]
     study_dir = run_dir.parent.parent.parent
-    target = study_dir / "superseded" / f"{run_dir.parent.name}-{run_dir.name}-{old}-{int(time.time())}"
+    target = study_dir / SUPERSEDED / f"{run_dir.parent.name}-{run_dir.name}-{old}-{int(time.time())}"
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(str(run_dir), str(target))
     return target
+
+
+def prune(study_dir: str | Path, keep: Iterable[str | Path]) -> int:
+    """Removes the runs of `study_dir` that are not in `keep` (the current plan's run dirs): the
+    ones `supersede` moved aside and run dirs of variants or seeds the plan no longer has. A
+    study's results then hold exactly its plan's runs (what DVC versions and pushes); a removed
+    run is reproducible from the study file's history. Returns how many runs were removed.
+    The caller holds the study's lock."""
+    study_dir = Path(study_dir).resolve()
+    keep = {Path(p).resolve() for p in keep}
+    if not keep or any(study_dir / "runs" not in p.parents for p in keep):
+        return 0  # not this study's plan: remove nothing
+    removed = 0
+    superseded = study_dir / SUPERSEDED
+    for old in sorted(superseded.iterdir()) if superseded.is_dir() else ():
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+        removed += 1
+    if superseded.is_dir():
+        superseded.rmdir()
+    runs = study_dir / "runs"
+    for variant in sorted(p for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else ():
+        for run_dir in sorted(p for p in variant.iterdir() if p.is_dir()):
+            if run_dir not in keep:
+                shutil.rmtree(run_dir)
+                removed += 1
+        if not any(variant.iterdir()):
+            variant.rmdir()
+    return removed
 
 
 def clear_engine_outputs(run_dir: str | Path) -> None:

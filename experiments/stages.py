@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 from pathlib import Path
 from typing import Dict, List
@@ -23,6 +24,7 @@ from typing import Dict, List
 import yaml
 
 from experiments.results import StudyAggregate
+from experiments.atomic import write_text
 
 
 def _nested(flat: Dict[str, object]) -> Dict:
@@ -115,7 +117,7 @@ def cmd_params(args) -> int:
     for path in args.studies:
         params = study_params(path, args.binding)
         target = out / f"{params['study']['name']}.yaml"
-        target.write_text(yaml.safe_dump(params, sort_keys=True))
+        write_text(target, yaml.safe_dump(params, sort_keys=True))
         print(f"wrote {target}")
     return 0
 
@@ -172,12 +174,12 @@ def cmd_export(args) -> int:
     metrics = headline(aggregate)
     # The machines the figures came from: a rerun elsewhere compares like with like (.ci/check_demo.py).
     metrics["hardware"] = aggregate.provenance.get("hardware_fingerprint", [])
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
-    rows = curves(study_dir, aggregate)
-    with open(out / "curves.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["variant", "step", *[m.replace("/", "_") for m in CURVE_METRICS]])
-        writer.writeheader()
-        writer.writerows(rows)
+    write_text(out / "metrics.json", json.dumps(metrics, indent=1, sort_keys=True))
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=["variant", "step", *[m.replace("/", "_") for m in CURVE_METRICS]])
+    writer.writeheader()
+    writer.writerows(curves(study_dir, aggregate))
+    write_text(out / "curves.csv", table.getvalue())
     import shutil
     plots = out / "plots"
     shutil.rmtree(plots, ignore_errors=True)
@@ -210,7 +212,7 @@ def cmd_summary(args) -> int:
         study = load_study(path, args.binding)
         rounds.append((study, _load(Path(args.results) / study.name)))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(render_summary(rounds, Path(args.results)))
+    write_text(args.out, render_summary(rounds, Path(args.results)))
     print(f"wrote {args.out}")
     return 0
 

@@ -15,6 +15,7 @@ errors that name the binding and what is allowed.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import inspect
@@ -27,8 +28,8 @@ from gin import config_parser
 from gin.config import ParserDelegate
 
 from rlhf.config import ConfigError
-from rlhf.configurable import RECIPES_DIR, find_recipe, iter_statements
-from rlhf.metrics import METRICS, NAMESPACES, is_known_metric
+from rlhf.configurable import RECIPES_DIR, SCOPES, find_recipe, iter_statements
+from rlhf.metrics import EVAL_METRICS, METRICS, NAMESPACES, is_known_metric
 
 EVAL_PREFIX = "eval/"
 
@@ -41,9 +42,12 @@ class StudyError(ValueError):
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=+-]*$")
 BINDING_RE = re.compile(r"^\s*([A-Za-z_][\w]*)\.([A-Za-z_]\w*)\s*=\s*(.+?)\s*$", re.S)
-ENGINE_SCOPES = ("ppo", "model", "task", "sft", "tiny_model")
+ENGINE_SCOPES = tuple(SCOPES)
+"""The engine's gin scopes (rlhf/configurable.py): what a study's engine bindings may bind."""
 MANAGED_BINDINGS = ("ppo.seed", "ppo.init_from", "ppo.torch_threads")
 """Set by the manager per run; a study may not bind them (seeds come from `study.seeds`)."""
+START_GAP_S = 60.0
+"""Default `study.start_gap_s`: a vLLM engine's start-up (load, memory profile, CUDA graphs) takes about a minute."""
 METRIC_SOURCES = ("final", "final_window")
 DIRECTIONS = ("higher", "lower")
 from experiments.results import BASELINE  # noqa: E402  (one definition: the results name the baseline)
@@ -104,6 +108,8 @@ class Study:
     """When set, seeds are added to undecided variants up to a maximum (experiments/adaptive.py)."""
     resume_setting: bool = False
     """Also take the resumed variant's bindings into the baseline (planning reads them)."""
+    start_gap_s: float = START_GAP_S
+    """Runs sharing a GPU (gpus_per_run < 1) start their engines at most this far apart per GPU."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME_RE.match(self.name):
@@ -117,10 +123,11 @@ class Study:
                                                     f"'{EVAL_PREFIX}...' metrics, e.g. 'eval/accuracy' (or set "
                                                     f"study.metric_from = 'final_window')")
         if not is_known_metric(self.metric):
-            raise _bad("study.metric", self.metric, f"no run logs it; {_KNOWN}")
+            raise _bad("study.metric", self.metric, f"no run logs it{_close_metric(self.metric)}; {_KNOWN}")
         for g in self.guardrails:
             if not is_known_metric(g.metric):
-                raise StudyError(f"study.guardrails[{g.metric!r}] is invalid: no run logs {g.metric!r}; {_KNOWN}")
+                raise StudyError(f"study.guardrails[{g.metric!r}] is invalid: no run logs {g.metric!r}"
+                                 f"{_close_metric(g.metric)}; {_KNOWN}")
         _integer("cpus_per_run", self.cpus_per_run, 1)
         _integer("retries", self.retries, 0)
         if not _is_number(self.gpus_per_run) or self.gpus_per_run < 0:
@@ -132,6 +139,8 @@ class Study:
                 raise _bad(f"study.{key}", getattr(self, key), "must be a string")
         if not isinstance(self.resume_setting, bool):
             raise _bad("study.resume_setting", self.resume_setting, "must be True or False")
+        if not _is_number(self.start_gap_s) or self.start_gap_s < 0:
+            raise _bad("study.start_gap_s", self.start_gap_s, "must be a number of seconds >= 0")
 
     @property
     def all_variants(self) -> Tuple[Variant, ...]:
@@ -139,8 +148,14 @@ class Study:
         return (Variant(BASELINE, ()),) + self.variants
 
 
-_KNOWN = (f"the engine logs {', '.join(METRICS)} and metrics under {', '.join(n + '...' for n in NAMESPACES)} "
-          f"(rlhf/metrics.py)")
+_KNOWN = (f"the engine logs {', '.join(METRICS)}, the held-out {', '.join(EVAL_METRICS)} and metrics under "
+          f"{', '.join(n + '...' for n in NAMESPACES if n != EVAL_PREFIX)} (rlhf/metrics.py)")
+
+
+def _close_metric(name) -> str:
+    """" (did you mean 'eval/accuracy'?)" for a misspelt metric name, else ''."""
+    close = difflib.get_close_matches(str(name), METRICS + EVAL_METRICS, n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _is_number(value) -> bool:
@@ -166,7 +181,7 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
           metric_from: str = "final", direction: str = "higher", guardrails: Mapping = None,
           resume_from: str = "", resume_variant: str = "", cpus_per_run: int = 1,
           gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, wandb_project: str = "",
-          adaptive_seeds: Mapping = None, resume_setting: bool = False) -> dict:
+          adaptive_seeds: Mapping = None, resume_setting: bool = False, start_gap_s: float = START_GAP_S) -> dict:
     """What a study file binds (`study.<parameter> = value`), with its defaults; returns them.
 
     name: the study's name; its results live in RESULTS/<name>/. Required.
@@ -187,6 +202,10 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
         (before study.baseline_bindings, which win), so a round continues the previous round's
         setting and not only its weights; read at planning, when that study has run.
     cpus_per_run, gpus_per_run: Ray resources each run holds.
+    start_gap_s: when runs share a GPU (gpus_per_run < 1), each GPU starts one engine at a time:
+        the next waits until the previous has logged its first step, at most this many seconds
+        (engines starting together each measure the others' memory as their own, and vLLM then
+        finds no memory for its cache); 0 starts them together.
     retries: extra attempts for a run that crashed or was killed (a divergence or a
         configuration error is deterministic and never retried).
     alpha: significance level of the Holm-corrected Welch tests.
@@ -312,7 +331,7 @@ def _validate(args: dict, path: Path) -> Study:
         gpus_per_run=float(args["gpus_per_run"]) if _is_number(args["gpus_per_run"]) else args["gpus_per_run"],
         retries=args["retries"], alpha=args["alpha"], wandb_project=args["wandb_project"],
         adaptive_seeds=parse_adaptive_seeds(args["adaptive_seeds"], len(seeds)),
-        resume_setting=args["resume_setting"])
+        resume_setting=args["resume_setting"], start_gap_s=args["start_gap_s"])
 
 
 def split_cli_bindings(bindings: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -331,6 +350,9 @@ def load_study(path: str | Path, bindings: Sequence[str] = ()) -> Study:
     `study.baseline_bindings`, so it applies to every run of every variant.
     """
     path = Path(path)
+    if path.is_dir():
+        raise StudyError(f"study file {str(path)!r} is a directory; give a study recipe (a .gin file), "
+                         f"e.g. recipes/studies/smoke.gin")
     if not path.is_file():
         raise StudyError(f"study file {str(path)!r} does not exist")
     study_level, engine = split_cli_bindings(bindings)
@@ -338,16 +360,17 @@ def load_study(path: str | Path, bindings: Sequence[str] = ()) -> Study:
         _engine_binding(line, "-b")
     args = study()
     try:
-        statements = [(path.name, s) for _, s in iter_statements(path)]
+        statements = [(file, s) for file, s in iter_statements(path)]
         for line in study_level:
-            statements += [("-b", s) for s in config_parser.ConfigParser(line, ParserDelegate(skip_unknown=True))]
+            statements += [(line, s) for s in config_parser.ConfigParser(line, ParserDelegate(skip_unknown=True))]
     except ConfigError as err:  # an include cycle
         raise StudyError(f"{path.name}: {err}") from None
     except (ValueError, SyntaxError, TypeError, KeyError, tokenize.TokenError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise StudyError(f"{path.name}: cannot parse: {first}") from None
     stray = []
-    for where, s in statements:
+    for source, s in statements:
+        where = source.name if isinstance(source, Path) else "-b"
         if not isinstance(s, config_parser.BindingStatement):
             raise StudyError(f"{where}: a study file holds study.* bindings (and includes), not "
                              f"{type(s).__name__.replace('Statement', '').lower()} statements")
@@ -363,6 +386,8 @@ def load_study(path: str | Path, bindings: Sequence[str] = ()) -> Study:
         if _has_reference(s.value):
             raise StudyError(f"{name} ({where}) = {s.value!r}: a study binds plain values (no macros or "
                              f"@references)")
+        if isinstance(s.value, dict):
+            _refuse_repeated_keys(name, source, s.location.line_num)
         args[s.arg_name] = s.value
     if stray:
         raise StudyError(f"{path.name} binds {', '.join(sorted(stray))}: a study file binds only study.*; "
@@ -370,6 +395,38 @@ def load_study(path: str | Path, bindings: Sequence[str] = ()) -> Study:
     args["baseline_bindings"] = list(args["baseline_bindings"]) + engine \
         if isinstance(args["baseline_bindings"], (list, tuple)) else args["baseline_bindings"]
     return _validate(args, path.resolve())
+
+
+def _refuse_repeated_keys(name: str, source, line_num: int) -> None:
+    """A dict literal that lists a key twice keeps only the last entry (in gin as in Python): a
+    variant, guardrail or option would vanish without a word. Read from the binding's text, which
+    still holds every key; `source` is the study file (a Path) or a `-b` binding."""
+    text = source.read_text() if isinstance(source, Path) else source
+    lines = text.splitlines(keepends=True)[line_num - 1:] if isinstance(source, Path) else [text]
+    value = lines[0].partition("=")[2]
+    for more in [*lines[1:], None]:
+        try:
+            tree = ast.parse(value.strip(), mode="eval")
+            break
+        except SyntaxError:
+            if more is None:
+                return  # not Python's syntax: gin parsed it, nothing to compare
+            value += more
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Dict):
+            continue
+        seen = set()
+        for key_node in (k for k in node.keys if k is not None):
+            try:
+                key = ast.literal_eval(key_node)
+            except (ValueError, TypeError, SyntaxError):
+                continue
+            if key in seen:
+                where = f"{source}, line {line_num + key_node.lineno - 1}" if isinstance(source, Path) else "-b"
+                entry = "variant" if name == "study.variants" else "key"
+                raise StudyError(f"{name} ({where}) lists the {entry} {key!r} twice: a dict keeps only the last, "
+                                 f"so the first would be dropped; give each {entry} its own name")
+            seen.add(key)
 
 
 def _has_reference(value) -> bool:

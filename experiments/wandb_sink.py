@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 from experiments.results import StudyAggregate
+from experiments.atomic import write_json
 
 STATE_FILE = "wandb.json"
 
@@ -40,6 +41,11 @@ def logged_in() -> bool:
         return any("wandb" in host for host in netrc.netrc().hosts)
     except (OSError, netrc.NetrcParseError):
         return False
+
+
+def files_root(directory: Optional[str]) -> Optional[str]:
+    """Where W&B writes its run files (under `<root>/wandb/`): WANDB_DIR when set, else `directory`."""
+    return os.environ.get("WANDB_DIR") or directory
 
 
 def _warn(message: str) -> None:
@@ -84,7 +90,7 @@ class WandbRun:
             if directory:
                 Path(directory).mkdir(parents=True, exist_ok=True)
             self.run = wandb.init(project=project, group=group, job_type=job_type, name=name, id=run_id,
-                                  config=config, dir=os.environ.get("WANDB_DIR") or directory, mode=self.mode,
+                                  config=config, dir=files_root(directory), mode=self.mode,
                                   resume="allow", tags=list(tags), reinit="create_new",
                                   settings=wandb.Settings(silent=True, console="off"))
         except Exception as err:  # noqa: BLE001 - W&B must never take a run down
@@ -177,7 +183,10 @@ class RunDirStreamer:
             self.last_step = int(record["step"])
             sent += 1
         if sent:
-            (self.run_dir / STATE_FILE).write_text(json.dumps({"run_id": self._run_id(), "last_step": self.last_step}))
+            try:
+                write_json(self.run_dir / STATE_FILE, {"run_id": self._run_id(), "last_step": self.last_step})
+            except OSError as err:  # e.g. a full disk: the run goes on; a resume may resend these steps
+                _warn(f"cannot record the last step sent ({err})")
         return sent
 
     def close(self, exit_code: int) -> None:

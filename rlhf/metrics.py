@@ -22,10 +22,21 @@ NAMESPACES = ("actor/", "critic/", "eval/", "timing_s/", "perf/", "rollout/")
 summary.json's `initial` and `final` hold."""
 
 
+EVAL_METRICS = ("eval/accuracy", "eval/rm_score", "eval/reward_mean", "eval/response_length_mean",
+                "eval/rollout_success_rate", "eval/greedy_accuracy", "eval/greedy_rm_score",
+                "eval/greedy_reward_mean")
+"""Every `eval/` name a PPO run logs (`PPOTrainer.evaluate`; `rm_score` with a reward model,
+`greedy_` ones when ppo.eval_temperature > 0)."""
+
+
 def is_known_metric(name: str) -> bool:
-    """True for a name the engine logs or may log (a known name or one under a known namespace)."""
-    return name in METRICS or (isinstance(name, str) and name.startswith(NAMESPACES)
-                                and len(name) > name.index("/") + 1)
+    """True for a name the engine logs or may log: a known name, one of `EVAL_METRICS`, or one
+    under another known namespace."""
+    if not isinstance(name, str):
+        return False
+    if name.startswith("eval/"):
+        return name in EVAL_METRICS
+    return name in METRICS or (name.startswith(NAMESPACES) and len(name) > name.index("/") + 1)
 
 
 class MetricSink(Protocol):

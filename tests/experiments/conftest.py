@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import tempfile
 import textwrap
@@ -10,6 +12,23 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+WANDB_TEST_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+"""The only W&B variables the manager's tests run with; the user's own (WANDB_DIR, WANDB_PROJECT,
+WANDB_ENTITY, WANDB_RUN_ID, WANDB_RESUME, WANDB_API_KEY, WANDB_BASE_URL, ...) are cleared."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_wandb_environment():
+    """Tests never depend on the user's W&B set-up (where files go, which project, a login); a
+    test that needs a variable sets it itself."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith("WANDB_")]:
+            mp.delenv(key)
+        for key, value in WANDB_TEST_ENV.items():
+            mp.setenv(key, value)
+        yield
 
 
 @pytest.fixture
@@ -29,6 +48,26 @@ def workdir():
     path = Path(tempfile.mkdtemp(prefix="experiments-test-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def fake_run(spec, accuracy, kl=0.05, success=1.0, diverged=False):
+    """A finished run dir of `spec` as the engine and the manager would leave it (no engine needed)."""
+    from experiments.rundir import write_json
+    d = Path(spec.run_dir)
+    d.mkdir(parents=True)
+    rows = [{"step": s, "reward_mean": 0.1 * s + accuracy, "kl_divergence": kl, "clip_fraction": 0.1,
+             "clip_fraction_lower": 0.05, "clip_fraction_upper": 0.05, "response_length_mean": 3.0,
+             "rollout_success_rate": success, "policy_ratio_hist": {"bin_edges": [0, 1], "counts": [3]},
+             **({"eval/accuracy": accuracy} if s in (0, 5) else {})} for s in range(6)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "rew')
+    attempt = {"attempt": 1, "exit_code": 3 if diverged else 0, "start": "t0", "end": "t1",
+               "error": "diverged (exit 3): training diverged: non-finite actor/pg_loss" if diverged else None}
+    write_json(d / "run.json", {"run_hash": spec.run_hash, "attempts": [attempt]})
+    if not diverged:
+        write_json(d / "summary.json", {"status": "completed", "steps": 5, "initial": {"eval/accuracy": 0.3},
+                                        "final": {"eval/accuracy": accuracy},
+                                        "final_window": {"kl_divergence": kl, "rollout_success_rate": success}})
+    write_json(d / "provenance.json", {"versions": {"torch": "x"}, "hardware": {"hostname": "h"}})
 
 
 def fake_checkpoint(path: Path, content: bytes = b"weights") -> Path:

@@ -1,14 +1,18 @@
 """Faults around a study: a failed run's cause is its exception, W&B online without a login falls
-back to offline (said once), and Ray's daemons do not outlive a killed manager."""
+back to offline (said once), Ray's daemons do not outlive a killed manager, a full disk stops the
+manager in one line with nothing lost, and engines sharing a GPU start one at a time."""
 
+import errno
 import io
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
+import pytest
 from rich.console import Console
 
 from experiments.execute import describe_failure, failure_cause
@@ -49,11 +53,23 @@ def test_wandb_online_without_login_says_so_once_and_logs_offline(monkeypatch, t
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
     monkeypatch.delenv("NETRC", raising=False)
     display = _Display()
-    assert wandb_fallback(display) == "offline"
+    assert wandb_fallback(display, str(tmp_path / "wandb")) == "offline"
     text = display.buffer.getvalue()
     assert text.count("warning: W&B: WANDB_MODE=online but this machine is not logged in") == 1
+    assert f"wandb sync {tmp_path / 'wandb'}/wandb/offline-run-*" in text
+    assert f"W&B offline run files: {tmp_path / 'wandb'}\n" in text
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
-    assert wandb_fallback(_Display()) == "online"
+    assert wandb_fallback(_Display(), str(tmp_path / "wandb")) == "online"
+
+
+def test_the_wandb_run_files_directory_is_said_and_honours_wandb_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+    display = _Display()
+    assert wandb_fallback(display, str(tmp_path / "results" / "wandb")) == "offline"
+    assert display.buffer.getvalue() == f"W&B offline run files: {tmp_path / 'elsewhere'}\n"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    display = _Display()
+    assert wandb_fallback(display, str(tmp_path)) == "disabled" and display.buffer.getvalue() == ""
 
 
 MANAGER = """
@@ -77,3 +93,124 @@ def test_watchdog_stops_the_daemons_of_a_killed_manager():
     while daemon.is_running() and daemon.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not daemon.is_running() or daemon.status() == psutil.STATUS_ZOMBIE
+
+
+def _no_space_for(name: str, monkeypatch) -> None:
+    """Every atomic write of a file called `name` fails as on a full disk, at its rename."""
+    real = os.replace
+
+    def replace(src, dst, *a, **kw):
+        if Path(dst).name == name:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+        return real(src, dst, *a, **kw)
+    monkeypatch.setattr(os, "replace", replace)
+
+
+SMALL = """
+study.name = 'full'
+study.baseline_recipe = 'tiny.gin'
+study.baseline_bindings = ['ppo.total_steps = 5']
+study.variants = {'kl': 'ppo.kl_coef = 0.1'}
+study.seeds = 2
+"""
+
+
+def test_a_full_disk_is_one_line_loses_nothing_and_a_rerun_picks_up(write_study, tmp_path, monkeypatch, capsys):
+    from experiments.cli import main
+    from experiments.execute import execute
+    from experiments.launch import _outcome
+    from experiments.plan import expand
+    from experiments.study import load_study
+    from tests.experiments.conftest import fake_run
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    path, results = write_study(SMALL), tmp_path / "results"
+    specs = expand(load_study(path), results)
+    for spec in specs:
+        fake_run(spec, 0.5 + 0.1 * (spec.variant == "kl") + 0.01 * spec.seed)
+    run_dir = Path(specs[0].run_dir)
+    record = (run_dir / "run.json").read_text()
+
+    # A Ray task recording its attempt in run.json: the old record stays whole, no temporary is left...
+    _no_space_for("run.json", monkeypatch)
+    with pytest.raises(OSError) as raised:
+        execute(specs[0].to_json(), False, 2, {}, str(tmp_path / "cache"))
+    assert raised.value.errno == errno.ENOSPC and (run_dir / "run.json").read_text() == record
+    assert not list(run_dir.glob(".*.tmp"))
+    # ... and the manager stops on it rather than retrying the run.
+    import ray
+    from ray.exceptions import RayTaskError
+    failed = RayTaskError("execute", "Traceback ...", raised.value).as_instanceof_cause()
+    monkeypatch.setattr(ray, "get", lambda ref: (_ for _ in ()).throw(failed))
+    with pytest.raises(OSError, match="No space left on device"):
+        _outcome(None, specs[0])
+
+    # The manager's own writes: one line, exit 1, no traceback, nothing half-written.
+    study_dir = (results / "full").resolve()
+    _no_space_for("aggregate.json", monkeypatch)
+    assert main(["run", str(path), "--results", str(results)]) == 1
+    err = capsys.readouterr().err  # the live view's lines, then the one error line
+    assert "Traceback" not in err and [line for line in err.splitlines() if line.startswith("error:")] == [
+        err.strip().splitlines()[-1]]
+    assert err.strip().splitlines()[-1] == (f"error: No space left on device writing {study_dir / 'aggregate.json'}: free some space, then run "
+                   f"the same command again (what was written is kept: finished runs are skipped, interrupted ones "
+                   f"resume)")
+    assert not (study_dir / "aggregate.json").exists() and not list(study_dir.rglob(".*.tmp"))
+    monkeypatch.setattr(os, "replace", os.rename)  # space freed
+    assert main(["run", str(path), "--results", str(results)]) == 0
+    assert "0 completed, 4 already done" in capsys.readouterr().out
+    assert (study_dir / "aggregate.json").is_file() and (run_dir / "run.json").read_text() == record
+
+
+FAILING_ENGINE = """
+import sys
+print("INFO starting the engine", file=sys.stderr)
+print("Traceback (most recent call last):", file=sys.stderr)
+print('  File "/x/vllm/worker.py", line 200, in determine_num_available_blocks', file=sys.stderr)
+print("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`.", file=sys.stderr)
+print("[rank0]:[W1201 ProcessGroupNCCL.cpp:1250] Warning: WARNING: destroy_process_group() was not called", file=sys.stderr)
+sys.exit(1)
+"""
+
+
+def test_a_failed_runs_cause_is_its_exception_in_the_record_the_status_and_the_report(write_study, tmp_path,
+                                                                                     monkeypatch):
+    import experiments.execute as execute_module
+    from experiments.collect import read_run
+    from experiments.plan import expand
+    from experiments.rundir import last_attempt
+    from experiments.study import load_study
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    study = load_study(write_study(SMALL))
+    spec = expand(study, tmp_path / "results")[0]
+    monkeypatch.setattr(execute_module, "engine_argv", lambda *a: [sys.executable, "-c", FAILING_ENGINE])
+    outcome = execute_module.execute(spec.to_json(), False, 1, {}, str(tmp_path / "cache"))
+    cause = "exit 1: ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`."
+    assert outcome["error"] == cause and outcome["retriable"]  # the live line shows it when retrying
+    assert last_attempt(spec.run_dir)["error"] == cause  # `status`
+    assert read_run(spec, study).error == cause  # the report
+    import ray
+    from ray.exceptions import RayTaskError
+    from experiments.launch import _outcome
+    raised = RayTaskError("execute", "Traceback ...", ValueError("boom\nmore")).as_instanceof_cause()
+    monkeypatch.setattr(ray, "get", lambda ref: (_ for _ in ()).throw(raised))
+    assert _outcome(None, spec)["error"] == "ValueError: boom"  # what the task raised, not Ray's banner
+    vllm_v1 = ("(EngineCore_0 pid=7) Traceback (most recent call last):\n(EngineCore_0 pid=7)   File \"core.py\"\n"
+               "(EngineCore_0 pid=7) ValueError: No available memory for the cache blocks.\n"
+               "Traceback (most recent call last):\n  File \"llm.py\"\nRuntimeError: Engine core initialization "
+               "failed. See root cause above. Failed core proc(s): {}\nW1201 destroy_process_group() warning\n")
+    assert failure_cause(vllm_v1) == "ValueError: No available memory for the cache blocks."
+    assert failure_cause("INFO x\nERROR 12-01 core.py:50] RuntimeError: CUDA error: out of memory\nWARNING bye\n") == \
+        "RuntimeError: CUDA error: out of memory"
+
+
+def test_engines_sharing_a_gpu_start_one_at_a_time(tmp_path, monkeypatch):
+    from experiments.execute import wait_for_gpu_start
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    first, second, third = (tmp_path / n for n in ("a", "b", "c"))
+    assert wait_for_gpu_start(first, 0.6, str(tmp_path)) < 0.3  # nothing started on this GPU lately
+    assert 0.5 < wait_for_gpu_start(second, 0.6, str(tmp_path)) < 3  # waits out the gap after the first
+    second.mkdir()
+    (second / "metrics.jsonl").write_text('{"step": 0}\n')  # the second engine has started up
+    assert wait_for_gpu_start(third, 30, str(tmp_path)) < 3  # no need to wait the full gap
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert wait_for_gpu_start(first, 30, str(tmp_path)) == 0  # no GPU: no gate

@@ -203,3 +203,17 @@ def test_plan_refuses_a_run_that_cannot_fit_its_gpu(write_study, tmp_path, monke
     assert len(expand(fitted, tmp_path / "r")) == 2
     monkeypatch.setattr(plan_module, "_gpu_memory_gib", lambda: None)  # no GPU here: nothing to check against
     assert len(expand(load_study(path), tmp_path / "r")) == 2
+
+
+def test_a_reward_variant_plans_its_own_runs(write_study, tmp_path):
+    """Every engine scope may be varied, `reward.*` included (one list: rlhf.configurable.SCOPES)."""
+    from rlhf.configurable import SCOPES
+    from experiments.study import ENGINE_SCOPES
+    assert ENGINE_SCOPES == tuple(SCOPES)
+    path = write_study(STUDY.replace("{'kl': 'ppo.kl_coef = 0.1', 'clip': 'ppo.clip_range = 0.1'}",
+                                     "{'norm': \"reward.normalize = 'batch'\"}").replace("seeds = 3", "seeds = 1"))
+    base, norm = expand(load_study(path), tmp_path)
+    assert norm.variant == "norm" and norm.changes == {"reward.normalize": "batch"}
+    assert norm.run_hash != base.run_hash and norm.config_hash != base.config_hash
+    assert "reward.normalize = 'batch'" in norm.operative_config
+    assert "reward.normalize = 'batch'" not in base.operative_config

@@ -9,8 +9,9 @@ import pytest
 from experiments.collect import band
 from experiments.plan import expand
 from experiments.report import write_report
-from experiments.rundir import write_json
 from experiments.study import load_study
+from experiments.rundir import write_json
+from tests.experiments.conftest import fake_run
 
 STUDY = """
 study.name = 'synthetic'
@@ -28,25 +29,6 @@ ACCURACY = {  # final eval/accuracy per seed
     "same": [0.51, 0.49, 0.53, 0.50],
     "hot": [0.80, 0.82, 0.79, 0.81],
 }
-
-
-def fake_run(spec, accuracy, kl=0.05, success=1.0, diverged=False):
-    """A run dir as the engine and the manager would leave it."""
-    d = Path(spec.run_dir)
-    d.mkdir(parents=True)
-    rows = [{"step": s, "reward_mean": 0.1 * s + accuracy, "kl_divergence": kl, "clip_fraction": 0.1,
-             "clip_fraction_lower": 0.05, "clip_fraction_upper": 0.05, "response_length_mean": 3.0,
-             "rollout_success_rate": success, "policy_ratio_hist": {"bin_edges": [0, 1], "counts": [3]},
-             **({"eval/accuracy": accuracy} if s in (0, 5) else {})} for s in range(6)]
-    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "rew')
-    attempt = {"attempt": 1, "exit_code": 3 if diverged else 0, "start": "t0", "end": "t1",
-               "error": "diverged (exit 3): training diverged: non-finite actor/pg_loss" if diverged else None}
-    write_json(d / "run.json", {"run_hash": spec.run_hash, "attempts": [attempt]})
-    if not diverged:
-        write_json(d / "summary.json", {"status": "completed", "steps": 5, "initial": {"eval/accuracy": 0.3},
-                                        "final": {"eval/accuracy": accuracy},
-                                        "final_window": {"kl_divergence": kl, "rollout_success_rate": success}})
-    write_json(d / "provenance.json", {"versions": {"torch": "x"}, "hardware": {"hostname": "h"}})
 
 
 @pytest.fixture

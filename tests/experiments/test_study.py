@@ -55,6 +55,7 @@ def test_coupled_variant_must_be_declared(write_study):
     ("study.metric_from = 'last'", "study.metric_from"),
     ("study.cpus_per_run = 0", "study.cpus_per_run"),
     ("study.retries = -1", "study.retries"),
+    ("study.start_gap_s = -1", "study.start_gap_s = -1 is invalid: must be a number of seconds >= 0"),
     ("study.guardrails = {'kl_divergence': {'below': 1}}", "study.guardrails"),
     ("study.variants = {'baseline': 'ppo.kl_coef = 0.1'}", "variant name"),
     ("study.variants = {'s': 'ppo.seed = 3'}", "ppo.seed is set by the manager"),

@@ -1,0 +1,50 @@
+"""Atomic writes of the manager's files (run.json, plan.json, aggregate.json, reports, plots).
+
+A file is written to a temporary beside it, synced, then renamed over it: a reader (or the next
+run after a crash, a kill or a full disk) sees the old file or the new one, never half of one,
+and a failed write leaves no temporary behind. Standard library only: the pipeline stages that
+must not load the study machinery use it too.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+"""The errnos of a full disk (or quota): the manager stops in one line, keeping what is written."""
+
+
+def is_disk_full(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in DISK_FULL
+
+
+def write_atomic(path: str | Path, write) -> None:
+    """`write(tmp_path)` fills a temporary file beside `path`, which then replaces `path` in one
+    step: readers see the old file or the new one, never half of one, and a failed write (a
+    full disk) leaves the old file and no temporary behind."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # a full disk can surface only here (delayed allocation)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Atomic text write (`write_atomic`)."""
+    write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def write_json(path: str | Path, data: dict) -> None:
+    """Atomic JSON write (`write_atomic`)."""
+    write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
