@@ -155,10 +155,11 @@ def check_sources(reward_fn, examples: Sequence, where: str) -> None:
     for i, ex in enumerate(examples):
         if scorer_for(reward_fn, ex.data_source) is None:
             at = ex.where or f"{where} row {i}"
-            source = f"data_source {ex.data_source!r}" if ex.data_source else "no data_source"
-            raise ConfigError(f"{at}: {source} has no scorer under task.reward_fn = {reward_fn!r}: it knows "
-                              f"{known}; map it with task.reward_fn = {{'{ex.data_source or 'SOURCE'}': NAME}} "
-                              f"or name one reward for every row (task.reward_fn = 'gsm8k', ...)")
+            what = (f"data_source {ex.data_source!r} has no scorer" if ex.data_source else
+                    "the row has no data_source to pick its scorer")
+            raise ConfigError(f"{at}: {what} under task.reward_fn = {reward_fn!r} (it knows {known}); map the "
+                              f"source with task.reward_fn = {{'{ex.data_source or 'SOURCE'}': NAME}}, or name one "
+                              f"reward for every row (task.reward_fn = 'gsm8k', ...)")
 
 
 def rule_results(reward_fn, responses, answers, finished, data_sources: Optional[List[str]] = None, **params):
