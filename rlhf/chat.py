@@ -13,6 +13,8 @@ step by step and output the final answer after \"####\".") apply in every mode.
 
 Templates are rendered by transformers' `tokenizer.apply_chat_template`; rollout, evaluation
 and the reward model all go through `PromptRenderer`, so they see the same conversation.
+`check_rows` renders every row once at start, so a row a template rejects (or, in raw-text mode,
+a role other than system / user / assistant) is one line naming it, before any compute.
 """
 
 from __future__ import annotations

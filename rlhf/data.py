@@ -8,9 +8,11 @@ formats users have (`task.format`, detected from the columns when 'auto'):
   with an explicit `prompt` or an implicit one (the shared start), plain text or conversational;
   an optional `margin`.
 
-A prompt is a string or a list of `{'role', 'content'}` messages (`rlhf/chat.py` renders it).
-A file that cannot be read, or fits no format, is a ConfigError: one line naming the file (and
-line) and what is accepted.
+A prompt is a string or a list of `{'role', 'content'}` messages (`rlhf/chat.py` renders it; a
+content may be OpenAI-style text parts). A file that cannot be read, fits no format, or has a row
+with an empty prompt, a null answer or a non-text content part is a ConfigError: one line naming
+the file (and line or row) and what is accepted. Each Example keeps its row (`where`) and
+`data_source`, which `task.reward_fn = 'auto'` routes by (rlhf/rewards.py `check_sources`).
 
 A dataset is a list of `Example(prompt, answer)`. The train / held-out split is deterministic
 (a hash of the prompt), so it never depends on the seed or on file order. `PromptSampler`
