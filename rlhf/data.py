@@ -12,7 +12,7 @@ A prompt is a string or a list of `{'role', 'content'}` messages (`rlhf/chat.py`
 content may be OpenAI-style text parts). A file that cannot be read, fits no format, or has a row
 with an empty prompt, a null answer or a non-text content part is a ConfigError: one line naming
 the file (and line or row) and what is accepted. Each Example keeps its row (`where`) and
-`data_source`, which `task.reward_fn = 'auto'` routes by (rlhf/rewards.py `check_sources`).
+`data_source`, which `task.reward_fn = 'auto'` routes by (`check_sources`).
 
 A dataset is a list of `Example(prompt, answer)`. The train / held-out split is deterministic
 (a hash of the prompt), so it never depends on the seed or on file order. `PromptSampler`
@@ -32,7 +32,7 @@ import numpy as np
 
 from rlhf.chat import Prompt, is_messages, normalize_messages, prompt_key
 from rlhf.config import ConfigError, TaskConfig
-from rlhf.rewards import check_sources
+from rlhf.rewards import DATA_SOURCES, REWARD_FUNCTIONS, routes_by_source, scorer_for
 
 FORMATS = ("plain", "verl", "preference")
 
@@ -264,6 +264,25 @@ def load_pairs(path: str | Path, fmt: str = "auto", prompt_key_: str = "prompt")
         raise ConfigError(f"{path} holds {found!r} rows, not preference pairs: reward-model training needs "
                           f"'chosen' and 'rejected' columns (columns found {_columns(records)})")
     return records_to_pairs(records, str(path), prompt_key_)
+
+
+def check_sources(reward_fn, examples: Sequence, where: str) -> None:
+    """Every row of a file has a scorer under `task.reward_fn`: a ConfigError (one line naming the
+    source, the row and what is known) for the first that has none. Rows need no data_source when
+    task.reward_fn names one reward."""
+    if not routes_by_source(reward_fn):
+        return
+    known = (f"the mapping's sources {', '.join(map(repr, sorted(reward_fn)))}" if isinstance(reward_fn, dict) else
+             f"the registered names {', '.join(map(repr, sorted(REWARD_FUNCTIONS)))} and verl's "
+             + ", ".join(f"{s!r} ({n})" for s, n in sorted(DATA_SOURCES.items())))
+    for i, ex in enumerate(examples):
+        if scorer_for(reward_fn, ex.data_source) is None:
+            at = ex.where or f"{where} row {i}"
+            what = (f"data_source {ex.data_source!r} has no scorer" if ex.data_source else
+                    "the row has no data_source to pick its scorer")
+            raise ConfigError(f"{at}: {what} under task.reward_fn = {reward_fn!r} (it knows {known}); map the "
+                              f"source with task.reward_fn = {{'{ex.data_source or 'SOURCE'}': NAME}}, or name one "
+                              f"reward for every row (task.reward_fn = 'gsm8k', ...)")
 
 
 def examples_from_file(path: str | Path, cfg: TaskConfig) -> List[Example]:

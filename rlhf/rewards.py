@@ -142,26 +142,6 @@ def routes_by_source(reward_fn) -> bool:
     return isinstance(reward_fn, dict) or reward_fn == "auto"
 
 
-def check_sources(reward_fn, examples: Sequence, where: str) -> None:
-    """Every row of a file has a scorer under `task.reward_fn`: a ConfigError (one line naming the
-    source, the row and what is known) for the first that has none. Rows need no data_source when
-    task.reward_fn names one reward."""
-    from rlhf.config import ConfigError  # local: rlhf.config imports this module when it validates
-    if not routes_by_source(reward_fn):
-        return
-    known = (f"the mapping's sources {', '.join(map(repr, sorted(reward_fn)))}" if isinstance(reward_fn, dict) else
-             f"the registered names {', '.join(map(repr, sorted(REWARD_FUNCTIONS)))} and verl's "
-             + ", ".join(f"{s!r} ({n})" for s, n in sorted(DATA_SOURCES.items())))
-    for i, ex in enumerate(examples):
-        if scorer_for(reward_fn, ex.data_source) is None:
-            at = ex.where or f"{where} row {i}"
-            what = (f"data_source {ex.data_source!r} has no scorer" if ex.data_source else
-                    "the row has no data_source to pick its scorer")
-            raise ConfigError(f"{at}: {what} under task.reward_fn = {reward_fn!r} (it knows {known}); map the "
-                              f"source with task.reward_fn = {{'{ex.data_source or 'SOURCE'}': NAME}}, or name one "
-                              f"reward for every row (task.reward_fn = 'gsm8k', ...)")
-
-
 def rule_results(reward_fn, responses, answers, finished, data_sources: Optional[List[str]] = None, **params):
     """Each response's RewardResult under `task.reward_fn`: one named reward for every row, or each
     row's by its data source ('auto' or a mapping, which need `data_sources`)."""
