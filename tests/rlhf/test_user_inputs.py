@@ -128,6 +128,27 @@ def test_reward_model_scores_what_it_was_trained_on(tmp_path, case):
             torch.testing.assert_close(scorer.score_batch(batch), trainer._scores(trained), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chat_template", ["none", "file"])
+def test_a_trained_reward_model_carries_its_template_to_ppo(tmp_path, chat_template):
+    """rm.chat_template travels with the checkpoint: PPO's default reward.chat_template = 'auto'
+    then encodes a rollout as training encoded its pairs."""
+    tok = qwen_style_tokenizer(tmp_path / "tok")
+    save_rm(tmp_path / "base", tok)
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "3+4=", "chosen": "7", "rejected": "8"}) + "\n")
+    cfg = RMTrainConfig(train_path=str(pairs), eval_path=str(pairs), base_model=str(tmp_path / "base"), device="cpu",
+                        steps=1, batch_size=1, micro_batch_size=1,
+                        chat_template=str(template) if chat_template == "file" else "none")
+    trainer = RewardModelTrainer(cfg, tmp_path / "out", log=lambda m: None)
+    trainer.save_model(tmp_path / "out")
+    scorer = RewardModelScorer(str(tmp_path / "out"), policy_tokenizer=tok, log=lambda m: None)
+    batch = rollout_batch(tok, ["3+4="], [tok("7", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]])
+    assert scorer.renderer.uses_template == (chat_template == "file")
+    assert scorer.sequences(batch) == [trainer.train[0][0]]
+
+
 def test_reward_model_reads_a_cut_prompt_whole(tmp_path):
     tok = build_char_tokenizer(tmp_path / "tok")
     save_rm(tmp_path / "rm", tok)
