@@ -13,6 +13,8 @@ step by step and output the final answer after \"####\".") apply in every mode.
 
 Templates are rendered by transformers' `tokenizer.apply_chat_template`; rollout, evaluation
 and the reward model all go through `PromptRenderer`, so they see the same conversation.
+`check_rows` renders every row once at start, so a row a template rejects (or, in raw-text mode,
+a role other than system / user / assistant) is one line naming it, before any compute.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from rlhf.config import ConfigError
 
@@ -28,6 +30,8 @@ Message = Dict[str, str]
 Prompt = Union[str, List[Message]]
 
 _PROBE = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "1+1="}]
+RAW_ROLES = ("system", "user", "assistant")
+"""The roles a raw-text prompt (no chat template) may hold: it shows only the contents."""
 
 
 def is_messages(value: Any) -> bool:
@@ -36,13 +40,31 @@ def is_messages(value: Any) -> bool:
             and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
 
 
+def _content_text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or OpenAI-style content parts whose text parts are
+    joined by newlines (as vLLM joins them); any other part is refused, the policy reads text only."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)) and content and all(isinstance(p, dict) for p in content):
+        texts = []
+        for j, part in enumerate(content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ConfigError(f"{where}: content part {j} is of type {part.get('type')!r}; only text parts "
+                                  f"({{'type': 'text', 'text': ...}}) are accepted (the policy reads text)")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ConfigError(f"{where}: 'content' must be a string or a list of text parts "
+                      f"({{'type': 'text', 'text': ...}}), got {type(content).__name__} {str(content)[:60]!r}")
+
+
 def normalize_messages(value: Sequence[dict], where: str) -> List[Message]:
-    """Messages as plain {'role', 'content'} string dicts (parquet structs carry extra None fields)."""
+    """Messages as plain {'role', 'content'} string dicts (parquet structs carry extra None fields;
+    content parts become their joined text)."""
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m.get("content") is None:
             raise ConfigError(f"{where}: message {i} must be a dict with string 'role' and 'content', got {m!r:.80}")
-        out.append({"role": m["role"], "content": str(m["content"])})
+        out.append({"role": m["role"], "content": _content_text(m["content"], f"{where}: message {i}")})
     return out
 
 
@@ -53,13 +75,17 @@ def prompt_key(prompt: Prompt) -> str:
     return json.dumps(list(prompt), ensure_ascii=False, sort_keys=True)
 
 
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
 def _render_check(tokenizer, template: str, where: str) -> None:
     try:
         text = tokenizer.apply_chat_template(_PROBE, chat_template=template, tokenize=False,
                                              add_generation_prompt=True)
     except Exception as err:  # jinja2 TemplateError, TypeError from a bad filter, ...
-        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"{where}: the chat template does not render ({type(err).__name__}: {msg})") from None
+        raise ConfigError(f"{where}: the chat template does not render ({type(err).__name__}: "
+                          f"{_first_line(err)})") from None
     if not isinstance(text, str) or "1+1=" not in text:
         raise ConfigError(f"{where}: the chat template renders no message content "
                           f"(got {str(text)[:60]!r}); it must output each message's content")
@@ -135,6 +161,12 @@ class PromptRenderer:
 
     # ------------------------------------------------------------------ policy side
     def _raw_text(self, msgs: List[Message]) -> str:
+        for i, m in enumerate(msgs):
+            if m["role"] not in RAW_ROLES:
+                raise ConfigError(f"message {i} has role {m['role']!r}, which raw-text prompts ({self.describe()}) "
+                                  f"cannot show: they join the contents, so only the roles "
+                                  f"{', '.join(map(repr, RAW_ROLES))} are accepted; rename it or set a chat "
+                                  f"template (task.chat_template)")
         return "\n".join(m["content"] for m in msgs)
 
     def text(self, prompt: Prompt) -> str:
@@ -170,6 +202,24 @@ class PromptRenderer:
         out = self.tokenizer.apply_chat_template(self.conversation(prompt, response), chat_template=self.template,
                                                  tokenize=True, add_generation_prompt=False, return_dict=False)
         return list(out)
+
+
+def check_rows(examples: Sequence, encode: Callable[[Prompt], List[int]], binding: str) -> List[int]:
+    """Encodes every example's prompt once, before any compute (`encode`: the policy's
+    `PromptRenderer.ids`, or a reward model's encoding of the conversation), and returns the
+    lengths in tokens. A row its chat template (or the raw-text mode) rejects is a ConfigError
+    naming the row (`example.where`) and the template's own message."""
+    lengths = []
+    for i, ex in enumerate(examples):
+        at = getattr(ex, "where", "") or f"prompt {i} ({prompt_key(ex.prompt)[:60]!r})"
+        try:
+            lengths.append(len(encode(ex.prompt)))
+        except ConfigError as err:
+            raise ConfigError(f"{at}: {err}") from None
+        except Exception as err:  # jinja2's TemplateError (a template's raise_exception), TypeError, ...
+            raise ConfigError(f"{at}: the chat template ({binding}) rejects this row ({type(err).__name__}: "
+                              f"{_first_line(err)})") from None
+    return lengths
 
 
 def render_prompt(tokenizer, prompt: Prompt, cfg) -> str:

@@ -74,7 +74,12 @@ class PPOConfig:
     samples_per_prompt: int = 1
     """Responses sampled per prompt (GRPO needs >= 2)."""
     max_prompt_length: int = 32
-    """Prompt tokens kept (longer prompts are cut from the left). The guide: >= 1024 for dialogue."""
+    """Prompt tokens at most (see prompt_truncation). The guide: >= 1024 for dialogue."""
+    prompt_truncation: str = "error"
+    """A prompt longer than max_prompt_length: 'error' (the run stops at start, naming the longest
+    prompt's row), 'left' (its first tokens are cut) or 'right' (its last tokens are cut), verl's
+    `data.truncation`. Where cutting is allowed the share of prompts cut is logged
+    (`rollout/prompt_truncated_fraction`, summary.json's `prompt_truncated_fraction`)."""
     max_response_length: int = 8
     """Generated tokens at most; a response that reaches it without EOS is truncated. The guide: 512
     (dialogue), 256 (summaries), 768 (code); memory grows about quadratically with it."""
@@ -278,6 +283,7 @@ class PPOConfig:
         _number(s, "gamma", self.gamma, 0.0, 1.0)
         _number(s, "lam", self.lam, 0.0, 1.0)
         _choice(s, "rollout_backend", self.rollout_backend, ("hf", "vllm"))
+        _choice(s, "prompt_truncation", self.prompt_truncation, ("error", "left", "right"))
         _choice(s, "lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
         _choice(s, "loss_aggregation", self.loss_aggregation, ("token_mean", "seq_mean"))
         _choice(s, "kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
@@ -426,8 +432,11 @@ class TaskConfig:
     """The column holding the prompt (format 'plain'): a string or chat messages."""
     answer_key: str = "answer"
     """The column holding the reference answer (format 'plain'), what the rule reward checks."""
-    reward_fn: str = "arithmetic"
-    """A name in the reward registry (rlhf/rewards.py): 'arithmetic', 'gsm8k', 'exact_match'."""
+    reward_fn: object = "arithmetic"
+    """The rule that scores a response: a name in the reward registry (rlhf/rewards.py:
+    'arithmetic', 'gsm8k', 'exact_match'), 'auto' (each row's scorer by its `data_source`, verl's
+    names such as 'openai/gsm8k' included), or a mapping {data_source: reward name}. With 'auto' or
+    a mapping, a row whose data_source has no scorer stops the run at start."""
     eval_size: int = 128
     """Held-out prompts evaluated (the first N of the held-out split)."""
     eval_fraction: float = 0.2
@@ -469,8 +478,21 @@ class TaskConfig:
         if self.name == "file":
             _check(bool(self.train_path), "task.train_path", self.train_path,
                    "must name a JSONL or parquet file when task.name = 'file'")
+        else:
+            for name in ("train_path", "eval_path"):
+                _check(not getattr(self, name), f"task.{name}", getattr(self, name),
+                       "is set but task.name = 'arithmetic' trains on the embedded task and ignores it; "
+                       "set task.name = 'file' to train on the file")
         from rlhf.rewards import REWARD_FUNCTIONS  # local import: rewards imports nothing from here
-        _choice("task", "reward_fn", self.reward_fn, tuple(sorted(REWARD_FUNCTIONS)))
+        names = tuple(sorted(REWARD_FUNCTIONS))
+        if isinstance(self.reward_fn, dict):
+            _check(bool(self.reward_fn) and all(isinstance(k, str) and k and v in names
+                                                for k, v in self.reward_fn.items()),
+                   "task.reward_fn", self.reward_fn,
+                   f"a mapping takes each data_source (a non-empty string) to a reward name: "
+                   f"{', '.join(map(repr, names))}")
+        else:
+            _choice("task", "reward_fn", self.reward_fn, names + ("auto",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,7 +512,9 @@ class RewardConfig:
     """The reward model's tokenizer dir; empty means model_path."""
     chat_template: str = "auto"
     """How the reward model reads a conversation: 'auto' (its tokenizer's chat template when it has
-    one, else raw prompt + response text), 'none', or a Jinja template file."""
+    one, else raw prompt + response text), 'none', or a Jinja template file. Each rollout's prompt
+    and decoded response are encoded exactly as reward-model training encodes a pair
+    (rlhf/reward_model/score.py `encode_conversation`), whether or not it shares the policy's tokenizer."""
     rule_weight: float = 1.0
     """Weight of the rule's reward when kind = 'combined'."""
     model_weight: float = 1.0
@@ -515,6 +539,11 @@ class RewardConfig:
         if self.kind != "rule":
             _check(bool(self.model_path), "reward.model_path", self.model_path,
                    f"must name a reward-model checkpoint dir when reward.kind = {self.kind!r}")
+        else:
+            for name in ("model_path", "tokenizer_path"):
+                _check(not getattr(self, name), f"reward.{name}", getattr(self, name),
+                       "is set but reward.kind = 'rule' trains on task.reward_fn and ignores it; set "
+                       "reward.kind = 'model' or 'combined' to score with the reward model")
         _check(bool(self.chat_template), "reward.chat_template", self.chat_template,
                "must be 'auto', 'none' or the path of a Jinja chat template file")
 

@@ -8,9 +8,11 @@ formats users have (`task.format`, detected from the columns when 'auto'):
   with an explicit `prompt` or an implicit one (the shared start), plain text or conversational;
   an optional `margin`.
 
-A prompt is a string or a list of `{'role', 'content'}` messages (`rlhf/chat.py` renders it).
-A file that cannot be read, or fits no format, is a ConfigError: one line naming the file (and
-line) and what is accepted.
+A prompt is a string or a list of `{'role', 'content'}` messages (`rlhf/chat.py` renders it; a
+content may be OpenAI-style text parts). A file that cannot be read, fits no format, or has a row
+with an empty prompt, a null answer or a non-text content part is a ConfigError: one line naming
+the file (and line or row) and what is accepted. Each Example keeps its row (`where`) and
+`data_source`, which `task.reward_fn = 'auto'` routes by (`check_sources`).
 
 A dataset is a list of `Example(prompt, answer)`. The train / held-out split is deterministic
 (a hash of the prompt), so it never depends on the seed or on file order. `PromptSampler`
@@ -24,12 +26,13 @@ import dataclasses
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from rlhf.chat import Prompt, is_messages, normalize_messages, prompt_key
 from rlhf.config import ConfigError, TaskConfig
+from rlhf.rewards import DATA_SOURCES, REWARD_FUNCTIONS, routes_by_source, scorer_for
 
 FORMATS = ("plain", "verl", "preference")
 
@@ -41,6 +44,9 @@ class Example:
     answer: str
     """The ground truth the rule reward (and gold accuracy) compares against."""
     data_source: str = ""
+    """The row's `data_source` (verl's column): with task.reward_fn = 'auto' it picks the scorer."""
+    where: str = dataclasses.field(default="", compare=False)
+    """The file and row it came from ('' for the embedded task), for messages."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,9 +179,15 @@ def detect_format(records: Sequence[dict], where: str, prompt_key_: str = "promp
 
 def _prompt_value(value: Any, where: str) -> Prompt:
     if isinstance(value, str):
+        if not value.strip():
+            raise ConfigError(f"{where}: the prompt is empty; every row needs the text the policy continues")
         return value
     if is_messages(value):
-        return normalize_messages(value, where)
+        msgs = normalize_messages(value, where)
+        if not any(m["content"].strip() for m in msgs):
+            raise ConfigError(f"{where}: every message of the prompt is empty; every row needs the text the "
+                              f"policy continues")
+        return msgs
     raise ConfigError(f"{where}: the prompt must be a string or a list of {{'role', 'content'}} messages, "
                       f"got {type(value).__name__} {str(value)[:60]!r}")
 
@@ -187,8 +199,17 @@ def records_to_examples(records: Sequence[dict], prompt_key: str, answer_key: st
         if prompt_key not in row or answer_key not in row:
             raise ConfigError(f"{where} row {i} lacks task.prompt_key={prompt_key!r} or "
                               f"task.answer_key={answer_key!r}; it has keys {sorted(row)}")
-        out.append(Example(_prompt_value(row[prompt_key], f"{where} row {i}"), str(row[answer_key])))
+        at = f"{where} row {i}"
+        if row[answer_key] is None:
+            raise ConfigError(f"{at}: task.answer_key={answer_key!r} is null; every row needs its ground truth "
+                              f"(the rule reward and gold accuracy compare against it)")
+        out.append(Example(_prompt_value(row[prompt_key], at), str(row[answer_key]),
+                           _source(row.get("data_source")), where=at))
     return out
+
+
+def _source(value: Any) -> str:
+    return "" if value is None else str(value)
 
 
 def verl_to_examples(records: Sequence[dict], where: str) -> List[Example]:
@@ -203,7 +224,7 @@ def verl_to_examples(records: Sequence[dict], where: str) -> List[Example]:
                               + (f" (reward_model has {sorted(rm)})" if isinstance(rm, dict) else ""))
         truth = rm["ground_truth"]
         truth = truth if isinstance(truth, str) else json.dumps(truth) if isinstance(truth, (list, dict)) else str(truth)
-        out.append(Example(_prompt_value(row["prompt"], at), truth, str(row.get("data_source") or "")))
+        out.append(Example(_prompt_value(row["prompt"], at), truth, _source(row.get("data_source")), where=at))
     return out
 
 
@@ -245,6 +266,25 @@ def load_pairs(path: str | Path, fmt: str = "auto", prompt_key_: str = "prompt")
     return records_to_pairs(records, str(path), prompt_key_)
 
 
+def check_sources(reward_fn, examples: Sequence, where: str) -> None:
+    """Every row of a file has a scorer under `task.reward_fn`: a ConfigError (one line naming the
+    source, the row and what is known) for the first that has none. Rows need no data_source when
+    task.reward_fn names one reward."""
+    if not routes_by_source(reward_fn):
+        return
+    known = (f"the mapping's sources {', '.join(map(repr, sorted(reward_fn)))}" if isinstance(reward_fn, dict) else
+             f"the registered names {', '.join(map(repr, sorted(REWARD_FUNCTIONS)))} and verl's "
+             + ", ".join(f"{s!r} ({n})" for s, n in sorted(DATA_SOURCES.items())))
+    for i, ex in enumerate(examples):
+        if scorer_for(reward_fn, ex.data_source) is None:
+            at = ex.where or f"{where} row {i}"
+            what = (f"data_source {ex.data_source!r} has no scorer" if ex.data_source else
+                    "the row has no data_source to pick its scorer")
+            raise ConfigError(f"{at}: {what} under task.reward_fn = {reward_fn!r} (it knows {known}); map the "
+                              f"source with task.reward_fn = {{'{ex.data_source or 'SOURCE'}': NAME}}, or name one "
+                              f"reward for every row (task.reward_fn = 'gsm8k', ...)")
+
+
 def examples_from_file(path: str | Path, cfg: TaskConfig) -> List[Example]:
     """A PPO task's examples from one file, in the format task.format names (or detects)."""
     records = read_records(path)
@@ -253,18 +293,51 @@ def examples_from_file(path: str | Path, cfg: TaskConfig) -> List[Example]:
         raise ConfigError(f"{path} holds preference pairs ('chosen'/'rejected'): they train a reward model "
                           f"(python -m rlhf.reward_model); a PPO task needs plain or verl rows with ground truth")
     if fmt == "verl":
-        return verl_to_examples(records, str(path))
-    return records_to_examples(records, cfg.prompt_key, cfg.answer_key, str(path))
+        examples = verl_to_examples(records, str(path))
+    else:
+        examples = records_to_examples(records, cfg.prompt_key, cfg.answer_key, str(path))
+    check_sources(cfg.reward_fn, examples, str(path))
+    return examples
 
 
 def load_task(cfg: TaskConfig) -> Tuple[List[Example], List[Example]]:
     """Returns (train, held_out) examples for the task config."""
     if cfg.name == "arithmetic":
-        return split_examples(arithmetic_examples(cfg.max_operand), cfg.eval_fraction)
+        examples = arithmetic_examples(cfg.max_operand)
+        check_sources(cfg.reward_fn, examples, "the embedded arithmetic task")
+        return split_examples(examples, cfg.eval_fraction)
     train = examples_from_file(cfg.train_path, cfg)
     if cfg.eval_path:
         return train, examples_from_file(cfg.eval_path, cfg)
     return split_examples(train, cfg.eval_fraction)
+
+
+def check_prompt_lengths(splits: Dict[str, Tuple[Sequence[Example], Sequence[int]]], max_length: int,
+                         truncation: str, log=print) -> Dict[str, float]:
+    """Prompt lengths (in tokens, per split name) against ppo.max_prompt_length, before any compute.
+    Under ppo.prompt_truncation = 'error' a prompt that does not fit is a ConfigError naming the
+    longest one's row and the bindings to change, and {} is returned; under 'left' / 'right' each
+    split's fraction of prompts that will be cut is returned (and logged in one line when any is)."""
+    rows = [(n, ex) for examples, lengths in splits.values() for ex, n in zip(examples, lengths)]
+    if not rows:
+        return {}
+    longest, ex = max(rows, key=lambda r: r[0])
+    over = {name: sum(n > max_length for n in lengths) for name, (_, lengths) in splits.items()}
+    total, cut = len(rows), sum(over.values())
+    where = ex.where or f"the prompt {prompt_key(ex.prompt)[:60]!r}"
+    if truncation == "error":
+        if cut:
+            raise ConfigError(f"the longest prompt ({where}) is {longest} tokens, over ppo.max_prompt_length = "
+                              f"{max_length} ({cut} of {total} prompts are longer); raise ppo.max_prompt_length to "
+                              f"at least {longest}, or set ppo.prompt_truncation = 'left' (or 'right') to cut them")
+        return {}
+    if cut:
+        end = "first" if truncation == "left" else "last"
+        log(f"ppo.prompt_truncation = {truncation!r}: {cut} of {total} prompts ("
+            + ", ".join(f"{over[name]} {name}" for name in splits)
+            + f") are longer than ppo.max_prompt_length = {max_length} and lose their {end} tokens "
+              f"(the longest: {longest} tokens, {where})")
+    return {name: over[name] / len(lengths) if len(lengths) else 0.0 for name, (_, lengths) in splits.items()}
 
 
 def dataset_hash(examples: Sequence[Example]) -> str:

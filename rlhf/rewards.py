@@ -3,16 +3,21 @@
 A reward function scores one decoded response against its reference answer:
 `fn(response: str, answer: str, finished: bool, **task_params) -> RewardResult`.
 `finished` is False when generation hit max_response_length without EOS. Registered names are
-what `task.reward_fn` accepts.
+what `task.reward_fn` accepts; `task.reward_fn = 'auto'` (or a mapping {data_source: name}) picks
+each row's scorer by its `data_source`, as verl does (`DATA_SOURCES` names verl's sources).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Dict
+from typing import Callable, Dict, List, Optional, Sequence
 
 REWARD_FUNCTIONS: Dict[str, Callable[..., "RewardResult"]] = {}
+
+DATA_SOURCES = {"openai/gsm8k": "gsm8k"}
+"""verl's `data_source` names (its `default_compute_score`) of the scorers registered here; a
+registered name used as a data_source picks itself."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +127,32 @@ class RunningMeanStd:
         self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
 
 
-def rule_results(fn_name: str, responses, answers, finished, **params):
-    fn = REWARD_FUNCTIONS[fn_name]
-    return [fn(r, a, bool(f), **params) for r, a, f in zip(responses, answers, list(finished))]
+def scorer_for(reward_fn, data_source: str) -> Optional[str]:
+    """The registered reward name that scores a row of `data_source` under `task.reward_fn`
+    (a name, 'auto' or a mapping), or None when there is none."""
+    if isinstance(reward_fn, dict):
+        return reward_fn.get(data_source)
+    if reward_fn == "auto":
+        return data_source if data_source in REWARD_FUNCTIONS else DATA_SOURCES.get(data_source)
+    return reward_fn
+
+
+def routes_by_source(reward_fn) -> bool:
+    """True when `task.reward_fn` picks the scorer per row by its data_source."""
+    return isinstance(reward_fn, dict) or reward_fn == "auto"
+
+
+def rule_results(reward_fn, responses, answers, finished, data_sources: Optional[List[str]] = None, **params):
+    """Each response's RewardResult under `task.reward_fn`: one named reward for every row, or each
+    row's by its data source ('auto' or a mapping, which need `data_sources`)."""
+    if routes_by_source(reward_fn):
+        if data_sources is None:
+            raise ValueError(f"task.reward_fn = {reward_fn!r} picks scorers by data_source; the batch has none")
+        names = [scorer_for(reward_fn, s) for s in data_sources]
+    else:
+        names = [reward_fn] * len(responses)
+    return [REWARD_FUNCTIONS[n](r, a, bool(f), **params)
+            for n, r, a, f in zip(names, responses, answers, list(finished))]
 
 
 class RewardCombiner:
@@ -152,12 +180,13 @@ class RewardCombiner:
             x = x.clamp(-self.cfg.clip, self.cfg.clip)
         return x.to(torch.float32)
 
-    def combine(self, responses, answers, finished, rm_scores=None, update: bool = True) -> dict:
+    def combine(self, responses, answers, finished, rm_scores=None, update: bool = True,
+                data_sources: Optional[List[str]] = None) -> dict:
         import torch
         t = self.task
         finished = torch.as_tensor(finished, dtype=torch.bool)
-        results = rule_results(t.reward_fn, responses, answers, finished.tolist(), format_reward=t.format_reward,
-                               missing_eos_penalty=t.missing_eos_penalty)
+        results = rule_results(t.reward_fn, responses, answers, finished.tolist(), data_sources,
+                               format_reward=t.format_reward, missing_eos_penalty=t.missing_eos_penalty)
         out = {"correct": torch.tensor([r.correct for r in results], dtype=torch.bool),
                "well_formed": torch.tensor([r.well_formed for r in results], dtype=torch.bool)}
         rule = torch.tensor([r.reward for r in results], dtype=torch.float32)

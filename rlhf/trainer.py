@@ -21,8 +21,8 @@ import transformers
 from rlhf import algos, checkpoint
 from rlhf.batch import Batch
 from rlhf.config import RunConfig
-from rlhf.chat import PromptRenderer
-from rlhf.data import Example, PromptSampler, dataset_hash, load_task
+from rlhf.chat import PromptRenderer, check_rows, prompt_key
+from rlhf.data import Example, PromptSampler, check_prompt_lengths, dataset_hash, load_task
 from rlhf.metrics import MetricLogger, read_metrics, window_means
 from rlhf.models import check_policy_dir, check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles, memory
@@ -95,6 +95,7 @@ class PPOTrainer:
             raise ConfigError("the task's held-out split is empty: set task.eval_path or task.eval_fraction")
         self.data_hash = dataset_hash(self.train_examples + held)
         self.sampler = PromptSampler(self.train_examples, seed=self.ppo.seed)
+        self.prompt_truncated = self._check_prompts(log)
 
         start_dir = Path(self.ppo.init_from) / "actor" if self.ppo.init_from else self.model_dir
         if self.ppo.init_from:  # verified as --resume verifies a checkpoint: a damaged file is one line here
@@ -117,8 +118,30 @@ class PPOTrainer:
                        if self.ppo.adaptive_kl else algos.FixedKLController(self.ppo.kl_coef))
         self.sampling = SamplingParams(max_new_tokens=self.ppo.max_response_length, temperature=self.ppo.temperature,
                                        top_p=self.ppo.top_p, top_k=self.ppo.top_k,
-                                       max_prompt_length=self.ppo.max_prompt_length)
+                                       max_prompt_length=self.ppo.max_prompt_length, truncation=self.truncation_side)
         self.step = 0
+
+    def _check_prompts(self, log) -> Dict[str, float]:
+        """Every train and evaluation prompt rendered once before any compute (a row its chat
+        template rejects is one line) and measured against ppo.max_prompt_length (rlhf/data.py
+        `check_prompt_lengths`); with a reward model, every conversation encoded as it will be
+        scored. Returns the fraction of each split's prompts that are cut ({} under 'error')."""
+        splits = {"train": self.train_examples, "eval": self.eval_examples}
+        lengths = {name: check_rows(examples, self.prompts.ids, "task.chat_template")
+                   for name, examples in splits.items()}
+        if self.cfg.reward.uses_model:
+            from rlhf.roles.reward_model import check_reward_model
+            check_reward_model(self.cfg.reward, self.cfg.task, self.train_examples + self.eval_examples)
+        fractions = check_prompt_lengths({name: (splits[name], lengths[name]) for name in splits},
+                                         self.ppo.max_prompt_length, self.ppo.prompt_truncation, log)
+        self._cut_prompts = {prompt_key(ex.prompt) for name in splits for ex, n in zip(splits[name], lengths[name])
+                             if n > self.ppo.max_prompt_length}
+        return fractions
+
+    @property
+    def truncation_side(self) -> str:
+        """The end of a too-long prompt the rollout cuts (under 'error' no prompt is too long)."""
+        return "right" if self.ppo.prompt_truncation == "right" else "left"
 
     # ----------------------------------------------------------------- phases
     def generate(self, examples: List[Example], sampling: SamplingParams, seed_parts: tuple,
@@ -135,6 +158,7 @@ class PPOTrainer:
         for out, repeated in zip(parts, calls_made):
             out["prompts"] = [ex.prompt for ex in repeated]
             out["answers"] = [ex.answer for ex in repeated]
+            out["data_sources"] = [ex.data_source for ex in repeated]
         batch = Batch.concat(parts, pad_values={"prompt_ids": self.tokenizer.pad_token_id,
                                                 "response_ids": self.tokenizer.pad_token_id},
                              left_pad=("prompt_ids", "prompt_mask"))
@@ -224,6 +248,9 @@ class PPOTrainer:
             "rollout_success_rate": float((finished & batch["well_formed"]).float().mean()),
             "actor/entropy_old": float(algos.masked_mean(entropy, mask)),
         })
+        if ppo.prompt_truncation != "error":  # the share of this rollout's prompts that were cut
+            record["rollout/prompt_truncated_fraction"] = sum(prompt_key(ex.prompt) in self._cut_prompts
+                                                              for ex in prompts) / len(prompts)
         step_time = time.perf_counter() - start
         tokens = int(batch["prompt_mask"].sum() + mask.sum())
         record.update({f"timing_s/{k}": v for k, v in timer.times.items()})
@@ -255,7 +282,7 @@ class PPOTrainer:
         for prefix, temperature, n in modes:
             sampling = SamplingParams(max_new_tokens=ppo.max_response_length, temperature=temperature,
                                       top_p=ppo.top_p if temperature > 0 else 1.0, top_k=ppo.top_k,
-                                      max_prompt_length=ppo.max_prompt_length)
+                                      max_prompt_length=ppo.max_prompt_length, truncation=self.truncation_side)
             calls = math.ceil(len(self.eval_examples) * n / 64)
             batch = self.generate(self.eval_examples, sampling, (ppo.seed, EVAL_SEED_SALT, self.step), n, calls)
             scored = self.reward.score(batch, update=False)  # evaluation never moves the reward's running statistics
@@ -319,6 +346,8 @@ class PPOTrainer:
             "final_window_steps": ppo.final_window,
             "wall_time_s": time.time() - started,
         }
+        if self.prompt_truncated:  # ppo.prompt_truncation allows cutting: the share of each split's prompts cut
+            summary["prompt_truncated_fraction"] = self.prompt_truncated
         # Written last and atomically: a summary means the final checkpoint is complete.
         tmp = self.out / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=1))

@@ -26,8 +26,11 @@ class RMTrainConfig:
     """Tokenizer dir; empty means base_model's dir."""
     chat_template: str = "auto"
     """'auto' (the tokenizer's own template when it has one, else raw prompt + response text),
-    'none', or a Jinja template file: how a pair's conversations become tokens. Saved with the
-    tokenizer, so the PPO reward role reads conversations the same way."""
+    'none', or a Jinja template file: how a pair's conversations become tokens
+    (rlhf/reward_model/score.py `encode_conversation`). The template in use (none for 'none') is
+    saved with the tokenizer, so PPO with reward.chat_template = 'auto' encodes each rollout the
+    same way (the same function); PPO applies task.system_prompt / task.instruction_suffix, so
+    train with the same values in rm.system_prompt / rm.instruction_suffix."""
     system_prompt: str = ""
     instruction_suffix: str = ""
 

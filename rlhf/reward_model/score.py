@@ -86,10 +86,12 @@ def ensure_pad_id(model, tokenizer) -> None:
 # ----------------------------------------------------------------------------- encoding
 def encode_conversation(renderer: PromptRenderer, prompt: Optional[Prompt], response, finished: bool = True,
                         eos_token_id: Optional[int] = None) -> List[int]:
-    """Token ids of (prompt, response) as the reward model reads them.
+    """Token ids of (prompt, response) as the reward model reads them: the one encoding, used by
+    reward-model training (`rlhf/reward_model/train.py`) and PPO scoring (`RewardModelScorer`) alike.
 
     With a chat template: the whole conversation through `apply_chat_template` (the response as
-    the assistant's turn; `response` may also be a list of messages). Without one: the prompt's
+    the assistant's turn, closed by the template whether or not it finished: the missing-EOS
+    penalty is the reward's; `response` may also be a list of messages). Without one: the prompt's
     raw encoding, the response's tokens, and EOS when the response finished, the same ids a policy
     with this tokenizer generated. `prompt=None` means `response` is the whole text/conversation."""
     tok = renderer.tokenizer
@@ -110,13 +112,18 @@ def encode_conversation(renderer: PromptRenderer, prompt: Optional[Prompt], resp
         ([eos] if finished and eos is not None else [])
 
 
-def sequences_from_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                         response_mask: torch.Tensor) -> List[List[int]]:
-    """The policy's own token ids per sample (prompt then response, padding removed), for a reward
-    model that shares the policy's tokenizer and template."""
+def policy_responses(policy_tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> List[str]:
+    """Each rollout response as the reward model reads it: the policy's tokens decoded with their
+    special tokens and without clean-up, the closing EOS dropped (`encode_conversation` adds the
+    end: EOS without a template, the assistant turn's closing tokens with one). A tokenizer that
+    reads its own text back (the embedded character tokenizer) thus re-encodes the very ids the
+    policy generated."""
     out = []
-    for p, pm, r, rm in zip(prompt_ids, prompt_mask, response_ids, response_mask):
-        out.append(p[pm.bool()].tolist() + r[rm.bool()].tolist())
+    for ids, mask in zip(response_ids, response_mask):
+        toks = ids[mask.bool()].tolist()
+        if toks and toks[-1] == policy_tokenizer.eos_token_id:
+            toks = toks[:-1]
+        out.append(policy_tokenizer.decode(toks, skip_special_tokens=False, clean_up_tokenization_spaces=False))
     return out
 
 
@@ -175,32 +182,21 @@ def score_sequences(model, seqs: Sequence[Sequence[int]], pad_id: int, micro_bat
     return torch.cat(scores) if scores else torch.zeros(0)
 
 
-def same_encoding(policy_tokenizer, policy_renderer: PromptRenderer, rm_tokenizer, rm_renderer: PromptRenderer) -> bool:
-    """True when the reward model would read exactly the policy's token ids (same vocabulary, special
-    tokens and template), so the rollout's ids are scored as they are; else the decoded conversation
-    is re-encoded with the reward model's tokenizer and template."""
-    if policy_tokenizer is rm_tokenizer:
-        return policy_renderer.template == rm_renderer.template
-    return (policy_tokenizer.get_vocab() == rm_tokenizer.get_vocab()
-            and policy_tokenizer.all_special_ids == rm_tokenizer.all_special_ids
-            and policy_renderer.template == rm_renderer.template
-            and policy_renderer.system_prompt == rm_renderer.system_prompt
-            and policy_renderer.instruction_suffix == rm_renderer.instruction_suffix)
-
-
 class RewardModelScorer:
     """A reward model with its own tokenizer and template, scoring rollout batches.
 
-    `score_batch(batch)` reads `prompts` (strings or messages), `responses` (decoded text) and
-    `finished`; when the reward model reads the policy's ids as they are (`same_encoding`) it
-    scores `prompt_ids` + `response_ids` directly, else it re-encodes each conversation with its
-    own tokenizer and template (as verl does for a reward model with another tokenizer)."""
+    `score_batch(batch)` reads `prompts` (strings or messages, whole: a prompt the rollout cut
+    under ppo.prompt_truncation is scored whole, as verl's reward model reads the raw prompt),
+    `response_ids` / `response_mask` (decoded with the policy's tokenizer, `policy_responses`) and
+    `finished`, and encodes each conversation with `encode_conversation`, exactly as reward-model
+    training encodes a pair, whether or not the reward model shares the policy's tokenizer."""
 
     def __init__(self, model_path: str, tokenizer_path: str = "", chat_template: str = "auto", *,
-                 policy_tokenizer=None, policy_renderer: Optional[PromptRenderer] = None,
-                 system_prompt: str = "", instruction_suffix: str = "", micro_batch_size: int = 32,
-                 device: torch.device | str = "cpu", max_length: int = 0, place=None, log=print):
-        """`place(model) -> model` puts the model on its device (a placement context's `place`, which
+                 policy_tokenizer=None, system_prompt: str = "", instruction_suffix: str = "",
+                 micro_batch_size: int = 32, device: torch.device | str = "cpu", max_length: int = 0, place=None,
+                 log=print):
+        """`policy_tokenizer` decodes the rollout's response ids (needed by `score_batch`);
+        `place(model) -> model` puts the model on its device (a placement context's `place`, which
         may shard it with FSDP2; default `model.to(device)`); `log=None` logs nothing."""
         self.device = torch.device(device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -213,20 +209,19 @@ class RewardModelScorer:
         self.model = (place(model) if place is not None else model.to(self.device)).eval().requires_grad_(False)
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length
-        self.reuse_policy_ids = (policy_tokenizer is not None and policy_renderer is not None
-                                 and same_encoding(policy_tokenizer, policy_renderer, self.tokenizer, self.renderer))
-        self.description = (f"reward model {model_path}: {self.renderer.describe()}; "
-                            + ("scores the policy's token ids as they are" if self.reuse_policy_ids else
-                               "re-encodes each decoded conversation with its own tokenizer"))
+        self.policy_tokenizer = policy_tokenizer
+        self.description = (f"reward model {model_path}: {self.renderer.describe()}; each conversation is encoded "
+                            f"as in reward-model training")
         if log is not None:
             log(self.description)
 
     def sequences(self, batch) -> List[List[int]]:
-        if self.reuse_policy_ids:
-            return sequences_from_batch(batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
-                                        batch["response_mask"])
+        """The token ids the reward model scores, one list per row."""
+        if self.policy_tokenizer is None:
+            raise ValueError("RewardModelScorer needs policy_tokenizer to decode the rollout's responses")
+        responses = policy_responses(self.policy_tokenizer, batch["response_ids"], batch["response_mask"])
         return [encode_conversation(self.renderer, p, r, bool(f))
-                for p, r, f in zip(batch["prompts"], batch["responses"], batch["finished"].tolist())]
+                for p, r, f in zip(batch["prompts"], responses, batch["finished"].tolist())]
 
     def score_batch(self, batch) -> torch.Tensor:
         return score_sequences(self.model, self.sequences(batch), self.tokenizer.pad_token_id, self.micro_batch_size,

@@ -243,8 +243,8 @@ class RewardModelTrainer:
     def save_model(self, path: Path) -> None:
         self.model.save_pretrained(str(path), safe_serialization=True)
         tok = self.tokenizer
-        if self.renderer.template is not None and self.cfg.chat_template != "auto":
-            tok.chat_template = self.renderer.template  # the template it was trained with travels with it
+        if self.cfg.chat_template != "auto":  # the template it was trained with (none for 'none') travels with it
+            tok.chat_template = self.renderer.template
         tok.save_pretrained(str(path))
 
     def save_final(self) -> None:

@@ -28,6 +28,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     max_prompt_length: int = 1024
+    truncation: str = "left"
+    """Which end of a prompt longer than max_prompt_length is cut: 'left' (its first tokens) or 'right'."""
 
     @property
     def greedy(self) -> bool:
@@ -39,11 +41,14 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str | Sequence[int]], max_prompt_length: int):
-    """Left-padded prompt ids and mask; prompts longer than the limit keep their last tokens. A
-    prompt is text (encoded with the tokenizer's special tokens) or token ids already rendered
-    (rlhf/chat.py: the chat template's ids, as the trainer passes them)."""
-    ids = [(tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else list(p))[-max_prompt_length:]
+def encode_prompts(tokenizer, prompts: Sequence[str | Sequence[int]], max_prompt_length: int,
+                   truncation: str = "left"):
+    """Left-padded prompt ids and mask; prompts longer than the limit keep their last tokens
+    (`truncation = 'left'`) or their first ('right'). A prompt is text (encoded with the
+    tokenizer's special tokens) or token ids already rendered (rlhf/chat.py: the chat template's
+    ids, as the trainer passes them)."""
+    keep = slice(-max_prompt_length, None) if truncation == "left" else slice(0, max_prompt_length)
+    ids = [(tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else list(p))[keep]
            for p in prompts]
     width = max(len(x) for x in ids)
     out = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)

@@ -41,7 +41,7 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> Batch:
         tok = self.tokenizer
-        prompt_ids, prompt_mask = encode_prompts(tok, prompts, sampling.max_prompt_length)
+        prompt_ids, prompt_mask = encode_prompts(tok, prompts, sampling.max_prompt_length, sampling.truncation)
         kwargs = dict(do_sample=False) if sampling.greedy else dict(
             do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         was_training = self.model.training

@@ -191,7 +191,7 @@ class VLLMRollout:
     def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> Batch:
         self._wake()
         tok = self.tokenizer
-        prompt_ids, prompt_mask = encode_prompts(tok, prompts, sampling.max_prompt_length)
+        prompt_ids, prompt_mask = encode_prompts(tok, prompts, sampling.max_prompt_length, sampling.truncation)
         requests = []
         for i, (ids, mask) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
             tokens = [t for t, m in zip(ids, mask) if m]

@@ -100,8 +100,7 @@ def test_same_tokenizer_scores_equal_direct_forward(setup, prompt_side, micro_ba
     root, tok, _ = setup
     renderer = PromptRenderer(tok, "auto")
     scorer = RewardModelScorer(str(root / "same"), str(root / "policy_tok"), policy_tokenizer=tok,
-                               policy_renderer=renderer, micro_batch_size=micro_batch_size, log=lambda m: None)
-    assert scorer.reuse_policy_ids
+                               micro_batch_size=micro_batch_size, log=lambda m: None)
     batch = policy_batch(tok, renderer, prompt_side)
     seqs = [renderer.ids(p) + tok(r, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if f else [])
             for p, r, f in zip(PROMPTS, RESPONSES, FINISHED)]
@@ -113,9 +112,9 @@ def test_same_tokenizer_scores_equal_direct_forward(setup, prompt_side, micro_ba
 def test_other_tokenizer_reencodes_the_conversation_with_its_template(setup, prompt_side, micro_batch_size):
     root, tok, rm_tok = setup
     renderer = PromptRenderer(tok, "auto")
-    scorer = RewardModelScorer(str(root / "other"), policy_tokenizer=tok, policy_renderer=renderer,
-                               micro_batch_size=micro_batch_size, log=lambda m: None)
-    assert not scorer.reuse_policy_ids and scorer.renderer.uses_template
+    scorer = RewardModelScorer(str(root / "other"), policy_tokenizer=tok, micro_batch_size=micro_batch_size,
+                               log=lambda m: None)
+    assert scorer.renderer.uses_template
     batch = policy_batch(tok, renderer, prompt_side)
     convos = [([{"role": "user", "content": p}] if isinstance(p, str) else p) + [{"role": "assistant", "content": r}]
               for p, r in zip(PROMPTS, RESPONSES)]

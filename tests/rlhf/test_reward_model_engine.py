@@ -27,7 +27,7 @@ def test_ppo_against_the_learned_reward_model_raises_its_score(tiny_rm, tmp_path
     proc = run_train([RECIPE, "--out", out, "--quiet", "-b", "reward.kind = 'model'",
                       "-b", f"reward.model_path = '{tiny_rm}'", "-b", "reward.normalize = 'running'",
                       "-b", "ppo.total_steps = 30", "-b", "ppo.eval_every = 15", "-b", "ppo.save_every = 15"])
-    assert "scores the policy's token ids as they are" in proc.stderr  # same tokenizer: no re-encoding
+    assert "each conversation is encoded as in reward-model training" in proc.stderr
     rows = read_metrics(out / "metrics.jsonl")
     first, last = rows[0], rows[-1]
     # Measured: eval/rm_score 0.50 -> 1.38 after 25 steps with the shipped recipe's reward model.
