@@ -80,7 +80,7 @@ def training_encoding(tmp_path, rm_dir, prompts, texts):
     """Reward-model training (RewardModelTrainer) on pairs of these (prompt, response text): its
     encoded chosen sequences, in order, and the trainer."""
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": p, "chosen": t, "rejected": t}) + "\n"
+    pairs.write_text("".join(json.dumps({"prompt": p, "chosen": t, "rejected": t + "0"}) + "\n"
                              for p, t in zip(prompts, texts)))
     cfg = RMTrainConfig(train_path=str(pairs), eval_path=str(pairs), base_model=str(rm_dir), device="cpu",
                         steps=1, batch_size=1, micro_batch_size=1)
