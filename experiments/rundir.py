@@ -9,7 +9,6 @@ is whatever is on disk, whoever wrote it and however it stopped.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Dict, Iterator, Optional
 
 from experiments.plan import RunSpec, latest_checkpoint
 
+from rlhf.run_dir import remove_outputs, write_atomic  # noqa: E402  (the engine owns its run dir's layout)
 from rlhf.train import EXIT_CONFIG, EXIT_DIVERGED  # noqa: E402  (the engine owns its exit codes)
 
 RECORD = "run.json"
@@ -36,10 +36,7 @@ def read_json(path: Path) -> Optional[dict]:
 
 def write_json(path: Path, data: dict) -> None:
     """Atomic write: readers never see half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
 
 
 def read_record(run_dir: str | Path) -> Optional[dict]:
@@ -95,14 +92,9 @@ def supersede(run_dir: str | Path) -> Optional[Path]:
 
 
 def clear_engine_outputs(run_dir: str | Path) -> None:
-    """Removes a run's partial outputs (no checkpoint to resume from) before starting over."""
-    run_dir = Path(run_dir)
-    for name in ("metrics.jsonl", "summary.json", "config.gin", "checkpoints"):
-        p = run_dir / name
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
+    """Removes a run's partial outputs (no checkpoint to resume from) before starting over: the
+    engine's own rule (what `rlhf.train --overwrite` removes)."""
+    remove_outputs(run_dir)
 
 
 def iter_metrics(run_dir: str | Path) -> Iterator[dict]:
