@@ -137,8 +137,10 @@ def remove_outputs(out: str | Path) -> None:
     out = Path(out)
     trash = out / ".removed-outputs"
     shutil.rmtree(trash, ignore_errors=True)
+    present = [name for name in ENGINE_OUTPUTS if (out / name).exists()]
+    if not present:
+        return
     trash.mkdir()
-    for name in ENGINE_OUTPUTS:
-        if (out / name).exists():
-            os.replace(out / name, trash / name)
+    for name in present:
+        os.replace(out / name, trash / name)
     shutil.rmtree(trash)

@@ -133,3 +133,15 @@ def test_overwrite_replaces_the_earlier_run_once_the_new_one_passes_its_checks(c
     assert json.loads((copy / "summary.json").read_text())["steps"] == 1
     assert "ppo.kl_coef = 0.2" in (copy / "config.gin").read_text()
     assert not any(p.name.startswith(".") for p in copy.iterdir())  # no lock, no removal folder left
+
+
+def test_removing_outputs_takes_only_the_engines_and_needs_no_dir(tmp_path):
+    from rlhf.run_dir import ENGINE_OUTPUTS, remove_outputs
+    remove_outputs(tmp_path / "not_made_yet")  # the manager clears a run dir before it exists
+    assert not (tmp_path / "not_made_yet").exists()
+    (tmp_path / "checkpoints" / "step_1").mkdir(parents=True)
+    for name in ("config.gin", "metrics.jsonl", "summary.json", "provenance.json", "run.json", "stderr.log"):
+        (tmp_path / name).write_text("x")
+    remove_outputs(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["provenance.json", "run.json", "stderr.log"]
+    assert "checkpoints" in ENGINE_OUTPUTS
