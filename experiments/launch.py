@@ -11,7 +11,6 @@ are retried up to `study.retries` times, divergences and configuration errors ar
 
 from __future__ import annotations
 
-import fcntl
 import os
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from experiments.rundir import (COMPLETED, DETERMINISTIC_FAILURES, FAILED, INTER
                                 write_json, RECORD)
 from experiments.study import Study, StudyError
 from rlhf import numerics
+from rlhf.run_dir import DirLock, LockBusy
+from rlhf.run_dir import is_locked as lock_is_held
 
 LOCK = ".lock"
 
@@ -68,29 +69,19 @@ def prepare(spec: RunSpec, action: str) -> None:
     clear_engine_outputs(spec.run_dir)
 
 
-class StudyLock:
+class StudyLock(DirLock):
     """An exclusive lock on RESULTS/<study>/: two managers never write the same run dirs."""
 
     def __init__(self, study_dir: Path):
         study_dir.mkdir(parents=True, exist_ok=True)
-        self.path = study_dir / LOCK
-        self.fd: Optional[int] = None
+        super().__init__(study_dir / LOCK)
 
     def __enter__(self) -> "StudyLock":
-        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR)
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
+            return super().__enter__()
+        except LockBusy:
             raise StudyBusy(f"{self.path.parent} is in use by another `experiments run` "
                             f"(lock {self.path}); wait for it or stop it first") from None
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, f"{os.getpid()}\n".encode())
-        return self
-
-    def __exit__(self, *exc) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
 
 
 def prune_superseded(study_path: Path, specs: List[RunSpec]) -> Optional[int]:
@@ -104,18 +95,7 @@ def prune_superseded(study_path: Path, specs: List[RunSpec]) -> Optional[int]:
 
 
 def is_locked(study_dir: Path) -> bool:
-    path = study_dir / LOCK
-    if not path.exists():
-        return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    return lock_is_held(study_dir / LOCK)
 
 
 def _init_ray(address: Optional[str], num_cpus: Optional[int], num_gpus: Optional[float]) -> Optional[object]:

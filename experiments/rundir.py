@@ -17,6 +17,7 @@ from typing import Dict, Iterable, Iterator, Optional
 from experiments.atomic import write_json  # noqa: F401  (the run dirs' files are written atomically)
 from experiments.plan import RunSpec, latest_checkpoint
 
+from rlhf.run_dir import remove_outputs  # noqa: E402  (the engine owns its run dir's layout)
 from rlhf.train import EXIT_CONFIG, EXIT_DIVERGED  # noqa: E402  (the engine owns its exit codes)
 
 RECORD = "run.json"
@@ -119,14 +120,9 @@ def prune(study_dir: str | Path, keep: Iterable[str | Path]) -> int:
 
 
 def clear_engine_outputs(run_dir: str | Path) -> None:
-    """Removes a run's partial outputs (no checkpoint to resume from) before starting over."""
-    run_dir = Path(run_dir)
-    for name in ("metrics.jsonl", "summary.json", "config.gin", "checkpoints"):
-        p = run_dir / name
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
+    """Removes a run's partial outputs (no checkpoint to resume from) before starting over: the
+    engine's own rule (what `rlhf.train --overwrite` removes)."""
+    remove_outputs(run_dir)
 
 
 def iter_metrics(run_dir: str | Path) -> Iterator[dict]:

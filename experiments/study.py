@@ -20,15 +20,13 @@ import dataclasses
 import difflib
 import inspect
 import re
-import tokenize
 from pathlib import Path
 from typing import List, Mapping, Optional, Sequence, Tuple
 
 from gin import config_parser
-from gin.config import ParserDelegate
 
-from rlhf.config import ConfigError
-from rlhf.configurable import RECIPES_DIR, SCOPES, find_recipe, iter_statements
+from rlhf.config import ConfigError, why_not_a_file
+from rlhf.configurable import RECIPES_DIR, SCOPES, find_recipe, iter_statements, statements
 from rlhf.metrics import EVAL_METRICS, METRICS, NAMESPACES, is_known_metric
 
 EVAL_PREFIX = "eval/"
@@ -350,26 +348,22 @@ def load_study(path: str | Path, bindings: Sequence[str] = ()) -> Study:
     `study.baseline_bindings`, so it applies to every run of every variant.
     """
     path = Path(path)
-    if path.is_dir():
-        raise StudyError(f"study file {str(path)!r} is a directory; give a study recipe (a .gin file), "
+    problem = why_not_a_file(path)
+    if problem:
+        raise StudyError(f"study file {str(path)!r} {problem}; expected a study recipe (.gin), "
                          f"e.g. recipes/studies/smoke.gin")
-    if not path.is_file():
-        raise StudyError(f"study file {str(path)!r} does not exist")
     study_level, engine = split_cli_bindings(bindings)
     for line in engine:
         _engine_binding(line, "-b")
     args = study()
-    try:
-        statements = [(file, s) for file, s in iter_statements(path)]
+    try:  # a syntax error names its file and line (or -b binding); an include cycle its chain
+        parsed = [(file, s) for file, s in iter_statements(path)]
         for line in study_level:
-            statements += [(line, s) for s in config_parser.ConfigParser(line, ParserDelegate(skip_unknown=True))]
-    except ConfigError as err:  # an include cycle
-        raise StudyError(f"{path.name}: {err}") from None
-    except (ValueError, SyntaxError, TypeError, KeyError, tokenize.TokenError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise StudyError(f"{path.name}: cannot parse: {first}") from None
+            parsed += [(line, s) for s in statements(line, "-b binding")]
+    except ConfigError as err:
+        raise StudyError(str(err)) from None
     stray = []
-    for source, s in statements:
+    for source, s in parsed:
         where = source.name if isinstance(source, Path) else "-b"
         if not isinstance(s, config_parser.BindingStatement):
             raise StudyError(f"{where}: a study file holds study.* bindings (and includes), not "

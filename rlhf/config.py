@@ -21,6 +21,16 @@ class ConfigError(ValueError):
     """A configuration value is invalid. The message names the binding and what is allowed."""
 
 
+def why_not_a_file(path) -> str | None:
+    """None when `path` is a file, else why not ('does not exist', 'is a directory, not a file'):
+    the start of a message that then says what is expected."""
+    from pathlib import Path
+    path = Path(path)
+    if path.is_file():
+        return None
+    return "is a directory, not a file" if path.is_dir() else "does not exist"
+
+
 def _check(ok: bool, binding: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{binding} = {value!r} is invalid: {allowed}")

@@ -8,6 +8,7 @@ message is one line naming the binding and what is allowed.
 from __future__ import annotations
 
 import difflib
+import io
 import logging
 import os
 import re
@@ -18,7 +19,7 @@ from typing import Iterable, Sequence
 import gin
 
 from rlhf.config import (ConfigError, ModelConfig, PPOConfig, RewardConfig, RunConfig, SFTConfig, TaskConfig,
-                         TinyModelConfig)
+                         TinyModelConfig, why_not_a_file)
 
 SCOPES = {
     "ppo": PPOConfig,
@@ -113,14 +114,19 @@ def _close_param(param: str, known: Sequence[str]) -> str | None:
     return inside[0] if len(inside) == 1 else None
 
 
-def _explain_gin_error(err: Exception) -> str:
-    """Turns gin's multi-line errors into one line that says what is allowed."""
+def _explain_gin_error(err: Exception, where: str | None = None) -> str:
+    """Turns gin's multi-line errors into one line that says what is allowed; `where` (' (FILE:LINE)')
+    when the caller knows it, else read from gin's message."""
     text = str(err).strip()
     first = text.splitlines()[0] if text else type(err).__name__
-    where = ""
-    m = re.search(r"In (?:file \"?([^\"\n]+)\"?, line (\d+)|bindings string line (\d+))", text)
-    if m:
-        where = f" ({m.group(1)}:{m.group(2)})" if m.group(1) else " (-b binding)"
+    m = re.search(r"In call to configurable 'macro' \(.*\) in scope '([^']+)'", text)
+    if m and first.startswith("macro() missing"):  # gin calls an undefined macro with no value
+        return _undefined_macro(m.group(1))
+    if where is None:
+        where = ""
+        m = re.search(r"In (?:file \"?([^\"\n]+)\"?, line (\d+)|bindings string line (\d+))", text)
+        if m:
+            where = f" ({m.group(1)}:{m.group(2)})" if m.group(1) else " (-b binding)"
     m = re.match(r"Configurable '(\w+)' doesn't have a parameter named '(\w+)'", first)
     if m:
         scope, param = m.groups()
@@ -162,16 +168,53 @@ def _expected(scope: str, param: str, value: str) -> str:
     return f"expected {_TYPE_WORDS.get(kind, kind)}{example}"
 
 
-def _unbalanced(texts: Iterable[tuple[str, str]]) -> str:
-    """The first (where, text) whose brackets or quotes do not close, as 'WHERE: TEXT'."""
-    import io
-    import tokenize
-    for where, text in texts:
-        try:
-            list(tokenize.generate_tokens(io.StringIO(text).readline))
-        except (tokenize.TokenError, SyntaxError):
-            return f"{where}: {text.strip()[:200]!r}"
-    return "the recipe or its includes"
+def _unclosed(text: str) -> tuple[int, str] | None:
+    """(line, what is wrong) for the first bracket or quote of gin text that does not close, or a
+    closing bracket that closes nothing; None when they balance. gin tokenizes as Python does, and
+    Python's tokenizer only says that the text ended inside a bracket, not where it opened."""
+    opened: list[int] = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.OP and tok.string in "([{":
+                opened.append(tok.start[0])
+            elif tok.type == tokenize.OP and tok.string in ")]}":
+                if not opened:
+                    return tok.start[0], f"{tok.string!r} closes no bracket"
+                opened.pop()
+            elif tok.type == tokenize.ERRORTOKEN and tok.string in ("'", '"'):
+                return tok.start[0], "a bracket or quote is not closed"
+    except tokenize.TokenError as err:
+        line = opened[0] if opened and "string" not in str(err.args[0]) else err.args[1][0]
+        return line, "a bracket or quote is not closed"
+    return None
+
+
+def _explain_parse_error(err: Exception, text: str, where: str) -> str:
+    """One line for a parse error of `text`: a file (`where` is its path: the line is named) or a
+    -b binding (`where` = '-b binding')."""
+    in_file = where != "-b binding"
+    unclosed = _unclosed(text)
+    if unclosed is not None:
+        line, what = unclosed
+        lines = text.splitlines()
+        content = lines[line - 1].strip() if in_file and 0 < line <= len(lines) else text.strip()
+        return f"cannot parse {f'{where}:{line}' if in_file else where}: {content[:200]!r}: {what}"
+    location = err.args[1] if isinstance(err, SyntaxError) and len(err.args) > 1 else None
+    line = getattr(location, "line_num", None)
+    return _explain_gin_error(err, f" ({where}:{line})" if in_file and line else f" ({where})")
+
+
+def statements(text: str, where: str) -> list:
+    """gin's statements of `text`, the contents of recipe file `where` or a -b binding (`where` =
+    '-b binding'); configurables need not be registered. A syntax error is a ConfigError naming
+    `where` and, for a file, the line: for a bracket or quote that does not close, the line it
+    opens on."""
+    from gin import config as gin_config
+    from gin import config_parser
+    try:
+        return list(config_parser.ConfigParser(text, gin_config.ParserDelegate(skip_unknown=True)))
+    except (tokenize.TokenError, SyntaxError, ValueError, TypeError, KeyError) as err:
+        raise ConfigError(_explain_parse_error(err, text, where)) from None
 
 
 def _search_paths(recipe: str | os.PathLike | None) -> list[str]:
@@ -200,10 +243,9 @@ def find_recipe(name: str | os.PathLike, relative_to: str | os.PathLike | None =
 def iter_statements(recipe: str | os.PathLike):
     """(file, statement) for every statement of `recipe` and its includes, in gin's order (an
     include's statements where it is included). Includes resolve like gin's (`find_recipe`
-    relative to the top recipe); one that is missing or does not parse is left to gin to report.
-    Raises ConfigError naming the chain when includes form a cycle (gin would recurse until
-    Python's limit)."""
-    from gin import config as gin_config
+    relative to the top recipe); one that is missing is left to gin to report. Raises ConfigError
+    naming the file and line of a syntax error (`statements`), and naming the chain when includes
+    form a cycle (gin would recurse until Python's limit)."""
     from gin import config_parser
 
     top = Path(recipe).resolve()
@@ -214,11 +256,10 @@ def iter_statements(recipe: str | os.PathLike):
             raise ConfigError(f"include cycle: {names} ({path}); a recipe may not include itself, "
                               f"directly or through another recipe")
         try:
-            statements = list(config_parser.ConfigParser(path.read_text(),
-                                                         gin_config.ParserDelegate(skip_unknown=True)))
-        except (OSError, ValueError, SyntaxError, TypeError, KeyError):
-            return
-        for statement in statements:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"cannot read recipe {path} ({getattr(err, 'strerror', None) or err})") from None
+        for statement in statements(text, str(path)):
             if isinstance(statement, config_parser.IncludeStatement):
                 found = find_recipe(statement.filename, top)
                 if found is not None:
@@ -229,25 +270,54 @@ def iter_statements(recipe: str | os.PathLike):
     yield from walk(top, ())
 
 
+_parsed: tuple = (None, ())
+"""The recipe and bindings `parse` last parsed, to say where an error of gin's later calls lies."""
+
+
 def parse(recipe: str | os.PathLike | None, bindings: Iterable[str] = ()) -> None:
     """Clears gin and parses `recipe` then `bindings` (later wins). Raises ConfigError."""
+    global _parsed
     gin.clear_config()
     for p in _search_paths(recipe):
         gin.add_config_file_search_path(p)
-    if recipe is not None and not Path(recipe).is_file():
-        raise ConfigError(f"recipe {str(recipe)!r} does not exist")
-    if recipe is not None:
-        for _ in iter_statements(recipe):  # an include cycle: one line, not a RecursionError
-            pass
+    problem = why_not_a_file(recipe) if recipe is not None else None
+    if problem:
+        raise ConfigError(f"recipe {str(recipe)!r} {problem}; expected a gin recipe file (e.g. recipes/tiny.gin)")
     bindings = list(bindings)
+    _parsed = (recipe, tuple(bindings))
+    if recipe is not None:
+        for _ in iter_statements(recipe):  # syntax errors and include cycles: one line naming the file
+            pass
     try:
         gin.parse_config_files_and_bindings([str(recipe)] if recipe else [], bindings,
                                             finalize_config=False)
     except (ValueError, SyntaxError, IOError, KeyError, TypeError) as err:
         raise ConfigError(_explain_gin_error(err)) from None
-    except tokenize.TokenError:  # an unclosed bracket or string: gin says neither where nor which
-        texts = [("-b binding", b) for b in bindings] + ([(str(recipe), Path(recipe).read_text())] if recipe else [])
-        raise ConfigError(f"cannot parse {_unbalanced(texts)}: a bracket or quote is not closed") from None
+    except tokenize.TokenError as err:  # an unclosed bracket or string in a -b binding
+        for binding in bindings:
+            statements(binding, "-b binding")
+        raise ConfigError(f"cannot parse the recipe or its bindings: {err.args[0]}") from None
+
+
+def _macro_uses(value, name: str) -> bool:
+    """True when a parsed gin value refers to macro `name` (`%name`), at any depth."""
+    if isinstance(value, dict):
+        return any(_macro_uses(k, name) or _macro_uses(v, name) for k, v in value.items())
+    if isinstance(value, (list, tuple, set)):
+        return any(_macro_uses(v, name) for v in value)
+    return getattr(value, "scoped_selector", None) == f"{name}/gin.macro"
+
+
+def _undefined_macro(name: str) -> str:
+    """'macro %NAME is not defined (FILE:LINE: ...)': the last statement of the recipe, its
+    includes or the bindings `parse` last read that uses it (the one gin calls)."""
+    recipe, bindings = _parsed
+    used = [(f"{path}:{s.location.line_num}", s) for path, s in (iter_statements(recipe) if recipe else ())]
+    used += [("-b binding", s) for b in bindings for s in statements(b, "-b binding")]
+    uses = [f" ({where}: {s.location.line_content.strip()!r})" for where, s in used
+            if _macro_uses(getattr(s, "value", None), name)]
+    return (f"macro %{name} is not defined{uses[-1] if uses else ''}; define it in the recipe "
+            f"({name} = VALUE) or with -b '{name} = VALUE'")
 
 
 def _required_unset() -> list[str]:

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from rlhf.chat import Prompt, is_messages, normalize_messages, prompt_key
-from rlhf.config import ConfigError, TaskConfig
+from rlhf.config import ConfigError, TaskConfig, why_not_a_file
 from rlhf.rewards import DATA_SOURCES, REWARD_FUNCTIONS, routes_by_source, scorer_for
 
 FORMATS = ("plain", "verl", "preference")
@@ -131,8 +131,9 @@ def read_records(path: str | Path) -> List[dict]:
     """Rows of a JSONL or parquet file as dicts. Raises ConfigError (one line naming the file, and
     the line for JSONL) for a missing, unreadable, malformed or empty file."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"task data file {str(path)!r} does not exist")
+    problem = why_not_a_file(path)
+    if problem:
+        raise ConfigError(f"task data file {str(path)!r} {problem}; expected a .jsonl, .json or .parquet file")
     if path.suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq

@@ -1,10 +1,14 @@
 """One PPO run from a gin recipe.
 
-    python -m rlhf.train RECIPE.gin [-b 'BINDING']... --out DIR [--resume] [--ray-address ADDR]
+    python -m rlhf.train RECIPE.gin [-b 'BINDING']... --out DIR [--resume | --overwrite] [--ray-address ADDR]
 
-Exit codes: 0 done, 2 bad configuration (one line, before any compute), 3 training diverged,
-4 disk full (one line; nothing half-written is left, --resume continues from the last checkpoint),
-1 any other error.
+One process writes a run dir at a time (a lock, `rlhf/run_dir.py`). A run dir that holds an earlier
+run is refused unless --resume continues it or --overwrite replaces it; rerunning a completed run
+with the same configuration does nothing.
+
+Exit codes: 0 done, 2 bad configuration or run dir (one line, before any compute), 3 training
+diverged, 4 disk full (one line; nothing half-written is left, --resume continues from the last
+checkpoint), 1 any other error.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ def parse_args(argv):
     p.add_argument("-b", "--binding", action="append", default=[], help="a gin binding, e.g. 'ppo.kl_coef = 0.05'")
     p.add_argument("--out", required=True, help="the run directory")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run --out holds (its config.gin, metrics.jsonl, summary.json and checkpoints)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (default: RAY_ADDRESS, else a local instance) when "
@@ -42,15 +48,48 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
     # Heavy imports after argument parsing so `--help` is instant.
-    from rlhf import checkpoint, configurable, provenance
+    from rlhf import configurable, run_dir
     from rlhf.config import ConfigError
-    from rlhf.metrics import ConsoleProgress, JsonlSink, MetricLogger
 
     out = Path(args.out)
     try:
+        if args.resume and args.overwrite:
+            raise ConfigError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
+                              "--overwrite replaces it")
         cfg, operative = configurable.resolve(args.recipe, args.binding)
+        if cfg.ppo.resolved_placement != "local":  # a dead cluster fails now, not after minutes of retries
+            from rlhf.placement.cluster import check_address
+            check_address(args.ray_address)
         check_writable(out)
-        resume_from = None
+        with run_dir.DirLock(out / run_dir.RUN_LOCK):
+            return train(args, argv, cfg, operative, out)
+    except run_dir.LockBusy as err:
+        holder = f"pid {err.pid}" if err.pid is not None else "a process that has not said its pid yet"
+        print(f"error: --out {str(out)!r} is in use by another rlhf.train ({holder}, lock {err.path}); "
+              f"wait for it to finish or choose another --out", file=sys.stderr)
+        return EXIT_CONFIG
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    except Exception as err:  # a full disk, anywhere in the run: one line, not a traceback
+        from rlhf import checkpoint
+        message = checkpoint.disk_full_message(err, out)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_DISK_FULL
+
+
+def train(args, argv, cfg, operative: str, out: Path) -> int:
+    """The run, with `out` locked: what `out` already holds decides (resume, refuse, nothing to do,
+    replace), then the trainer runs. A ConfigError before the first step is exit 2."""
+    from rlhf import numerics, provenance, run_dir
+    from rlhf.config import ConfigError
+    from rlhf.metrics import ConsoleProgress, JsonlSink, MetricLogger
+
+    resume_from = None
+    try:
+        earlier = run_dir.earlier_run(out)
         if args.resume:
             resume_from = resume_checkpoint(out / "checkpoints")
             if resume_from is None:
@@ -59,24 +98,35 @@ def main(argv=None) -> int:
                 saved = (out / "config.gin").read_text() if (out / "config.gin").exists() else None
                 if saved is not None and without_placement(saved) != without_placement(operative):
                     raise ConfigError(f"--resume: the configuration differs from the one {out} was started with "
-                                      f"(see {out / 'config.gin'}); resume with the same recipe and bindings")
+                                      f"({config_difference(saved, operative)}; see {out / 'config.gin'}); "
+                                      f"resume with the same recipe and bindings")
+        elif earlier is not None and args.overwrite:
+            inside = cfg.ppo.init_from and Path(cfg.ppo.init_from).resolve().is_relative_to(out.resolve())
+            if inside:
+                raise ConfigError(f"ppo.init_from = {cfg.ppo.init_from!r} is inside --out {str(out)!r}, which "
+                                  f"--overwrite replaces; copy the checkpoint elsewhere first")
+        elif earlier is not None:
+            if refuse_or_done(out, earlier, operative):
+                return EXIT_OK
         from rlhf.trainer import PPOTrainer, TrainingDiverged
         if not runs_on_gpu(cfg):  # CPU numerics: a pinned thread count unless ppo.torch_threads says one
             numerics.set_threads(cfg.ppo.torch_threads)
-        out.mkdir(parents=True, exist_ok=True)
         trainer = PPOTrainer(cfg, out, log=lambda m: print(m, file=sys.stderr), ray_address=args.ray_address)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
 
-    (out / "config.gin").write_text(operative)
+    if earlier is not None and args.overwrite:  # every check has passed: the earlier run goes now
+        run_dir.remove_outputs(out)
+        print(f"--overwrite: removed the earlier run's outputs from {out} ({earlier})", file=sys.stderr)
+    run_dir.write_atomic(out / "config.gin", operative)
     prov = provenance.collect(argv, cfg.ppo.seed, trainer.data_hash, trainer.start_checkpoint, operative,
                               reward_model=cfg.reward.model_path if cfg.reward.uses_model else "")
     prov["placement"] = trainer.placement
     prov_path = out / "provenance.json"
     if prov_path.exists():  # keep fields others (the experiment manager) added
         prov = {**json.loads(prov_path.read_text()), **prov}
-    prov_path.write_text(json.dumps(prov, indent=1))
+    run_dir.write_atomic(prov_path, json.dumps(prov, indent=1))
 
     sinks = [JsonlSink(out / "metrics.jsonl", truncate_after_step=trainer_step_of(resume_from))]
     if not args.quiet:
@@ -86,19 +136,58 @@ def main(argv=None) -> int:
         summary = trainer.run(logger, resume_from=resume_from)
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
-        (out / "summary.json").write_text(json.dumps({"status": "diverged", "error": str(err)}, indent=1))
+        run_dir.write_atomic(out / "summary.json", json.dumps({"status": "diverged", "error": str(err)}, indent=1))
         return EXIT_DIVERGED
-    except Exception as err:  # a full disk: one line (checkpoint.disk_full_message), not a traceback
-        message = checkpoint.disk_full_message(err, out)
-        if message is None:
-            raise
-        print(f"error: {message}", file=sys.stderr)
-        return EXIT_DISK_FULL
     finally:
         logger.close()
         trainer.close()
     print(json.dumps({"initial": summary["initial"], "final": summary["final"]}), file=sys.stderr)
     return EXIT_OK
+
+
+def refuse_or_done(out: Path, earlier: str, operative: str) -> bool:
+    """Without --resume or --overwrite, into a run dir that holds run `earlier`: True (after a
+    notice) when it is this very run, completed; otherwise a ConfigError saying what to pass."""
+    from rlhf import checkpoint, run_dir
+    from rlhf.config import ConfigError
+    saved = (out / "config.gin").read_text() if (out / "config.gin").is_file() else None
+    same = saved is not None and without_placement(saved) == without_placement(operative)
+    if earlier == run_dir.COMPLETED and same:
+        print(f"--out {str(out)!r} already holds this run, completed (see its summary.json): nothing to do; "
+              f"--overwrite runs it again", file=sys.stderr)
+        return True
+    if earlier == run_dir.COMPLETED:
+        raise ConfigError(f"--out {str(out)!r} holds a completed run of another configuration "
+                          f"({config_difference(saved, operative)}); choose another --out, or pass --overwrite "
+                          f"to replace it")
+    if earlier == run_dir.DIVERGED:
+        raise ConfigError(f"--out {str(out)!r} holds a run that diverged (see its summary.json); choose another "
+                          f"--out, or pass --overwrite to replace it")
+    steps = checkpoint.list_checkpoints(out / "checkpoints")
+    what = f"checkpoints up to step_{steps[-1][0]}" if steps else "no checkpoint yet"
+    if not same:
+        what += f"; another configuration: {config_difference(saved, operative)}"
+    raise ConfigError(f"--out {str(out)!r} holds an unfinished run ({what}); pass --resume to continue it, "
+                      f"--overwrite to start over, or choose another --out")
+
+
+def config_difference(saved: str | None, operative: str) -> str:
+    """'ppo.kl_coef = 0.2 here, 0.05 before': the first binding of `operative` that `saved` (an
+    earlier run's config.gin) binds otherwise, or where to look when none is one line."""
+    if saved is None:
+        return "its config.gin is missing"
+
+    def bindings(text: str) -> dict:
+        return dict(line.split(" = ", 1) for line in without_placement(text).splitlines()
+                    if " = " in line and not line.startswith((" ", "#")))
+    before, now = bindings(saved), bindings(operative)
+    for key, value in now.items():
+        if before.get(key) != value:
+            return f"{key} = {value} here, {before[key] if key in before else 'unset'} before"
+    for key in before:
+        if key not in now:
+            return f"{key} = {before[key]} before, unset here"
+    return "see its config.gin"
 
 
 def check_writable(out: Path) -> None:

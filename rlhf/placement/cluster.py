@@ -9,6 +9,7 @@ Everything a run places lives in its one placement group, reserved all at once o
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -21,6 +22,28 @@ REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 FORWARDED_ENV = ("RLHF_CACHE", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "TRANSFORMERS_OFFLINE",
                  "WANDB_MODE", *numerics.FORWARDED_ENV)
 PLACEMENT_TIMEOUT_S = 300
+PROBE_TIMEOUT_S = 5.0
+"""How long a cluster's address may take to accept a connection (ray.init would retry for minutes)."""
+
+
+def check_address(address: Optional[str]) -> None:
+    """A ConfigError naming the address (`address`, else RAY_ADDRESS) when nothing accepts a
+    connection there within PROBE_TIMEOUT_S; nothing to check without one, or for 'auto' and
+    'local' (Ray resolves those itself, at once)."""
+    given = address or os.environ.get("RAY_ADDRESS") or None
+    if not given or given in ("auto", "local"):
+        return
+    source = "--ray-address" if address else "RAY_ADDRESS"
+    host, sep, port = given.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # not HOST:PORT: Ray's own error says what it expects
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as err:
+        reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
+        raise ConfigError(f"{source} {given!r}: no Ray cluster answers there ({reason}, within "
+                          f"{PROBE_TIMEOUT_S:g} s); start one (`ray start --head`), fix the address, or leave "
+                          f"it out to start a local instance") from None
 
 
 def connect(address: Optional[str], num_cpus: Optional[float] = None, num_gpus: Optional[float] = None,
@@ -28,10 +51,12 @@ def connect(address: Optional[str], num_cpus: Optional[float] = None, num_gpus: 
     """Joins `address` (or RAY_ADDRESS), or else starts a local Ray instance (`private`: one of its
     own even when other Ray clusters run on this machine; `num_cpus` / `num_gpus`: its resources).
     No dashboard, no log forwarding. Returns True when it started a local instance, False when it
-    joined one or Ray was already up: the one Ray start-up of the engine and the manager."""
+    joined one or Ray was already up: the one Ray start-up of the engine and the manager. An
+    address where no cluster answers is a ConfigError within seconds (`check_address`)."""
     import ray
     if ray.is_initialized():
         return False
+    check_address(address)
     address = address or os.environ.get("RAY_ADDRESS") or None
     kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
     if address:

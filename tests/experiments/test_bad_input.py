@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -117,7 +118,43 @@ def test_two_variants_with_the_same_runs_name_both(capsys, tmp_path):
     assert not (tmp_path / "smoke").exists()
 
 
-@pytest.mark.parametrize("command", ["plan", "run"])
-def test_a_directory_given_as_the_study_file_says_so(capsys, tmp_path, command):
-    err = one_line_error(capsys, [command, str(REPO / "recipes" / "studies"), "--results", str(tmp_path)])
-    assert "is a directory; give a study recipe (a .gin file)" in err
+@pytest.mark.parametrize("files, expected", [
+    ({"a.gin": "include 'tiny.gin'\nppo.seed = 1\nppo.kl_coef = [0.1, 0.2\n"},
+     "cannot parse {a}:3: 'ppo.kl_coef = [0.1, 0.2': a bracket or quote is not closed"),
+    ({"a.gin": "include 'b.gin'\n", "b.gin": "include 'tiny.gin'\nppo.kl_coef = [0.1,\nppo.seed = 1\n"},
+     "cannot parse {b}:2: 'ppo.kl_coef = [0.1,': a bracket or quote is not closed"),
+    ({"a.gin": "include 'tiny.gin'\nppo.kl_coef = %KL\n"},
+     "macro %KL is not defined ({a}:2: 'ppo.kl_coef = %KL'); define it in the recipe (KL = VALUE) or with "
+     "-b 'KL = VALUE'"),
+], ids=["unclosed-at-the-end", "unclosed-in-an-include", "undefined-macro"])
+def test_recipe_that_does_not_parse_is_one_line_naming_file_and_line(capsys, tmp_path, files, expected):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    expected = expected.format(**{Path(name).stem: tmp_path / name for name in files})
+    engine = subprocess.run([sys.executable, "-m", "rlhf.train", str(tmp_path / "a.gin"), "--out", str(tmp_path / "o")],
+                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert engine.returncode == 2 and engine.stderr.strip() == f"error: {expected}", engine.stderr
+    study = tmp_path / "s.gin"
+    study.write_text(f"study.name = 's'\nstudy.baseline_recipe = {str(tmp_path / 'a.gin')!r}\nstudy.variants = {{}}\n")
+    assert expected in one_line_error(capsys, ["plan", str(study), "--results", str(tmp_path / "r")])
+
+
+def test_study_file_that_does_not_parse_is_one_line_naming_its_line(capsys, tmp_path):
+    study = tmp_path / "s.gin"
+    study.write_text("study.name = 's'\nstudy.variants = {\nstudy.seeds = 2\n")
+    err = one_line_error(capsys, ["plan", str(study), "--results", str(tmp_path / "r")])
+    assert err == f"error: cannot parse {study}:2: 'study.variants = {{': a bracket or quote is not closed"
+    err = one_line_error(capsys, ["plan", SMOKE, "-b", "study.seeds = [1, 2", "--results", str(tmp_path / "r")])
+    assert err == "error: cannot parse -b binding: 'study.seeds = [1, 2': a bracket or quote is not closed"
+
+
+def test_a_directory_given_as_a_study_or_recipe_says_it_is_one(capsys, tmp_path):
+    for command in ("plan", "run"):
+        err = one_line_error(capsys, [command, str(tmp_path), "--results", str(tmp_path / "r")])
+        assert err == (f"error: study file {str(tmp_path)!r} is a directory, not a file; expected a study recipe "
+                       f"(.gin), e.g. recipes/studies/smoke.gin")
+    engine = subprocess.run([sys.executable, "-m", "rlhf.train", str(tmp_path), "--out", str(tmp_path / "o")],
+                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert engine.returncode == 2 and engine.stderr.strip() == (
+        f"error: recipe {str(tmp_path)!r} is a directory, not a file; expected a gin recipe file "
+        f"(e.g. recipes/tiny.gin)"), engine.stderr

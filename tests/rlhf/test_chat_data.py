@@ -170,6 +170,13 @@ def test_bad_data_files_are_one_line_errors(tmp_path, content, message):
     assert "\n" not in str(e.value)
 
 
+def test_a_directory_as_data_file_says_it_is_one(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_task(TaskConfig(name="file", train_path=str(tmp_path)))
+    assert str(e.value) == (f"task data file {str(tmp_path)!r} is a directory, not a file; expected a .jsonl, "
+                            f".json or .parquet file")
+
+
 def test_bad_parquet_is_one_line(tmp_path):
     path = tmp_path / "x.parquet"
     path.write_bytes(b"not a parquet file at all")

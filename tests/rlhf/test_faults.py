@@ -93,3 +93,19 @@ def test_read_only_run_dir_is_one_line_naming_it(tmp_path):
     finally:
         ro.chmod(0o755)
     assert f"--out {str(ro / 'run')!r} is not a writable run dir (Permission denied" in line, line
+
+
+def test_a_ray_address_where_nothing_listens_fails_within_seconds_naming_it(tmp_path):
+    import socket
+    import time
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    line = one_error_line(run_train(["recipes/tiny.gin", "-b", "ppo.placement = 'colocated'",
+                                     "--ray-address", f"127.0.0.1:{port}", "--out", tmp_path / "run"],
+                                    check=False, timeout=120))
+    assert time.monotonic() - start < 20
+    assert line.startswith(f"error: --ray-address '127.0.0.1:{port}': no Ray cluster answers there "
+                           f"(Connection refused"), line
+    assert not (tmp_path / "run").exists()
