@@ -126,7 +126,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
     except OSError as err:
-        from experiments.atomic import is_disk_full
+        from rlhf.atomic import is_disk_full
         if not is_disk_full(err):
             raise
         print(f"error: {err.strerror or 'no space left on device'}{f' writing {err.filename}' if err.filename else ''}: "

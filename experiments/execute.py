@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Optional
 
 from experiments.rundir import (DETERMINISTIC_FAILURES, EXIT_CONFIG, EXIT_DIVERGED, RECORD,
-                                read_json, read_record, write_json)
+                                read_json, read_record)
+from rlhf.atomic import write_json
 
 STDERR_TAIL = 2000
 CAUSE_SEARCH = 64_000

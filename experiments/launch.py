@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from experiments.atomic import is_disk_full
 from experiments.display import DONE_BEFORE, StudyDisplay
 from experiments.execute import execute, now
 from experiments.plan import REPO_ROOT, RunSpec, latest_checkpoint
 from experiments.rundir import (COMPLETED, DETERMINISTIC_FAILURES, FAILED, INTERRUPTED, STALE,
                                 clear_engine_outputs, last_attempt, prune, read_record, state, supersede,
-                                write_json, RECORD)
+                                RECORD)
 from experiments.study import Study, StudyError
 from rlhf import numerics
+from rlhf.atomic import is_disk_full, write_json
 from rlhf.run_dir import DirLock, LockBusy
 from rlhf.run_dir import is_locked as lock_is_held
 

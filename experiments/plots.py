@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from experiments.collect import RunResult, band, curves  # noqa: E402
-from experiments.atomic import write_atomic  # noqa: E402
+from rlhf.atomic import write_atomic  # noqa: E402
 
 FIGURES = {
     "reward_mean": ["reward_mean"],

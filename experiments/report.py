@@ -16,7 +16,7 @@ from experiments.collect import RunResult, collect, load_plan
 from experiments.plan import RunSpec
 from experiments.plots import plot_study
 from experiments.results import AdaptiveRecord, StudyAggregate, VariantResult
-from experiments.atomic import write_text
+from rlhf.atomic import write_text
 from experiments.rundir import read_json
 from experiments.study import Study
 from rlhf.provenance import hardware_fingerprint

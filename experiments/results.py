@@ -218,7 +218,7 @@ class StudyAggregate:
         return _ADAPTER.validate_python(data)
 
     def save(self, path: str | Path) -> None:
-        from experiments.rundir import write_json
+        from rlhf.atomic import write_json
         write_json(Path(path), self.to_json())
 
     @classmethod

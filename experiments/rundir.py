@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, Optional
 
-from experiments.atomic import write_json  # noqa: F401  (the run dirs' files are written atomically)
 from experiments.plan import RunSpec, latest_checkpoint
 
 from rlhf.run_dir import remove_outputs  # noqa: E402  (the engine owns its run dir's layout)

@@ -24,7 +24,7 @@ from typing import Dict, List
 import yaml
 
 from experiments.results import StudyAggregate
-from experiments.atomic import write_text
+from rlhf.atomic import write_text
 
 
 def _nested(flat: Dict[str, object]) -> Dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 from experiments.results import StudyAggregate
-from experiments.atomic import write_json
+from rlhf.atomic import write_json
 
 STATE_FILE = "wandb.json"
 

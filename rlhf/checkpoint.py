@@ -20,7 +20,6 @@ raises `DiskFull`, one line naming the newest intact checkpoint that `--resume` 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -29,6 +28,8 @@ import re
 import shutil
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Optional
+
+from rlhf.atomic import is_disk_full
 
 # torch and safetensors load inside the functions that need them: verifying and listing checkpoints
 # (the experiment manager does it for every run of a study) stays light.
@@ -252,15 +253,6 @@ def check_start_checkpoint(ckpt: str | Path, binding: str = "ppo.init_from") -> 
 # ------------------------------------------------------------------ a full disk
 class DiskFull(RuntimeError):
     """A write ran out of space; its temporary files are gone and finished checkpoints are untouched."""
-
-
-def is_disk_full(err: BaseException) -> bool:
-    """An OSError ENOSPC / EDQUOT, or safetensors' error for one (it reports I/O errors in its text)."""
-    if isinstance(err, OSError):
-        return err.errno in (errno.ENOSPC, errno.EDQUOT)
-    text = str(err)
-    return type(err).__name__ == "SafetensorError" and ("No space left on device" in text or "StorageFull" in text
-                                                        or "os error 28" in text)
 
 
 def disk_full_message(err: BaseException, out: str | Path) -> Optional[str]:

@@ -73,8 +73,8 @@ class JsonlSink:
         try:
             self.file.close()
         except OSError as err:  # a full disk: the write that failed has raised already
-            import errno
-            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            from rlhf.atomic import is_disk_full
+            if not is_disk_full(err):
                 raise
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 REWARD_FUNCTIONS: Dict[str, Callable[..., "RewardResult"]] = {}
 

@@ -1,5 +1,5 @@
 """A run dir and who writes it: an exclusive lock for the whole run, what an earlier run left
-there, and atomic writes.
+there.
 
 The engine writes `ENGINE_OUTPUTS` (plus `provenance.json`, which the experiment manager extends).
 One process at a time: `DirLock` is an flock(2) on a file in the directory, so the kernel
@@ -102,15 +102,6 @@ def _holder_pid(fd: int, wait_s: float = 0.5) -> Optional[int]:
         if time.monotonic() > deadline:
             return None
         time.sleep(0.02)
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Writes `text` to a temporary file beside `path` and renames it into place: a reader, or a
-    kill, never sees half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def earlier_run(out: str | Path) -> Optional[str]:

@@ -84,6 +84,7 @@ def train(args, argv, cfg, operative: str, out: Path) -> int:
     """The run, with `out` locked: what `out` already holds decides (resume, refuse, nothing to do,
     replace), then the trainer runs. A ConfigError before the first step is exit 2."""
     from rlhf import numerics, provenance, run_dir
+    from rlhf.atomic import write_text
     from rlhf.config import ConfigError
     from rlhf.metrics import ConsoleProgress, JsonlSink, MetricLogger
 
@@ -119,14 +120,14 @@ def train(args, argv, cfg, operative: str, out: Path) -> int:
     if earlier is not None and args.overwrite:  # every check has passed: the earlier run goes now
         run_dir.remove_outputs(out)
         print(f"--overwrite: removed the earlier run's outputs from {out} ({earlier})", file=sys.stderr)
-    run_dir.write_atomic(out / "config.gin", operative)
+    write_text(out / "config.gin", operative)
     prov = provenance.collect(argv, cfg.ppo.seed, trainer.data_hash, trainer.start_checkpoint, operative,
                               reward_model=cfg.reward.model_path if cfg.reward.uses_model else "")
     prov["placement"] = trainer.placement
     prov_path = out / "provenance.json"
     if prov_path.exists():  # keep fields others (the experiment manager) added
         prov = {**json.loads(prov_path.read_text()), **prov}
-    run_dir.write_atomic(prov_path, json.dumps(prov, indent=1))
+    write_text(prov_path, json.dumps(prov, indent=1))
 
     sinks = [JsonlSink(out / "metrics.jsonl", truncate_after_step=trainer_step_of(resume_from))]
     if not args.quiet:
@@ -136,7 +137,7 @@ def train(args, argv, cfg, operative: str, out: Path) -> int:
         summary = trainer.run(logger, resume_from=resume_from)
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
-        run_dir.write_atomic(out / "summary.json", json.dumps({"status": "diverged", "error": str(err)}, indent=1))
+        write_text(out / "summary.json", json.dumps({"status": "diverged", "error": str(err)}, indent=1))
         return EXIT_DIVERGED
     finally:
         logger.close()

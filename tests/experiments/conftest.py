@@ -52,7 +52,7 @@ def workdir():
 
 def fake_run(spec, accuracy, kl=0.05, success=1.0, diverged=False):
     """A finished run dir of `spec` as the engine and the manager would leave it (no engine needed)."""
-    from experiments.rundir import write_json
+    from rlhf.atomic import write_json
     d = Path(spec.run_dir)
     d.mkdir(parents=True)
     rows = [{"step": s, "reward_mean": 0.1 * s + accuracy, "kl_divergence": kl, "clip_fraction": 0.1,

@@ -10,7 +10,7 @@ from experiments.collect import band
 from experiments.plan import expand
 from experiments.report import write_report
 from experiments.study import load_study
-from experiments.rundir import write_json
+from rlhf.atomic import write_json
 from tests.experiments.conftest import fake_run
 
 STUDY = """

@@ -10,7 +10,7 @@ import wandb_workspaces.reports.v2 as wr
 from experiments.cli import main
 from experiments.plan import expand
 from experiments.report import write_report
-from experiments.rundir import write_json
+from rlhf.atomic import write_json
 from experiments.study import load_study
 from experiments.wandb_report import DEFINITION, SIGNALS, build_report, load_definition, save_definition
 from tests.experiments.test_report import ACCURACY, STUDY, fake_run

@@ -1,9 +1,11 @@
-"""Atomic writes of the manager's files (run.json, plan.json, aggregate.json, reports, plots).
+"""Atomic writes, and what a full disk looks like, for the engine's run dirs (config.gin,
+provenance.json, summary.json) and the experiment manager's files (run.json, plan.json,
+aggregate.json, reports, plots).
 
 A file is written to a temporary beside it, synced, then renamed over it: a reader (or the next
 run after a crash, a kill or a full disk) sees the old file or the new one, never half of one,
 and a failed write leaves no temporary behind. Standard library only: the pipeline stages that
-must not load the study machinery use it too.
+must not load the study machinery (or torch) use it too.
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ import os
 from pathlib import Path
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-"""The errnos of a full disk (or quota): the manager stops in one line, keeping what is written."""
+"""The errnos of a full disk (or quota): the engine and the manager stop in one line, keeping what is written."""
 
 
-def is_disk_full(err: BaseException) -> bool:
-    return isinstance(err, OSError) and err.errno in DISK_FULL
+def is_disk_full(err: BaseException | None) -> bool:
+    """An OSError ENOSPC / EDQUOT, or safetensors' error for one (it reports I/O errors in its text)."""
+    if isinstance(err, OSError):
+        return err.errno in DISK_FULL
+    text = str(err)
+    return type(err).__name__ == "SafetensorError" and ("No space left on device" in text or "StorageFull" in text
+                                                        or "os error 28" in text)
 
 
 def write_atomic(path: str | Path, write) -> None:
