@@ -147,17 +147,23 @@ def verify_checkpoint(ckpt: str | Path, full: bool = True) -> Optional[str]:
 
 
 def _verify_legacy(root: Path) -> Optional[str]:
-    from safetensors import SafetensorError, safe_open
     try:
         json.loads((root / "state.json").read_text())
     except ValueError:
         return "state.json is not valid JSON"
-    for path in sorted(root.rglob("*.safetensors")):
+    return unreadable_safetensors(sorted(root.rglob("*.safetensors")), lambda p: f"{p.relative_to(root)} is unreadable")
+
+
+def unreadable_safetensors(paths, what: Callable[[Path], str]) -> Optional[str]:
+    """'`what(path)` (safetensors' reason)' for the first of `paths` whose header does not read (a
+    truncated or damaged file), else None. Reads headers only."""
+    from safetensors import SafetensorError, safe_open
+    for path in paths:
         try:
             with safe_open(str(path), framework="pt") as f:
                 f.keys()
         except (SafetensorError, OSError, ValueError) as err:
-            return f"{path.relative_to(root)} is unreadable ({str(err).splitlines()[0][:120]})"
+            return f"{what(path)} ({str(err).splitlines()[0][:120]})"
     return None
 
 
@@ -205,7 +211,6 @@ def damaged_weights(model_dir: str | Path) -> Optional[str]:
     """None when every safetensors file of a model directory reads (header present and the file as
     long as the header says; the shards an index names present), else which one does not (one line).
     Reads headers only."""
-    from safetensors import SafetensorError, safe_open
     root = Path(model_dir)
     index = root / "model.safetensors.index.json"
     if index.is_file():
@@ -216,13 +221,7 @@ def damaged_weights(model_dir: str | Path) -> Optional[str]:
         for name in shards:
             if not (root / name).is_file():
                 return f"{name} is missing (named by {index.name})"
-    for path in sorted(root.glob("*.safetensors")):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                f.keys()
-        except (SafetensorError, OSError, ValueError) as err:
-            return f"{path} is truncated or damaged ({str(err).splitlines()[0][:120]})"
-    return None
+    return unreadable_safetensors(sorted(root.glob("*.safetensors")), lambda p: f"{p} is truncated or damaged")
 
 
 def check_weights(model_dir: str | Path, binding: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
