@@ -117,42 +117,68 @@ def prob_improvement(a: Sequence[float], b: Sequence[float], higher_is_better: b
     return float(np.mean(better + 0.5 * (x == y)))
 
 
-def power(effect: float, sd: float, n1: int, n2: int, alpha: float = 0.05) -> float:
-    """Power of a two-sided two-sample t-test to detect a true difference `effect` at std `sd`."""
-    df = n1 + n2 - 2
-    if df < 1 or sd <= 0:
-        return math.nan
-    ncp = abs(effect) / (sd * math.sqrt(1 / n1 + 1 / n2))
+def power(effect: float, sd: float, n1: int, n2: int, alpha: float = 0.05, paired: bool = False,
+          correlation: float = 0.0) -> float:
+    """Power of a two-sided t-test to detect a true difference `effect` between groups of std `sd`.
+
+    Two-sample (Welch's design, df = n1 + n2 - 2) by default. With `paired`, the test is the
+    one-sample t-test of the n = min(n1, n2) per-seed differences (df = n - 1), whose std is
+    sd * sqrt(2 (1 - correlation)) for a correlation between the paired outcomes: common random
+    numbers help exactly as far as the two arms' seeds correlate."""
+    if paired:
+        n = min(n1, n2)
+        df = n - 1
+        sd_diff = sd * math.sqrt(max(2.0 * (1.0 - correlation), 0.0))
+        if df < 1 or sd_diff <= 0:
+            return math.nan
+        ncp = abs(effect) / (sd_diff / math.sqrt(n))
+    else:
+        df = n1 + n2 - 2
+        if df < 1 or sd <= 0:
+            return math.nan
+        ncp = abs(effect) / (sd * math.sqrt(1 / n1 + 1 / n2))
     crit = stats.t.ppf(1 - alpha / 2, df)
     return float(stats.nct.sf(crit, df, ncp) + stats.nct.cdf(-crit, df, ncp))
 
 
-def min_detectable_effect(sd: float, n1: int, n2: int, alpha: float = 0.05, target: float = POWER) -> float:
-    """Smallest true difference detected with `target` power at these sample sizes and std."""
-    if n1 + n2 - 2 < 1 or not np.isfinite(sd) or sd <= 0:
+def min_detectable_effect(sd: float, n1: int, n2: int, alpha: float = 0.05, target: float = POWER,
+                          paired: bool = False, correlation: float = 0.0) -> float:
+    """Smallest true difference detected with `target` power at these sample sizes and std
+    (`paired` and `correlation` as in `power`)."""
+    if not np.isfinite(power(sd, sd, n1, n2, alpha, paired, correlation)) or not np.isfinite(sd) or sd <= 0:
         return math.nan
     hi = sd
-    while power(hi, sd, n1, n2, alpha) < target:
+
+    def pw(d):
+        return power(d, sd, n1, n2, alpha, paired, correlation)
+
+    while pw(hi) < target:
         hi *= 2
         if hi > 1e12 * sd:
             return math.nan
-    return float(optimize.brentq(lambda d: power(d, sd, n1, n2, alpha) - target, 0.0, hi, xtol=1e-12 * hi))
+    return float(optimize.brentq(lambda d: pw(d) - target, 0.0, hi, xtol=1e-12 * hi))
 
 
-def seeds_needed(effect: float, sd: float, alpha: float = 0.05, target: float = POWER) -> Optional[int]:
-    """Seeds per variant needed to detect `effect` with `target` power; None if above MAX_SEEDS."""
+def seeds_needed(effect: float, sd: float, alpha: float = 0.05, target: float = POWER, paired: bool = False,
+                 correlation: float = 0.0) -> Optional[int]:
+    """Seeds per variant needed to detect `effect` with `target` power (`paired` and `correlation`
+    as in `power`); None if above MAX_SEEDS or undefined."""
     if not np.isfinite(sd) or not np.isfinite(effect) or effect == 0:
         return None
-    if sd == 0:
+    if sd == 0 or (paired and correlation >= 1.0):
         return 2
+
+    def enough(n):
+        return power(effect, sd, n, n, alpha, paired, correlation) >= target
+
     lo, hi = 2, 2
-    while power(effect, sd, hi, hi, alpha) < target:
+    while not enough(hi):
         lo, hi = hi, hi * 2
         if hi > MAX_SEEDS:
             return None
     while lo < hi:  # smallest n with enough power
         mid = (lo + hi) // 2
-        if power(effect, sd, mid, mid, alpha) >= target:
+        if enough(mid):
             hi = mid
         else:
             lo = mid + 1
