@@ -56,6 +56,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from rlhf.metrics import read_metrics  # noqa: E402  (joins perf.jsonl's timings back by step)
+
 # name -> environment; every setting starts from an environment without numerics variables.
 SETTINGS = {
     "portable": {},  # the engine's default profile
@@ -122,7 +124,7 @@ def run_setting(name: str, steps: int, recipe: str, extra_bindings: list) -> dic
         wall, cpu = time.perf_counter() - start, _children_cpu() - cpu_start
         if proc.returncode != 0:
             return {"setting": name, "error": proc.stderr.strip().splitlines()[-1:], "exit_code": proc.returncode}
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        records = read_metrics(out / "metrics.jsonl")  # joined with perf.jsonl's timings
         sft_root = next(Path(env["RLHF_CACHE"]).glob("tiny-*/sft_info.json")).parent
         prov = json.loads((out / "provenance.json").read_text())
         summary = json.loads((out / "summary.json").read_text())

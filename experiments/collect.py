@@ -50,7 +50,8 @@ def load_plan(study_dir: Path) -> List[RunSpec]:
         raise StudyError(f"{study_dir}/plan.json not found: run `python -m experiments run` on the study first")
     fields = {f.name for f in dataclasses.fields(RunSpec)}
     return [RunSpec(**{"placement": "local", "final_window": _final_window(run.get("operative_config", "")),
-                       **{k: (tuple(v) if k == "bindings" else v) for k, v in run.items() if k in fields}})
+                       **{k: (tuple(v) if k == "bindings" else v) for k, v in run.items() if k in fields},
+                       "run_dir": str(Path(study_dir) / run["run_dir"])})  # spec_record: relative to the study
             for run in plan["runs"]]
 
 

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from experiments.rundir import (DETERMINISTIC_FAILURES, EXIT_CONFIG, EXIT_DIVERGED, RECORD,
-                                read_json, read_record)
+from experiments.rundir import (DETERMINISTIC_FAILURES, EXIT_CONFIG, EXIT_DIVERGED, read_json, read_record,
+                                write_record)
 from rlhf.atomic import write_json
 
 STDERR_TAIL = 2000
@@ -161,7 +161,8 @@ def describe_failure(exit_code: Optional[int], stderr_tail: str) -> str:
 def _record(spec: dict) -> dict:
     record = read_record(spec["run_dir"])
     if record is None or record.get("run_hash") != spec["run_hash"]:
-        record = {"run_hash": spec["run_hash"], "spec": spec, "attempts": []}
+        record = {"run_hash": spec["run_hash"], "attempts": []}
+    record["spec"] = spec
     for attempt in record["attempts"]:
         if attempt.get("end") is None:  # its process was killed before it could say so
             attempt.update(interrupted=True, error="stopped without a record (manager or node killed)")
@@ -242,7 +243,7 @@ def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: st
     entry = {"attempt": attempt, "resumed": resume, "command": argv, "start": now(), "end": None,
              "exit_code": None, "error": None, "host": socket.gethostname(), "pid": os.getpid()}
     record["attempts"].append(entry)
-    write_json(run_dir / RECORD, record)
+    write_record(run_dir, record)
 
     threads = str(spec["cpus"])
     env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, RLHF_CACHE=cache_dir,
@@ -291,7 +292,7 @@ def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: st
     entry.update(end=now(), seconds=round(seconds, 2), exit_code=exit_code,
                  interrupted=interrupted, stderr_tail=new_stderr[-STDERR_TAIL:] if exit_code else None,
                  error=None if exit_code in (0, None) else describe_failure(exit_code, new_stderr))
-    write_json(run_dir / RECORD, record)
+    write_record(run_dir, record)
     merge_provenance(run_dir, spec, record, manager)
     if interrupted:
         raise KeyboardInterrupt(f"{spec['variant']}/seed{spec['seed']} interrupted")

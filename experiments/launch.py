@@ -21,10 +21,11 @@ from typing import Dict, List, Optional
 
 from experiments.display import DONE_BEFORE, StudyDisplay
 from experiments.execute import execute, now
+from experiments.paths import portable
 from experiments.plan import REPO_ROOT, RunSpec, latest_checkpoint
 from experiments.rundir import (COMPLETED, DETERMINISTIC_FAILURES, FAILED, INTERRUPTED, STALE,
                                 clear_engine_outputs, last_attempt, prune, read_record, state, supersede,
-                                RECORD)
+                                write_record)
 from experiments.study import Study, StudyError
 from rlhf import numerics
 from rlhf.atomic import is_disk_full, write_json
@@ -187,8 +188,8 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
     display = display or StudyDisplay(study.name, specs)
     check_writable(study_path, specs)
     with StudyLock(study_path):
-        write_json(study_path / "plan.json", {"study": study.name, "study_file": study.path,
-                                               "runs": [s.to_json() for s in (recorded or specs)]})
+        write_json(study_path / "plan.json", {"study": study.name, "study_file": portable(study.path),
+                                               "runs": [s.record() for s in (recorded or specs)]})
         actions = {s.key: decide(s, rerun_failed) for s in specs}
         todo = [s for s in specs if actions[s.key] != "skip"]
         for s in specs:
@@ -296,7 +297,7 @@ def _outcome(ref, spec: RunSpec) -> dict:
         record = read_record(spec.run_dir)
         if record and record.get("attempts") and record["attempts"][-1].get("end") is None:
             record["attempts"][-1].update(end=now(), exit_code=-1, error=error)
-            write_json(Path(spec.run_dir) / RECORD, record)
+            write_record(spec.run_dir, {**record, "spec": spec.to_json()})
         return {"key": spec.key, "exit_code": -1, "error": error, "status": "failed", "retriable": True}
 
 

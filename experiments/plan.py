@@ -24,6 +24,7 @@ from rlhf.provenance import run_git  # the engine's one git runner (its provenan
 from rlhf.provenance import hash_directory
 from rlhf.train import without_placement
 
+from experiments.paths import portable
 from experiments.results import StudyAggregate
 from experiments.study import BASELINE, Study, StudyError, split_binding
 
@@ -67,6 +68,18 @@ class RunSpec:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
+    def record(self) -> dict:
+        """The spec as plan.json and run.json record it (`spec_record`)."""
+        return spec_record(self.to_json())
+
+
+def spec_record(spec: dict) -> dict:
+    """A spec (`RunSpec.to_json`) as files record it: the run dir relative to its study's results
+    dir, the recipe relative to the working directory (experiments/paths.py). What the files hold
+    is then the same in every checkout; `load_plan` resolves them again."""
+    run_dir = Path(spec["run_dir"])
+    return {**spec, "run_dir": portable(run_dir, run_dir.parent.parent.parent), "recipe": portable(spec["recipe"])}
+
 
 def _engine_files() -> List[Path]:
     listed = run_git("ls-files", "-co", "--exclude-standard", "--", *ENGINE_PATHS)
@@ -77,19 +90,25 @@ def _engine_files() -> List[Path]:
 
 def code_version() -> dict:
     """The engine code a run executes: `engine_sha256` (the content of the engine's files,
-    committed or not: it enters the run hash), the git SHA, and `engine_dirty` / `engine_diff_sha256`
+    committed or not: it enters the run hash), and `engine_dirty` / `engine_diff_sha256`
     (uncommitted changes under rlhf/ only; the engine's own provenance `git.dirty` covers the
-    whole repository)."""
+    whole repository). The commit itself is `git_commit()`: a machine record, since the same
+    code is committed again with every change elsewhere (the committed results included)."""
     h = hashlib.sha256()
     for p in _engine_files():
         h.update(str(p.relative_to(REPO_ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
-    sha = run_git("rev-parse", "HEAD")
+    sha = git_commit()
     diff = run_git("diff", "HEAD", "--", *ENGINE_PATHS) if sha else None
     untracked = run_git("ls-files", "--others", "--exclude-standard", "--", *ENGINE_PATHS) if sha else None
-    return {"git_sha": sha.strip() if sha else None,
-            "engine_dirty": bool((diff and diff.strip()) or (untracked and untracked.strip())) if sha else None,
+    return {"engine_dirty": bool((diff and diff.strip()) or (untracked and untracked.strip())) if sha else None,
             "engine_diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,
             "engine_sha256": h.hexdigest()}
+
+
+def git_commit() -> Optional[str]:
+    """HEAD's SHA, or None outside a git checkout."""
+    sha = run_git("rev-parse", "HEAD")
+    return sha.strip() if sha else None
 
 
 def _sha(text: str) -> str:
@@ -117,14 +136,14 @@ def resume_checkpoints(study: Study) -> Dict[int, str]:
         raise StudyError(f"study.resume_from = {study.resume_from!r} does not exist: run the previous study "
                          f"first, or give a checkpoint dir")
     if (root / "model.safetensors").exists() or root.name.startswith("step_"):
-        return {s: str(root) for s in study.seeds}
+        return {s: portable(root) for s in study.seeds}
     previous = _previous_aggregate(study)
     variant = _resumed_variant(study, previous)
     by_seed = {}
     for run in previous.variants[variant].runs:
         ckpt = latest_checkpoint(root / run.run_dir) if run.status == "completed" else None
         if ckpt is not None:
-            by_seed[run.seed] = str(ckpt)
+            by_seed[run.seed] = portable(ckpt)  # the engine's `ppo.init_from`: the same in every checkout
     if not by_seed:
         raise StudyError(f"study.resume_from: variant {variant!r} of {study.resume_from} has no completed "
                          f"run with a checkpoint")

@@ -13,10 +13,11 @@ from typing import Dict, List, Optional, Sequence
 
 from experiments.aggregate import aggregate
 from experiments.collect import RunResult, collect, load_plan
-from experiments.plan import RunSpec
+from experiments.paths import portable
+from experiments.plan import RunSpec, git_commit
 from experiments.plots import plot_study
 from experiments.results import AdaptiveRecord, StudyAggregate, VariantResult
-from rlhf.atomic import write_text
+from rlhf.atomic import write_json, write_text
 from experiments.rundir import read_json
 from experiments.study import Study
 from rlhf.provenance import hardware_fingerprint
@@ -36,33 +37,41 @@ def _ci(pair) -> str:
     return f"[{_fmt(pair[0])}, {_fmt(pair[1])}]"
 
 
-def provenance_summary(specs: Sequence[RunSpec]) -> Dict:
-    """What the runs ran on: code, data and start checkpoints from the plan; versions and hardware
-    from the first run dir with an engine provenance.json; `hardware_mixed` ({fingerprint: runs})
-    when the runs' machines differ."""
+MACHINE_PROVENANCE = "provenance.json"
+"""A study's machine record beside its aggregate (rlhf/run_dir.py's MACHINE_RECORDS): the git
+commit, library versions, hardware and command line the runs ran with."""
+
+
+def provenance_summary(specs: Sequence[RunSpec]) -> tuple:
+    """(what the results depend on, what the machines were) of a study's runs. The first, kept in
+    aggregate.json: the engine code's hash, data hashes, start checkpoints and recipe from the plan,
+    and `hardware_mixed` ({fingerprint: runs}) when the runs' machines differ (their numbers may
+    then differ in the last bits). The second, `MACHINE_PROVENANCE`: the git commit, and versions,
+    hardware and command line from the first run dir with an engine provenance.json."""
     out: Dict = {}
+    machine: Dict = {"git_sha": git_commit()}
     if specs:
         out["code_version"] = specs[0].code_version
         out["data_sha256"] = sorted({s.data_hash for s in specs})
         out["init_from"] = sorted({s.init_from for s in specs if s.init_from})
-        out["recipe"] = specs[0].recipe
+        out["recipe"] = portable(specs[0].recipe)
     machines: Dict[str, List[str]] = {}
     for s in specs:
         prov = read_json(Path(s.run_dir) / "provenance.json")
         if not prov or "versions" not in prov:
             continue
         machines.setdefault(hardware_fingerprint(prov), []).append(s.key)
-        if "versions" not in out:
-            out["versions"] = prov.get("versions")
+        if "versions" not in machine:
+            machine["versions"] = prov.get("versions")
             hw = prov.get("hardware") or {}
-            out["hardware"] = {k: hw.get(k) for k in ("hostname", "platform", "cpu", "cpu_count", "cuda", "gpus",
-                                                      "driver") if hw.get(k) is not None}
-            out["manager_command"] = (prov.get("manager") or {}).get("manager_command")
+            machine["hardware"] = {k: hw.get(k) for k in ("hostname", "platform", "cpu", "cpu_count", "cuda", "gpus",
+                                                          "driver") if hw.get(k) is not None}
+            machine["manager_command"] = (prov.get("manager") or {}).get("manager_command")
     if machines:
-        out["hardware_fingerprint"] = sorted(machines)
+        machine["hardware_fingerprint"] = sorted(machines)
     if len(machines) > 1:
         out["hardware_mixed"] = machines
-    return out
+    return out, machine
 
 
 def _verdict_text(v: VariantResult) -> str:
@@ -185,18 +194,14 @@ def provenance_lines(agg: StudyAggregate) -> List[str]:
     if prov:
         code = prov.get("code_version") or {}
         lines += ["", "## Provenance", "",
-                  f"- code: git {code.get('git_sha') or 'none'}{' (engine files modified)' if code.get('engine_dirty', code.get('dirty')) else ''}, "
-                  f"engine files sha256 {str(code.get('engine_sha256'))[:16]}",
+                  f"- engine files sha256 {str(code.get('engine_sha256'))[:16]}"
+                  f"{' (engine files modified since the last commit)' if code.get('engine_dirty', code.get('dirty')) else ''}",
                   f"- recipe: {prov.get('recipe')}; data sha256: {', '.join(h[:16] for h in prov.get('data_sha256', []))}"]
         if prov.get("init_from"):
             lines.append(f"- started from: {', '.join(prov['init_from'])}")
-        if prov.get("versions"):
-            lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v))
-        if prov.get("hardware"):
-            lines.append("- hardware: " + ", ".join(f"{k} {v}" for k, v in prov["hardware"].items()))
-        if prov.get("manager_command"):
-            lines.append("- command: `" + " ".join(prov["manager_command"]) + "`")
-        lines.append("- each run dir holds config.gin, provenance.json (full), metrics.jsonl, summary.json")
+        lines.append(f"- the machines' records (git commit, versions, hardware, command): {MACHINE_PROVENANCE} "
+                     "beside this report; each run dir holds config.gin, metrics.jsonl and summary.json (its "
+                     "results), provenance.json, perf.jsonl and attempts.json (its machine's)")
     return lines
 
 
@@ -219,7 +224,9 @@ def write_report(study: Study, study_dir: Path, specs: Optional[List[RunSpec]] =
     specs = specs if specs is not None else load_plan(study_dir)
     results: List[RunResult] = collect(specs, study)
     plots = plot_study(study.name, results, study_dir / "plots")
-    agg = aggregate(study, results, provenance_summary(specs), plots=plots, adaptive=adaptive)
+    provenance, machine = provenance_summary(specs)
+    agg = aggregate(study, results, provenance, plots=plots, adaptive=adaptive)
+    write_json(study_dir / MACHINE_PROVENANCE, machine)
     agg.save(study_dir / "aggregate.json")
     write_text(study_dir / "report.md", render(agg))
     return agg

@@ -19,8 +19,10 @@ The file (`RESULTS/<study>/aggregate.json`), one JSON object:
   `underpowered`, `explanation`, `robustness` (the verdict with each seed left out, and
   `fragile` when one of them differs);
 - `decision`: `chosen` (null when nothing could be decided), `reason`, `guardrail_violations`;
-- `provenance`: what the runs ran on (code version, data hashes, versions, hardware, and
-  `hardware_mixed` when runs came from different machines); `plots`: {stem: relative path};
+- `provenance`: what the results depend on (the engine code's hash, data hashes, start
+  checkpoints, recipe) and `hardware_mixed` when runs came from different machines; the
+  machines themselves (git commit, versions, hardware) are in the study's `provenance.json`
+  beside it, a machine record (report.MACHINE_PROVENANCE); `plots`: {stem: relative path};
 - `adaptive`: the adaptive-seeds record (seeds per variant, looks, runs used), or null.
 """
 

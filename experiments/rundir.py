@@ -1,7 +1,8 @@
 """What a run dir says about its run: the manager's record, its state, its latest metrics.
 
-The engine writes config.gin, provenance.json, metrics.jsonl, summary.json and checkpoints/;
-the manager adds `run.json` (the run's spec and hash, and one entry per attempt). Every
+The engine writes config.gin, provenance.json, metrics.jsonl, perf.jsonl, summary.json, perf.json
+and checkpoints/; the manager adds `run.json` (the run's spec and hash) and `attempts.json` (one
+entry per attempt). Every
 decision on rerun (skip, resume, start over) is read from these files, so the state of a study
 is whatever is on disk, whoever wrote it and however it stopped.
 """
@@ -14,12 +15,18 @@ import time
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, Optional
 
-from experiments.plan import RunSpec, latest_checkpoint
+from experiments.plan import RunSpec, latest_checkpoint, spec_record
+
+from rlhf.atomic import write_json
+from rlhf.metrics import last_record, read_metrics
 
 from rlhf.run_dir import remove_outputs  # noqa: E402  (the engine owns its run dir's layout)
 from rlhf.train import EXIT_CONFIG, EXIT_DIVERGED  # noqa: E402  (the engine owns its exit codes)
 
-RECORD = "run.json"
+RECORD, ATTEMPTS = "run.json", "attempts.json"
+"""The manager's record of a run, in two files: `run.json` (the run's hash and spec: what it is,
+the same in every checkout) and `attempts.json` (one entry per attempt: command, host, pid,
+start and end, exit: a machine record, rlhf/run_dir.py's MACHINE_RECORDS)."""
 DETERMINISTIC_FAILURES = (EXIT_CONFIG, EXIT_DIVERGED)
 """Exit codes that a retry would only repeat: a bad configuration and a diverged loss."""
 
@@ -35,7 +42,23 @@ def read_json(path: Path) -> Optional[dict]:
 
 
 def read_record(run_dir: str | Path) -> Optional[dict]:
-    return read_json(Path(run_dir) / RECORD)
+    """{run_hash, spec, attempts} of a run dir, None without a run.json; `attempts` are those of
+    the same run hash (an older run.json that holds them itself is read as it is)."""
+    record = read_json(Path(run_dir) / RECORD)
+    if record is None:
+        return None
+    if "attempts" not in record:
+        kept = read_json(Path(run_dir) / ATTEMPTS) or {}
+        record["attempts"] = kept.get("attempts", []) if kept.get("run_hash") == record.get("run_hash") else []
+    return record
+
+
+def write_record(run_dir: str | Path, record: dict) -> None:
+    """Writes `read_record`'s dict back: attempts first, so a run.json is never ahead of them."""
+    run_dir = Path(run_dir)
+    write_json(run_dir / ATTEMPTS, {"run_hash": record["run_hash"], "attempts": record["attempts"]})
+    spec = record.get("spec")
+    write_json(run_dir / RECORD, {"run_hash": record["run_hash"], **({"spec": spec_record(spec)} if spec else {})})
 
 
 def summary(run_dir: str | Path) -> Optional[dict]:
@@ -125,18 +148,9 @@ def clear_engine_outputs(run_dir: str | Path) -> None:
 
 
 def iter_metrics(run_dir: str | Path) -> Iterator[dict]:
-    """metrics.jsonl rows; a torn last line (a run killed mid-write) is skipped."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return
-    with open(path) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and "step" in row:
-                yield row
+    """A run's per-step records, each with its machine measurements (rlhf.metrics.read_metrics);
+    a torn last line (a run killed mid-write) is skipped."""
+    yield from read_metrics(run_dir)
 
 
 def scalar(value) -> Optional[float]:
@@ -146,21 +160,6 @@ def scalar(value) -> Optional[float]:
     return float(value)
 
 
-def tail_metrics(run_dir: str | Path, max_bytes: int = 65536) -> Dict:
-    """The last complete row of metrics.jsonl, reading only the file's end."""
-    path = Path(run_dir) / "metrics.jsonl"
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, 2)
-            f.seek(max(0, size - max_bytes))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return {}
-    for line in reversed(lines):
-        try:
-            row = json.loads(line)
-            if isinstance(row, dict) and "step" in row:
-                return row
-        except ValueError:
-            continue
-    return {}
+def tail_metrics(run_dir: str | Path) -> Dict:
+    """The last complete record of a run dir, reading only the files' ends (rlhf.metrics.last_record)."""
+    return last_record(run_dir)

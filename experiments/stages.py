@@ -23,6 +23,7 @@ from typing import Dict, List
 
 import yaml
 
+from experiments.paths import portable
 from experiments.results import StudyAggregate
 from rlhf.atomic import write_text
 
@@ -97,18 +98,8 @@ def study_params(path: str, bindings: List[str]) -> Dict:
                           f"study.variants[{variant.name!r}]")
         variants[variant.name] = config_changes(base, flat_dict(cfg))
     return {"study": {"name": study.name, "seeds": list(study.seeds), "metric": study.metric,
-                      "direction": study.direction, "resume_from": _relative_to_cwd(study.resume_from)},
+                      "direction": study.direction, "resume_from": portable(study.resume_from) or None},
             "baseline": _nested(flat), "variants": {k: _nested(v) for k, v in variants.items()}}
-
-
-def _relative_to_cwd(path: str):
-    """Params must not depend on where the repository is checked out."""
-    if not path:
-        return None
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return path
 
 
 def cmd_params(args) -> int:
@@ -172,8 +163,6 @@ def cmd_export(args) -> int:
     out = Path(args.out) / study.name
     out.mkdir(parents=True, exist_ok=True)
     metrics = headline(aggregate)
-    # The machines the figures came from: a rerun elsewhere compares like with like (.ci/check_demo.py).
-    metrics["hardware"] = aggregate.provenance.get("hardware_fingerprint", [])
     write_text(out / "metrics.json", json.dumps(metrics, indent=1, sort_keys=True))
     table = io.StringIO(newline="")
     writer = csv.DictWriter(table, fieldnames=["variant", "step", *[m.replace("/", "_") for m in CURVE_METRICS]])

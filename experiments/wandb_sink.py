@@ -22,6 +22,7 @@ from typing import Dict, Iterable, List, Optional
 
 from experiments.results import StudyAggregate
 from rlhf.atomic import write_json
+from rlhf.metrics import METRICS_FILE, PERF_SUMMARY, read_metrics
 
 STATE_FILE = "wandb.json"
 
@@ -168,15 +169,11 @@ class RunDirStreamer:
             if prov.get("data_sha256"):
                 self.wandb_run.update_config({f"provenance.{k}": v for k, v in prov.items()})
                 self.provenance_sent = True
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
+        if not (self.run_dir / METRICS_FILE).exists():
             return 0
         sent = 0
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:  # a line being written
-                break
+        # Each step with its machine measurements (perf.jsonl, written before the step's metrics).
+        for record in read_metrics(self.run_dir):
             if record.get("step", -1) <= self.last_step:
                 continue
             self.wandb_run.log(to_wandb_record(record), step=int(record["step"]))
@@ -200,6 +197,13 @@ class RunDirStreamer:
             flat: Dict = {}
             for part in ("final", "final_window"):
                 _flat(part, summary.get(part, {}), flat)
+            try:  # the machine's measurements over the same window (rlhf/metrics.py)
+                perf = json.loads((self.run_dir / PERF_SUMMARY).read_text())
+            except (OSError, ValueError):
+                perf = {}
+            _flat("final_window", perf.get("final_window", {}), flat)
+            if "wall_time_s" in perf:
+                flat["wall_time_s"] = perf["wall_time_s"]
             flat["status"] = summary.get("status")
             self.wandb_run.set_summary(flat)
         self.wandb_run.finish(exit_code=exit_code)

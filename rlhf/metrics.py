@@ -1,6 +1,14 @@
 """Metric records and their sinks. The trainer emits one record (a flat dict with `step`) per
 step; sinks write it somewhere: a JSONL file, a live console line. Other sinks (W&B) plug in
-from outside the engine through the same two-method interface."""
+from outside the engine through the same two-method interface.
+
+A step's record lands in two files of the run dir. `metrics.jsonl` holds what the run computed,
+a function of its config, code, data and seed, the same on every machine. `perf.jsonl` holds
+what the machine measured about it (`MACHINE_NAMESPACES`: `timing_s/...`, `perf/...`), which
+differs run to run. A versioned result (a DVC output) is then the same wherever it is
+reproduced, while the measurements stay beside it. `read_metrics` joins them again by step, so
+every reader sees one record per step with every name.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +37,17 @@ EVAL_METRICS = ("eval/accuracy", "eval/rm_score", "eval/reward_mean", "eval/resp
 `greedy_` ones when ppo.eval_temperature > 0)."""
 
 
+MACHINE_NAMESPACES = ("timing_s/", "perf/")
+"""Names the machine measures (wall times, throughput, memory, utilisation): they go to
+`PERF_FILE`, the rest of a record to `METRICS_FILE`."""
+METRICS_FILE, PERF_FILE, PERF_SUMMARY = "metrics.jsonl", "perf.jsonl", "perf.json"
+"""PERF_SUMMARY: the run's wall time and the final-window means of its machine measurements."""
+
+
+def is_machine_metric(name: str) -> bool:
+    return name.startswith(MACHINE_NAMESPACES)
+
+
 def is_known_metric(name: str) -> bool:
     """True for a name the engine logs or may log: a known name, one of `EVAL_METRICS`, or one
     under another known namespace."""
@@ -52,11 +71,13 @@ def _clean(value):
 
 
 class JsonlSink:
-    """Appends one JSON object per step. On resume, records after the checkpoint are dropped so
-    the file equals an uninterrupted run's."""
+    """Appends one JSON object per step: the record's names that `keep` accepts, and `step` (all
+    names without a `keep`). On resume, records after the checkpoint are dropped so the file
+    equals an uninterrupted run's."""
 
-    def __init__(self, path: str | Path, truncate_after_step: int | None = None):
+    def __init__(self, path: str | Path, truncate_after_step: int | None = None, keep=None):
         self.path = Path(path)
+        self.keep = keep
         if truncate_after_step is not None and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= truncate_after_step]
@@ -66,7 +87,8 @@ class JsonlSink:
         self.file = open(self.path, "a")
 
     def write(self, record: Dict) -> None:
-        self.file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        kept = {k: _clean(v) for k, v in record.items() if self.keep is None or k == "step" or self.keep(k)}
+        self.file.write(json.dumps(kept) + "\n")
         self.file.flush()
 
     def close(self) -> None:
@@ -128,11 +150,68 @@ class MetricLogger:
             sink.close()
 
 
+def run_dir_sinks(out: str | Path, truncate_after_step: int | None = None) -> List[JsonlSink]:
+    """The run dir's two files (`PERF_FILE` first: a reader that sees a step in `METRICS_FILE`
+    finds its measurements already written)."""
+    out = Path(out)
+    return [JsonlSink(out / PERF_FILE, truncate_after_step, keep=is_machine_metric),
+            JsonlSink(out / METRICS_FILE, truncate_after_step, keep=lambda k: not is_machine_metric(k))]
+
+
+def _rows(path: Path) -> List[Dict]:
+    """A JSONL file's records; a torn last line (a run killed mid-write) is skipped."""
+    rows = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "step" in row:
+            rows.append(row)
+    return rows
+
+
 def read_metrics(path: str | Path) -> List[Dict]:
+    """A run's per-step records, `path` being its metrics.jsonl (or its run dir): each joined with
+    the same step's machine measurements from the `PERF_FILE` beside it, when there is one."""
     path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if path.is_dir():
+        path = path / METRICS_FILE
+    rows = _rows(path)
+    perf = {r["step"]: r for r in _rows(path.with_name(PERF_FILE))}
+    return [{**perf.get(r["step"], {}), **r} for r in rows] if perf else rows
+
+
+def last_record(run_dir: str | Path, max_bytes: int = 65536) -> Dict:
+    """The last complete record of a run dir, read from the files' ends only (a live view of a
+    long run), joined with its step's machine measurements; {} when there is none yet."""
+    run_dir = Path(run_dir)
+    rows = {}
+    for name in (METRICS_FILE, PERF_FILE):
+        try:
+            with open(run_dir / name, "rb") as f:
+                size = f.seek(0, 2)
+                f.seek(max(0, size - max_bytes))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in reversed(lines):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and "step" in row:
+                rows[name] = row
+                break
+    record = rows.get(METRICS_FILE)
+    if record is None:
+        return {}
+    perf = rows.get(PERF_FILE, {})
+    return {**perf, **record} if perf.get("step") == record["step"] else record
 
 
 def window_means(records: List[Dict], window: int) -> Dict[str, float]:

@@ -1,7 +1,8 @@
 """A run dir and who writes it: an exclusive lock for the whole run, what an earlier run left
 there.
 
-The engine writes `ENGINE_OUTPUTS` (plus `provenance.json`, which the experiment manager extends).
+The engine writes `ENGINE_OUTPUTS` (plus `provenance.json`, which the experiment manager extends);
+`MACHINE_RECORDS` are the ones that describe the machine rather than the result.
 One process at a time: `DirLock` is an flock(2) on a file in the directory, so the kernel
 releases it however its holder ends (a SIGKILL included) and a lock is never stale; the holder's
 pid is in the file for the message of whoever is refused. The experiment manager locks a study's
@@ -18,9 +19,17 @@ import time
 from pathlib import Path
 from typing import Optional
 
-ENGINE_OUTPUTS = ("config.gin", "metrics.jsonl", "summary.json", "checkpoints")
+ENGINE_OUTPUTS = ("config.gin", "metrics.jsonl", "perf.jsonl", "summary.json", "perf.json", "checkpoints")
 """What a run writes into its run dir; an earlier run's copies are what --overwrite replaces and
 what the experiment manager clears before it starts a run over."""
+MACHINE_RECORDS = ("provenance.json", "perf.jsonl", "perf.json", "attempts.json", "stdout.log", "stderr.log")
+"""The files of a run dir (and `provenance.json` of a study's results dir) that record the machine
+and the moment rather than the result: the git commit, host, hardware and library versions, wall
+times and throughput, each attempt's command, pid and exit, the logs. Everything else a run dir
+holds (config, metrics, summary, checkpoints, the manager's `run.json`) is a function of the
+code, config, data and seed, the same bits on every machine. `.dvcignore` names these, so a
+round's versioned results hash the same wherever `dvc repro` reproduces them, while each
+machine's record stays beside them (tests/test_dvcignore.py checks the two lists agree)."""
 RUN_LOCK = ".train.lock"
 """The lock file of a run dir, held by the `python -m rlhf.train` writing it."""
 

@@ -86,7 +86,7 @@ def train(args, argv, cfg, operative: str, out: Path) -> int:
     from rlhf import numerics, provenance, run_dir
     from rlhf.atomic import write_text
     from rlhf.config import ConfigError
-    from rlhf.metrics import ConsoleProgress, JsonlSink, MetricLogger
+    from rlhf.metrics import ConsoleProgress, MetricLogger, run_dir_sinks
 
     resume_from = None
     try:
@@ -129,7 +129,7 @@ def train(args, argv, cfg, operative: str, out: Path) -> int:
         prov = {**json.loads(prov_path.read_text()), **prov}
     write_text(prov_path, json.dumps(prov, indent=1))
 
-    sinks = [JsonlSink(out / "metrics.jsonl", truncate_after_step=trainer_step_of(resume_from))]
+    sinks = list(run_dir_sinks(out, truncate_after_step=trainer_step_of(resume_from)))
     if not args.quiet:
         sinks.append(ConsoleProgress(cfg.ppo.total_steps, start_step=trainer_step_of(resume_from) or 0))
     logger = MetricLogger(sinks)

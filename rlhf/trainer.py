@@ -19,11 +19,12 @@ import torch
 import transformers
 
 from rlhf import algos, checkpoint
+from rlhf.atomic import write_json
 from rlhf.batch import Batch
 from rlhf.config import RunConfig
 from rlhf.chat import PromptRenderer, check_rows, prompt_key
 from rlhf.data import Example, PromptSampler, check_prompt_lengths, dataset_hash, load_task
-from rlhf.metrics import MetricLogger, read_metrics, window_means
+from rlhf.metrics import PERF_SUMMARY, MetricLogger, is_machine_metric, read_metrics, window_means
 from rlhf.models import check_policy_dir, check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles, memory
 from rlhf.rollout import SamplingParams, decode_responses, derive_seed, rollout_logprob_gap
@@ -339,17 +340,18 @@ class PPOTrainer:
         history = [r for r in read_metrics(self.out / "metrics.jsonl") if r["step"] > 0]
         if final is None:  # resumed after the last step had been written
             final = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
+        means = window_means(history, ppo.final_window)
         summary = {
             "status": "completed", "steps": self.step, "seed": ppo.seed,
             "initial": initial, "final": final,
-            "final_window": window_means(history, ppo.final_window),
+            "final_window": {k: v for k, v in means.items() if not is_machine_metric(k)},
             "final_window_steps": ppo.final_window,
-            "wall_time_s": time.time() - started,
         }
+        # What the machine measured over the same window, beside the results (rlhf/metrics.py).
+        write_json(self.out / PERF_SUMMARY, {"wall_time_s": time.time() - started,
+                                             "final_window": {k: v for k, v in means.items() if is_machine_metric(k)}})
         if self.prompt_truncated:  # ppo.prompt_truncation allows cutting: the share of each split's prompts cut
             summary["prompt_truncated_fraction"] = self.prompt_truncated
         # Written last and atomically: a summary means the final checkpoint is complete.
-        tmp = self.out / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=1))
-        os.replace(tmp, self.out / "summary.json")
+        write_json(self.out / "summary.json", summary)
         return summary

@@ -18,6 +18,7 @@ from rlhf.configurable import RECIPES_DIR
 
 from experiments.advisor.advise import Advice
 from experiments.advisor.window import AdviceError
+from experiments.paths import portable
 from experiments.results import StudyAggregate, load_aggregate
 from experiments.rundir import read_json
 from experiments.study import BASELINE, MANAGED_BINDINGS, split_binding
@@ -25,15 +26,6 @@ from experiments.study import BASELINE, MANAGED_BINDINGS, split_binding
 
 def _key(binding: str) -> str:
     return split_binding(binding, "binding")[0]
-
-
-def _portable(path: str, base: Path) -> str:
-    """`path` relative to `base` when it lies under it: recipes must not depend on the checkout."""
-    try:
-        return os.path.relpath(Path(path).resolve(), base.resolve()) if Path(path).resolve().is_relative_to(
-            base.resolve()) else str(path)
-    except (OSError, ValueError):
-        return str(path)
 
 
 def baseline_of_next(study_dir: Path, chosen: str) -> tuple:
@@ -86,7 +78,7 @@ def next_study_text(study_dir: str | Path, advice: Advice, name: Optional[str] =
     if Path(recipe).resolve().is_relative_to(RECIPES_DIR.resolve()):
         recipe = str(Path(recipe).resolve().relative_to(RECIPES_DIR.resolve()))
     else:
-        recipe = _portable(recipe, cwd)
+        recipe = portable(recipe, cwd)
     changes = advice.changes[:max_variants] if max_variants is not None else advice.changes
     plan = read_json(study_dir / "plan.json") or {}
     cpus = (plan.get("runs") or [{}])[0].get("cpus", 1)
@@ -107,7 +99,7 @@ def next_study_text(study_dir: str | Path, advice: Advice, name: Optional[str] =
         lines.append("#   (no rule fired: this round re-runs the chosen setting from its checkpoints)")
     variants = "{\n" + "".join(f"    {s.variant_name!r}: {s.binding!r},\n" for s in changes) + "}" if changes else "{}"
     seeds = seeds if seeds is not None else list(agg.seeds) or 3
-    resume = _portable(str(study_dir), cwd)
+    resume = portable(str(study_dir), cwd)
     description = f"Advised from {agg.study} ({chosen}): one suggested change per variant."
     lines += [
         "",

@@ -18,6 +18,7 @@ or one rank), the HF backend generates with the trained module itself.
 
 from __future__ import annotations
 
+import random
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
@@ -77,6 +78,7 @@ class Actor(TrainedRole):
         """`model` / `tokenizer`: already built (in one process); by default loaded from the directories.
         `model_dir`: the base model (default `start_dir`), which LoRA adapts and the reference is."""
         torch.manual_seed(ppo.seed)
+        random.seed(ppo.seed)  # checkpoints save Python's RNG state too: the same bits every run
         model_dir = model_dir or start_dir
         super().__init__(ctx, model if model is not None else build_policy(ppo, start_dir, model_dir, ctx.device),
                          ppo, total_updates)

@@ -27,7 +27,7 @@ def run_cli(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
 
 
 def attempts(run_dir: Path) -> list:
-    return json.loads((run_dir / "run.json").read_text())["attempts"]
+    return json.loads((run_dir / "attempts.json").read_text())["attempts"]
 
 
 def steps_logged(run_dir: Path) -> list:

@@ -94,11 +94,11 @@ def test_repro_rerun_and_views(clone):
     round2 = repo / "recipes" / "studies" / "round2.gin"
     round2.write_text(round2.read_text().replace("ppo.clip_range = 0.24", "ppo.clip_range = 0.3"))
     before = {p: json.loads(p.read_text())["attempts"][-1]["start"]
-              for p in (repo / "results" / "round2" / "runs").rglob("run.json")}
+              for p in (repo / "results" / "round2" / "runs").rglob("attempts.json")}
     second = sh("dvc repro", repo, env)
     assert ran_stages(second) == {"params", "round2", "round3", "report"}
     after = {p: json.loads(p.read_text())["attempts"][-1]["start"]
-             for p in (repo / "results" / "round2" / "runs").rglob("run.json")}
+             for p in (repo / "results" / "round2" / "runs").rglob("attempts.json")}
     rerun = sorted(p.parent.parent.name for p in after if before.get(p) != after[p])
     assert rerun == ["clip_range_up", "clip_range_up"], rerun
 
@@ -127,3 +127,22 @@ def test_push_then_pull_in_a_fresh_clone(clone):
         assert (fresh / path).read_bytes() == (repo / path).read_bytes(), path
     status = sh("dvc status", fresh, env)
     assert "changed" not in status
+
+
+@pytest.mark.slow
+def test_a_fresh_clone_reproduces_the_committed_lock(clone):
+    """`dvc repro` from scratch in another clone, at another path, leaves `git status` clean: every
+    stage output, the rounds' results included, hashes as committed (their machine records, which
+    .dvcignore names, are not hashed)."""
+    repo, root, env = clone
+    if not (repo / "dvc.lock").exists():
+        sh("dvc repro", repo, env)
+    sh("git add -A && git -c user.name=t -c user.email=t@t commit -qm lock --allow-empty", repo)
+    again = root / "elsewhere" / "again"
+    again.parent.mkdir()
+    sh(f"git clone -q {repo} {again}", root)
+    out = sh("dvc repro", again, dict(env, RLHF_CACHE=str(root / "cache-again")))
+    assert "round3" in ran_stages(out)
+    assert sh("git status --porcelain", again).strip() == "", sh("git diff --stat", again)
+    for run in (again / "results" / "round2" / "runs").rglob("run.json"):
+        assert str(again) not in run.read_text() and str(repo) not in run.read_text()

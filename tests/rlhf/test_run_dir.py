@@ -144,3 +144,24 @@ def test_removing_outputs_takes_only_the_engines_and_needs_no_dir(tmp_path):
         (tmp_path / name).write_text("x")
     remove_outputs(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["provenance.json", "run.json", "stderr.log"]
+
+
+def test_two_runs_of_one_config_write_the_same_bytes_outside_the_machine_records(tmp_path):
+    """Same seed, same config, same code: every file of the run dir (metrics, summary, config, every
+    checkpoint file, the saved RNG states included) is byte-identical; only MACHINE_RECORDS differ,
+    and those hold the machine's measurements, none of the results."""
+    from rlhf.metrics import MACHINE_NAMESPACES, METRICS_FILE, PERF_FILE
+    from rlhf.run_dir import MACHINE_RECORDS
+
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        run_train([*ARGS, "-b", "ppo.save_every = 3", "--out", out])
+    files = [{k: v[0] for k, v in snapshot(out).items() if Path(k).name not in MACHINE_RECORDS} for out in outs]
+    assert files[0].keys() == files[1].keys() and "checkpoints/step_3/state.json" in files[0]
+    assert [k for k in files[0] if files[0][k] != files[1][k]] == []
+    rows = [json.loads(line) for line in (outs[0] / METRICS_FILE).read_text().splitlines()]
+    perf = [json.loads(line) for line in (outs[0] / PERF_FILE).read_text().splitlines()]
+    assert not any(k.startswith(MACHINE_NAMESPACES) for r in rows for k in r)
+    assert [r["step"] for r in perf] == [r["step"] for r in rows] and "timing_s/step" in perf[-1]
+    joined = read_metrics(outs[0] / METRICS_FILE)  # readers see one record per step with every name
+    assert joined[-1]["timing_s/step"] == perf[-1]["timing_s/step"] and joined[-1]["step"] == rows[-1]["step"]

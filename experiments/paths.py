@@ -1,0 +1,27 @@
+"""Paths as the manager records them: relative to its working directory when they lie under it.
+
+A study's plan, run records and aggregate, the engine bindings the planner writes
+(`ppo.init_from`) and so every run's config and content hash, must not depend on where the
+repository is checked out: the same study in another clone is the same runs with the same
+hashes, and DVC versions the same bytes. The manager runs from the repository root (as `dvc
+repro` does) and starts each engine in its own working directory, so a relative path means the
+same file to both. A path outside the working directory (a temporary dir, another disk) stays
+absolute.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+
+def portable(path: str | Path, base: Optional[str | Path] = None) -> str:
+    """`path` relative to `base` (default: the working directory) when it lies under it, else as given."""
+    if path is None or str(path) == "":
+        return path
+    try:
+        target, root = Path(path).resolve(), Path(base or os.getcwd()).resolve()
+    except (OSError, ValueError):
+        return str(path)
+    return os.path.relpath(target, root) if target.is_relative_to(root) else str(path)
