@@ -18,6 +18,7 @@ import numpy as np
 from rlhf.config import PPOConfig
 
 from experiments.plan import RunSpec
+from experiments.results import SeedPlan
 from experiments.rundir import (COMPLETED, iter_metrics, last_attempt, read_json, scalar, state,
                                 summary)
 from experiments.study import Study, StudyError
@@ -52,6 +53,12 @@ def load_plan(study_dir: Path) -> List[RunSpec]:
     return [RunSpec(**{"placement": "local", "final_window": _final_window(run.get("operative_config", "")),
                        **{k: (tuple(v) if k == "bindings" else v) for k, v in run.items() if k in fields}})
             for run in plan["runs"]]
+
+
+def load_seed_plan(study_dir: Path) -> Optional[SeedPlan]:
+    """The seed plan plan.json recorded at launch (experiments/seed_plan.py); None when it has none."""
+    recorded = (read_json(Path(study_dir) / "plan.json") or {}).get("seed_plan")
+    return SeedPlan.from_json(recorded) if recorded else None
 
 
 def _final_window(operative: str) -> int:
