@@ -5,7 +5,10 @@ clearly better/worse (decided after the first few seeds) or null; only the undec
 more. `study.adaptive_seeds = {'max_seeds': 8}` makes a study start with its `study.seeds`, then,
 after each look, give one more seed (`step`) to every variant whose confidence interval of the
 difference from the baseline still contains zero, until it excludes zero or `max_seeds` is
-reached. The baseline gets as many seeds as the variants still running.
+reached. The baseline gets as many seeds as the variants still running. With
+`study.target_effect` set, 'max_seeds' may be left out: the cap is then the seed plan's N
+(experiments/seed_plan.py; at least min_seeds), so the study stops where the planned fixed design
+would have; an explicit 'max_seeds' wins.
 
 The interval is Welch's t interval (scipy) at confidence 1 - alpha / m, m the study's variants,
 so stopping agrees with the report's Holm-corrected Welch verdict at its strictest step. Looking
@@ -29,9 +32,10 @@ from experiments.stats import difference_ci
 @dataclasses.dataclass(frozen=True)
 class AdaptiveSeeds:
     """The stopping rule. min_seeds: seeds before the first look (default: len(study.seeds));
-    max_seeds: the cap; step: seeds added per look; spend_alpha_over_looks: Bonferroni over looks."""
+    max_seeds: the cap (None until planning fills in the seed plan's N); step: seeds added per look;
+    spend_alpha_over_looks: Bonferroni over looks."""
 
-    max_seeds: int
+    max_seeds: Optional[int]
     min_seeds: int = 3
     step: int = 1
     spend_alpha_over_looks: bool = False
@@ -45,8 +49,9 @@ class AdaptiveSeeds:
         return 1 - spent
 
 
-def parse_adaptive_seeds(value, initial_seeds: int) -> Optional[AdaptiveSeeds]:
-    """`study.adaptive_seeds` -> AdaptiveSeeds (None when unset); errors name the key and what is allowed."""
+def parse_adaptive_seeds(value, initial_seeds: int, planned: bool = False) -> Optional[AdaptiveSeeds]:
+    """`study.adaptive_seeds` -> AdaptiveSeeds (None when unset); errors name the key and what is allowed.
+    `planned` (study.target_effect is set): 'max_seeds' may be left to the seed plan (None here)."""
     from experiments.study import StudyError
 
     if value is None or value == {}:
@@ -55,16 +60,18 @@ def parse_adaptive_seeds(value, initial_seeds: int) -> Optional[AdaptiveSeeds]:
         raise StudyError(f"study.adaptive_seeds = {value!r} is invalid: must be a dict such as {{'max_seeds': 8}}")
     allowed = {f.name for f in dataclasses.fields(AdaptiveSeeds)}
     unknown = set(value) - allowed
-    if unknown or "max_seeds" not in value:
-        raise StudyError(f"study.adaptive_seeds = {dict(value)!r} is invalid: needs 'max_seeds'; allowed keys: "
-                         f"{', '.join(sorted(allowed))}")
-    cfg = {"min_seeds": initial_seeds, **value}
+    if unknown or ("max_seeds" not in value and not planned):
+        raise StudyError(f"study.adaptive_seeds = {dict(value)!r} is invalid: needs 'max_seeds' (or study.target_effect, "
+                         f"whose seed plan then gives it); allowed keys: {', '.join(sorted(allowed))}")
+    cfg = {"min_seeds": initial_seeds, "max_seeds": None, **value}
     for key in ("max_seeds", "min_seeds", "step"):
         v = cfg.get(key, 1)
+        if key == "max_seeds" and v is None and "max_seeds" not in value:
+            continue
         if not isinstance(v, int) or isinstance(v, bool) or v < (2 if key != "step" else 1):
             raise StudyError(f"study.adaptive_seeds['{key}'] = {v!r} is invalid: must be an integer >= "
                              f"{2 if key != 'step' else 1}")
-    if cfg["max_seeds"] < cfg["min_seeds"]:
+    if cfg["max_seeds"] is not None and cfg["max_seeds"] < cfg["min_seeds"]:
         raise StudyError(f"study.adaptive_seeds['max_seeds'] = {cfg['max_seeds']} is invalid: must be >= "
                          f"min_seeds = {cfg['min_seeds']} (default: the number of study.seeds)")
     if not isinstance(cfg.get("spend_alpha_over_looks", False), bool):

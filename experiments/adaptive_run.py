@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from argparse import Namespace
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 from rich.console import Console
 
@@ -22,22 +22,23 @@ from experiments.commands import (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_R
                                   report_pruned, sigterm_as_interrupt)
 from experiments.launch import StudyBusy, launch, prune_superseded
 from experiments.plan import expand, study_dir
-from experiments.results import AdaptiveRecord, AdaptiveVariant
+from experiments.results import AdaptiveRecord, AdaptiveVariant, SeedPlan
 from experiments.rundir import COMPLETED
 from experiments.study import Study
 
 
-def run_adaptive(study: Study, args: Namespace, console: Console) -> int:
-    """Looks until every variant is decided or at max_seeds; SIGTERM stops it like Ctrl-C."""
+def run_adaptive(study: Study, args: Namespace, console: Console, seed_plan: Optional[SeedPlan] = None) -> int:
+    """Looks until every variant is decided or at max_seeds; SIGTERM stops it like Ctrl-C. The
+    study's max_seeds is set (`seed_plan.with_planned_max_seeds`); `seed_plan` is recorded."""
     try:
         with sigterm_as_interrupt():
-            return _run(study, args, console)
+            return _run(study, args, console, seed_plan)
     except StudyBusy as err:
         console.print(f"error: {err}", highlight=False)
         return EXIT_CONFIG
 
 
-def _run(study: Study, args: Namespace, console: Console) -> int:
+def _run(study: Study, args: Namespace, console: Console, seed_plan: Optional[SeedPlan]) -> int:
     from experiments.report import write_report
 
     cfg = study.adaptive_seeds
@@ -53,7 +54,7 @@ def _run(study: Study, args: Namespace, console: Console) -> int:
         # plan.json records every run of every look so far: `report` re-reads them all.
         result = launch(look_study, specs, Path(args.results), ray_address=args.ray_address, num_cpus=args.num_cpus,
                         num_gpus=args.num_gpus, cache_dir=args.cache_dir, rerun_failed=args.rerun_failed,
-                        argv=args.argv, recorded=list(specs_by_key.values()))
+                        argv=args.argv, recorded=list(specs_by_key.values()), seed_plan=seed_plan)
         failed.update(result.failed)
         if result.interrupted:
             console.print("interrupted: run the same command again to resume", highlight=False)
@@ -86,7 +87,7 @@ def _run(study: Study, args: Namespace, console: Console) -> int:
     adaptive = AdaptiveRecord(max_seeds=cfg.max_seeds, min_seeds=cfg.min_seeds, step=cfg.step,
                               confidence=confidence, spend_alpha_over_looks=cfg.spend_alpha_over_looks,
                               variants=decided, looks=tuple(looks), runs_used=used, runs_fixed=fixed)
-    agg = write_report(full, out, all_specs, adaptive=adaptive)
+    agg = write_report(full, out, all_specs, adaptive=adaptive, seed_plan=seed_plan)
     console.print(f"{study.name}: {used} runs instead of {fixed} at a fixed {cfg.max_seeds} seeds "
                   f"({1 - used / fixed:.0%} saved); {decision_line(agg)}", highlight=False)
     return EXIT_RUNS_FAILED if failed or agg.decision.chosen is None else EXIT_OK

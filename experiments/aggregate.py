@@ -125,7 +125,7 @@ def _beside(study: Study, runs: Sequence[RunResult]) -> Dict[str, Summary]:
 
 
 def aggregate(study: Study, results: Sequence[RunResult], provenance: Optional[Dict] = None,
-              plots: Optional[Dict[str, str]] = None, adaptive=None) -> StudyAggregate:
+              plots: Optional[Dict[str, str]] = None, adaptive=None, seed_plan=None) -> StudyAggregate:
     """Study settings, per-variant stats and verdicts, their robustness, and the decision."""
     higher = study.direction == "higher"
     by_variant: Dict[str, List[RunResult]] = {v.name: [] for v in study.all_variants}
@@ -170,7 +170,7 @@ def aggregate(study: Study, results: Sequence[RunResult], provenance: Optional[D
         metric_from=study.metric_from, direction=study.direction, alpha=study.alpha, seeds=tuple(study.seeds),
         guardrails=tuple(g.describe() for g in study.guardrails), variants=variants,
         decision=decide(variants, higher, metric), provenance=provenance or {}, plots=plots or {},
-        adaptive=adaptive)
+        adaptive=adaptive, seed_plan=seed_plan)
 
 
 def decide(variants: Dict[str, VariantResult], higher: bool, metric: str = "the decision metric") -> Decision:

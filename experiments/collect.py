@@ -18,6 +18,7 @@ import numpy as np
 from rlhf.config import PPOConfig
 
 from experiments.plan import RunSpec
+from experiments.results import SeedPlan
 from experiments.rundir import (COMPLETED, iter_metrics, last_attempt, read_json, scalar, state,
                                 summary)
 from experiments.study import Study, StudyError
@@ -53,6 +54,12 @@ def load_plan(study_dir: Path) -> List[RunSpec]:
                        **{k: (tuple(v) if k == "bindings" else v) for k, v in run.items() if k in fields},
                        "run_dir": str(Path(study_dir) / run["run_dir"])})  # spec_record: relative to the study
             for run in plan["runs"]]
+
+
+def load_seed_plan(study_dir: Path) -> Optional[SeedPlan]:
+    """The seed plan plan.json recorded at launch (experiments/seed_plan.py); None when it has none."""
+    recorded = (read_json(Path(study_dir) / "plan.json") or {}).get("seed_plan")
+    return SeedPlan.from_json(recorded) if recorded else None
 
 
 def _final_window(operative: str) -> int:

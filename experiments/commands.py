@@ -18,6 +18,7 @@ from rich.table import Table
 
 from experiments.launch import StudyBusy, is_locked, launch, prune_superseded
 from experiments.plan import expand, study_dir
+from experiments.seed_plan import plan_lines, seed_plan, with_planned_max_seeds
 from experiments.rundir import (COMPLETED, FAILED, last_attempt, scalar, state, tail_metrics)
 from experiments.study import StudyError, load_study
 
@@ -27,14 +28,17 @@ EXIT_RUNS_FAILED, EXIT_INTERRUPTED = 1, 130
 
 
 def _planned(args: Namespace):
+    """(study, run specs, seed plan): adaptive seeds left without 'max_seeds' take the plan's N."""
     study = load_study(args.study, args.bindings)
-    return study, expand(study, args.results)
+    specs = expand(study, args.results)
+    plan = seed_plan(study, args.results)
+    return with_planned_max_seeds(study, plan), specs, plan
 
 
 def cmd_plan(args: Namespace, console: Console) -> int:
     """Prints the run table (variant, seed, change, hashes, what a `run` would do) without running."""
     from experiments.launch import decide
-    study, specs = _planned(args)
+    study, specs, plan = _planned(args)
     table = Table(title=f"study {study.name}: {len(study.all_variants)} variants x {len(study.seeds)} seeds "
                         f"= {len(specs)} runs ({study.cpus_per_run} CPU, {study.gpus_per_run:g} GPU each)")
     for col in ("variant", "seed", "change", "steps", "run hash", "config", "code", "data", "start", "on run"):
@@ -48,6 +52,8 @@ def cmd_plan(args: Namespace, console: Console) -> int:
     console.print(f"metric: {study.metric_from} {study.metric} ({study.direction} is better); "
                   f"guardrails: {', '.join(g.describe() for g in study.guardrails) or 'none'}; "
                   f"results: {study_dir(study, args.results)}", highlight=False)
+    for line in plan_lines(study, plan):
+        console.print(line, highlight=False)
     return EXIT_OK
 
 
@@ -68,16 +74,18 @@ def sigterm_as_interrupt():
 def cmd_run(args: Namespace, console: Console) -> int:
     """Runs what the plan needs on Ray, then writes the report."""
     from experiments.report import write_report
-    study, specs = _planned(args)
+    study, specs, plan = _planned(args)
+    for line in plan_lines(study, plan):
+        console.print(line, highlight=False)
     if study.adaptive_seeds is not None:  # one launch per look: experiments/adaptive_run.py
         from experiments.adaptive_run import run_adaptive
-        return run_adaptive(study, args, console)
+        return run_adaptive(study, args, console, plan)
     t0 = time.monotonic()
     try:
         with sigterm_as_interrupt():
             result = launch(study, specs, Path(args.results), ray_address=args.ray_address, num_cpus=args.num_cpus,
                             num_gpus=args.num_gpus, cache_dir=args.cache_dir, rerun_failed=args.rerun_failed,
-                            argv=args.argv)
+                            argv=args.argv, seed_plan=plan)
     except StudyBusy as err:
         console.print(f"error: {err}", highlight=False)
         return EXIT_CONFIG
@@ -89,7 +97,7 @@ def cmd_run(args: Namespace, console: Console) -> int:
         console.print("interrupted: run the same command again to resume", highlight=False)
         return EXIT_INTERRUPTED
     report_pruned(prune_superseded(study_dir(study, args.results), specs), console)
-    agg = write_report(study, study_dir(study, args.results), specs)
+    agg = write_report(study, study_dir(study, args.results), specs, seed_plan=plan)
     try:
         from experiments.wandb_sink import log_aggregate_dir, wandb_mode
         if wandb_mode() != "disabled":
@@ -120,7 +128,7 @@ def decision_line(agg) -> str:
 
 def cmd_status(args: Namespace, console: Console) -> int:
     """Each run's state on disk: completed, failed, interrupted, pending or stale (hash changed)."""
-    study, specs = _planned(args)
+    study, specs, _ = _planned(args)
     busy = is_locked(study_dir(study, args.results))
     table = Table(title=f"study {study.name}" + (" (a manager is running it)" if busy else ""))
     for col in ("run", "state", "step", "reward_mean", "error"):

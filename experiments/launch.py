@@ -23,6 +23,7 @@ from experiments.display import DONE_BEFORE, StudyDisplay
 from experiments.execute import execute, now
 from experiments.paths import portable
 from experiments.plan import REPO_ROOT, RunSpec, latest_checkpoint
+from experiments.results import SeedPlan
 from experiments.rundir import (COMPLETED, DETERMINISTIC_FAILURES, FAILED, INTERRUPTED, STALE,
                                 clear_engine_outputs, last_attempt, prune, read_record, state, supersede,
                                 write_record)
@@ -172,10 +173,12 @@ def manager_fields(results_dir: Path, argv: Optional[List[str]]) -> dict:
 def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address: Optional[str] = None,
            num_cpus: Optional[int] = None, num_gpus: Optional[float] = None, cache_dir: Optional[str] = None,
            rerun_failed: bool = False, argv: Optional[List[str]] = None,
-           display: Optional[StudyDisplay] = None, recorded: Optional[List[RunSpec]] = None) -> LaunchResult:
+           display: Optional[StudyDisplay] = None, recorded: Optional[List[RunSpec]] = None,
+           seed_plan: Optional[SeedPlan] = None) -> LaunchResult:
     """Runs every run the plan needs; returns which completed, were skipped or failed.
 
-    `plan.json` records `recorded` (default: `specs`): an adaptive study records every look's runs.
+    `plan.json` records `recorded` (default: `specs`): an adaptive study records every look's runs;
+    and `seed_plan`, the seeds planned for study.target_effect (experiments/seed_plan.py), or null.
 
     Ctrl-C (or SIGTERM turned into KeyboardInterrupt by the CLI) cancels the Ray tasks, whose
     children are stopped and recorded as interrupted; the next `run` resumes them.
@@ -189,7 +192,8 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
     check_writable(study_path, specs)
     with StudyLock(study_path):
         write_json(study_path / "plan.json", {"study": study.name, "study_file": portable(study.path),
-                                               "runs": [s.record() for s in (recorded or specs)]})
+                                               "runs": [s.record() for s in (recorded or specs)],
+                                               "seed_plan": seed_plan.to_json() if seed_plan else None})
         actions = {s.key: decide(s, rerun_failed) for s in specs}
         todo = [s for s in specs if actions[s.key] != "skip"]
         for s in specs:

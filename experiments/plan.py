@@ -135,7 +135,7 @@ def resume_checkpoints(study: Study) -> Dict[int, str]:
     if not root.is_dir():
         raise StudyError(f"study.resume_from = {study.resume_from!r} does not exist: run the previous study "
                          f"first, or give a checkpoint dir")
-    if (root / "model.safetensors").exists() or root.name.startswith("step_"):
+    if is_checkpoint_dir(root):
         return {s: portable(root) for s in study.seeds}
     previous = _previous_aggregate(study)
     variant = _resumed_variant(study, previous)
@@ -161,16 +161,28 @@ def resumed_setting(study: Study) -> tuple:
     return tuple(previous.variants[_resumed_variant(study, previous)].bindings)
 
 
-def _previous_aggregate(study: Study) -> StudyAggregate:
-    """The aggregate of the study `study.resume_from` names, or a StudyError saying what to do."""
-    path = Path(study.resume_from) / "aggregate.json"
+def is_checkpoint_dir(root: Path) -> bool:
+    """A checkpoint dir (`.../checkpoints/step_N`, or a model dir) rather than a study's results dir."""
+    return (root / "model.safetensors").exists() or root.name.startswith("step_")
+
+
+def previous_aggregate(root: Path, binding: str, otherwise: str = "") -> StudyAggregate:
+    """The aggregate of the finished study whose results dir is `root`, named by `binding` (e.g.
+    "study.resume_from = '...'"), or a StudyError saying what to do (`otherwise`: the alternative)."""
+    path = Path(root) / "aggregate.json"
     if not path.is_file():
-        raise StudyError(f"study.resume_from = {study.resume_from!r}: no aggregate.json there; run "
-                         f"`python -m experiments report` on that study first, or give a checkpoint dir")
+        raise StudyError(f"{binding}: no aggregate.json there; run `python -m experiments report` on that "
+                         f"study first{otherwise}")
     try:
         return StudyAggregate.load(path)
     except ValueError as err:
-        raise StudyError(f"study.resume_from: {err}") from None
+        raise StudyError(f"{binding.partition(' = ')[0]}: {err}") from None
+
+
+def _previous_aggregate(study: Study) -> StudyAggregate:
+    """The aggregate of the study `study.resume_from` names, or a StudyError saying what to do."""
+    return previous_aggregate(Path(study.resume_from), f"study.resume_from = {study.resume_from!r}",
+                              ", or give a checkpoint dir")
 
 
 def _resumed_variant(study: Study, previous: StudyAggregate) -> str:

@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from experiments.aggregate import aggregate
-from experiments.collect import RunResult, collect, load_plan
+from experiments.collect import RunResult, collect, load_plan, load_seed_plan
 from experiments.paths import portable
 from experiments.plan import RunSpec, git_commit
 from experiments.plots import plot_study
-from experiments.results import AdaptiveRecord, StudyAggregate, VariantResult
+from experiments.results import AdaptiveRecord, SeedPlan, StudyAggregate, VariantResult
 from rlhf.atomic import write_json, write_text
 from experiments.rundir import read_json
+from experiments.seed_plan import plan_line, shortfall
 from experiments.study import Study
 from rlhf.provenance import hardware_fingerprint
 
@@ -95,6 +96,10 @@ def render(agg: StudyAggregate) -> str:
               f"Metric: {metric}; seeds: {list(agg.seeds)}; alpha {agg.alpha:g} (Welch's t-test, "
               f"Holm-corrected across {max(0, len(agg.variants) - 1)} variant(s)); a variant's 95% CI: "
               f"percentile bootstrap; the difference's: Welch's t interval (uncorrected).", ""]
+    if agg.seed_plan:
+        planned = [plan_line(agg.seed_plan, agg.direction), shortfall(agg.seed_plan, agg.direction)]
+        lines += [f"Seed plan: {'; '.join(p.removeprefix('plan: ').removeprefix('notice: ') for p in planned if p)}.",
+                  ""]
     if d.guardrail_violations:
         lines += [f"**Guardrail violations:** {', '.join(d.guardrail_violations)}.", ""]
     fragile = agg.fragile_variants
@@ -219,13 +224,15 @@ def render_adaptive(adaptive: AdaptiveRecord) -> str:
 
 
 def write_report(study: Study, study_dir: Path, specs: Optional[List[RunSpec]] = None,
-                 adaptive: Optional[AdaptiveRecord] = None) -> StudyAggregate:
-    """Collects, aggregates and writes aggregate.json, report.md and plots; returns the aggregate."""
+                 adaptive: Optional[AdaptiveRecord] = None, seed_plan: Optional[SeedPlan] = None) -> StudyAggregate:
+    """Collects, aggregates and writes aggregate.json, report.md and plots; returns the aggregate.
+    The seed plan, when not given, is the one plan.json recorded at launch."""
     specs = specs if specs is not None else load_plan(study_dir)
+    seed_plan = seed_plan if seed_plan is not None else load_seed_plan(study_dir)
     results: List[RunResult] = collect(specs, study)
     plots = plot_study(study.name, results, study_dir / "plots")
     provenance, machine = provenance_summary(specs)
-    agg = aggregate(study, results, provenance, plots=plots, adaptive=adaptive)
+    agg = aggregate(study, results, provenance, plots=plots, adaptive=adaptive, seed_plan=seed_plan)
     write_json(study_dir / MACHINE_PROVENANCE, machine)
     agg.save(study_dir / "aggregate.json")
     write_text(study_dir / "report.md", render(agg))

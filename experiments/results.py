@@ -23,7 +23,12 @@ The file (`RESULTS/<study>/aggregate.json`), one JSON object:
   checkpoints, recipe) and `hardware_mixed` when runs came from different machines; the
   machines themselves (git commit, versions, hardware) are in the study's `provenance.json`
   beside it, a machine record (report.MACHINE_PROVENANCE); `plots`: {stem: relative path};
-- `adaptive`: the adaptive-seeds record (seeds per variant, looks, runs used), or null.
+- `adaptive`: the adaptive-seeds record (seeds per variant, looks, runs used), or null;
+- `seed_plan`: the seeds per variant planned before the round for `study.target_effect`
+  (experiments/seed_plan.py: target_effect, power, alpha, comparisons, seeds planned, sigma, the
+  pilot it came from, its seeds and variants, the paired correlation or null for Welch's design,
+  the seeds run and the power they give), or null when no target effect was set. Files written
+  before it existed load with null.
 """
 
 from __future__ import annotations
@@ -180,6 +185,46 @@ class AdaptiveRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class SeedPlan:
+    """Seeds per variant planned before a round from a previous round's spread
+    (experiments/seed_plan.py; `plan_line` says it in one line)."""
+
+    target_effect: float
+    """The smallest change worth detecting, in the decision metric's units (study.target_effect)."""
+    power: float
+    """The power wanted for a true difference of target_effect (study.power)."""
+    alpha: float
+    """The study's alpha; each comparison is planned at alpha / comparisons (Bonferroni: Holm's
+    strictest step)."""
+    comparisons: int
+    """The variants compared with the baseline (at least 1)."""
+    seeds: Optional[int] = None
+    """Seeds per variant planned; None when there was no spread to plan from, or more than
+    stats.MAX_SEEDS would be needed."""
+    sigma: Optional[float] = None
+    """The pilot's per-seed std, pooled over its variants (stats.pooled_std)."""
+    pilot: str = ""
+    """The pilot study's name; '' when there was none (a pilot round is proposed instead)."""
+    pilot_seeds: int = 0
+    """Completed per-seed values sigma pooled, over `pilot_variants` variants."""
+    pilot_variants: int = 0
+    correlation: Optional[float] = None
+    """The paired design's correlation between paired seeds (the pilot's
+    comparison.paired.correlation); None: Welch's two-sample design."""
+    seeds_run: int = 0
+    """Seeds per variant the study runs (adaptive seeds: its max_seeds)."""
+    power_at_seeds_run: Optional[float] = None
+    """The power those seeds give for a true difference of target_effect."""
+
+    def to_json(self) -> dict:
+        return _SEED_PLAN.dump_python(self, mode="json")
+
+    @classmethod
+    def from_json(cls, data: dict) -> "SeedPlan":
+        return _SEED_PLAN.validate_python(data)
+
+
+@dataclasses.dataclass(frozen=True)
 class StudyAggregate:
     study: str
     study_file: str
@@ -195,6 +240,7 @@ class StudyAggregate:
     provenance: Dict[str, Any] = dataclasses.field(default_factory=dict)
     plots: Dict[str, str] = dataclasses.field(default_factory=dict)
     adaptive: Optional[AdaptiveRecord] = None
+    seed_plan: Optional[SeedPlan] = None
 
     # ----------------------------------------------------------------- reading helpers
     @property
@@ -239,6 +285,7 @@ class StudyAggregate:
 
 
 _ADAPTER = TypeAdapter(StudyAggregate)
+_SEED_PLAN = TypeAdapter(SeedPlan)
 
 
 def aggregate_path(study_dir: str | Path) -> Path:

@@ -91,12 +91,13 @@ def holm(pvalues: Sequence[float]) -> List[float]:
     return out.tolist()
 
 
-def pooled_std(a: Sequence[float], b: Sequence[float]) -> float:
-    x, y = np.asarray(a, float), np.asarray(b, float)
-    n1, n2 = len(x), len(y)
-    if n1 < 2 or n2 < 2:
+def pooled_std(*groups: Sequence[float]) -> float:
+    """The within-group std pooled over groups: sqrt(sum (n_i - 1) s_i^2 / sum (n_i - 1)), each
+    group's values around its own mean; NaN when any group has fewer than two values."""
+    arrays = [np.asarray(g, float) for g in groups]
+    if not arrays or any(len(x) < 2 for x in arrays):
         return math.nan
-    return math.sqrt(((n1 - 1) * np.var(x, ddof=1) + (n2 - 1) * np.var(y, ddof=1)) / (n1 + n2 - 2))
+    return math.sqrt(sum((len(x) - 1) * np.var(x, ddof=1) for x in arrays) / sum(len(x) - 1 for x in arrays))
 
 
 def hedges_g(a: Sequence[float], b: Sequence[float]) -> float:
@@ -129,12 +130,12 @@ def power(effect: float, sd: float, n1: int, n2: int, alpha: float = 0.05, paire
         n = min(n1, n2)
         df = n - 1
         sd_diff = sd * math.sqrt(max(2.0 * (1.0 - correlation), 0.0))
-        if df < 1 or sd_diff <= 0:
+        if df < 1 or not sd_diff > 0:
             return math.nan
         ncp = abs(effect) / (sd_diff / math.sqrt(n))
     else:
         df = n1 + n2 - 2
-        if df < 1 or min(n1, n2) < 1 or sd <= 0:
+        if df < 1 or min(n1, n2) < 1 or not sd > 0:
             return math.nan
         ncp = abs(effect) / (sd * math.sqrt(1 / n1 + 1 / n2))
     crit = stats.t.ppf(1 - alpha / 2, df)
@@ -145,7 +146,7 @@ def min_detectable_effect(sd: float, n1: int, n2: int, alpha: float = 0.05, targ
                           paired: bool = False, correlation: float = 0.0) -> float:
     """Smallest true difference detected with `target` power at these sample sizes and std
     (`paired` and `correlation` as in `power`)."""
-    if not np.isfinite(power(sd, sd, n1, n2, alpha, paired, correlation)) or not np.isfinite(sd) or sd <= 0:
+    if not np.isfinite(sd) or sd <= 0 or not np.isfinite(power(sd, sd, n1, n2, alpha, paired, correlation)):
         return math.nan
     hi = sd
 

@@ -19,6 +19,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import re
 from pathlib import Path
 from typing import List, Mapping, Optional, Sequence, Tuple
@@ -32,6 +33,7 @@ from rlhf.metrics import EVAL_METRICS, METRICS, NAMESPACES, is_known_metric
 EVAL_PREFIX = "eval/"
 
 from experiments.adaptive import AdaptiveSeeds, parse_adaptive_seeds
+from experiments.stats import POWER
 
 
 class StudyError(ValueError):
@@ -108,6 +110,14 @@ class Study:
     """Also take the resumed variant's bindings into the baseline (planning reads them)."""
     start_gap_s: float = START_GAP_S
     """Runs sharing a GPU (gpus_per_run < 1) start their engines at most this far apart per GPU."""
+    target_effect: Optional[float] = None
+    """The smallest change of the decision metric worth detecting; when set, planning sizes the seeds
+    per variant for it (experiments/seed_plan.py). Study-level: no run's hash depends on it."""
+    power: float = POWER
+    """The power wanted for a true difference of target_effect."""
+    pilot: str = ""
+    """A previous study's name (RESULTS/<name>) or results dir (absolute) whose spread sizes this
+    round; '' takes resume_from's study."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME_RE.match(self.name):
@@ -139,12 +149,24 @@ class Study:
             raise _bad("study.resume_setting", self.resume_setting, "must be True or False")
         if not _is_number(self.start_gap_s) or self.start_gap_s < 0:
             raise _bad("study.start_gap_s", self.start_gap_s, "must be a number of seconds >= 0")
+        if self.target_effect is not None and not (_is_number(self.target_effect) and 0 < self.target_effect < math.inf):
+            raise _bad("study.target_effect", self.target_effect,
+                       f"must be a number > 0 in the units of {self.metric} (the smallest change worth detecting), "
+                       f"or None for no seed plan")
+        if not _is_number(self.power) or not 0 < self.power < 1:
+            raise _bad("study.power", self.power, f"must be a number in (0, 1), e.g. {POWER:g} (the chance of "
+                                                  f"detecting a true difference of study.target_effect)")
+        if not isinstance(self.pilot, str):
+            raise _bad("study.pilot", self.pilot, _PILOT)
 
     @property
     def all_variants(self) -> Tuple[Variant, ...]:
         """The baseline first, then the declared variants."""
         return (Variant(BASELINE, ()),) + self.variants
 
+
+_PILOT = ("must be a previous study's name (its results are RESULTS/<name>) or its results dir "
+          "(a path with a '/'), or '' for the study study.resume_from names")
 
 _KNOWN = (f"the engine logs {', '.join(METRICS)}, the held-out {', '.join(EVAL_METRICS)} and metrics under "
           f"{', '.join(n + '...' for n in NAMESPACES if n != EVAL_PREFIX)} (rlhf/metrics.py)")
@@ -179,7 +201,8 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
           metric_from: str = "final", direction: str = "higher", guardrails: Mapping = None,
           resume_from: str = "", resume_variant: str = "", cpus_per_run: int = 1,
           gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, wandb_project: str = "",
-          adaptive_seeds: Mapping = None, resume_setting: bool = False, start_gap_s: float = START_GAP_S) -> dict:
+          adaptive_seeds: Mapping = None, resume_setting: bool = False, start_gap_s: float = START_GAP_S,
+          target_effect: float = None, power: float = POWER, pilot: str = "") -> dict:
     """What a study file binds (`study.<parameter> = value`), with its defaults; returns them.
 
     name: the study's name; its results live in RESULTS/<name>/. Required.
@@ -210,6 +233,15 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
     wandb_project: the W&B project of the study's runs (default: the study's name).
     adaptive_seeds: {'max_seeds': N} (optional 'min_seeds', 'step', 'spend_alpha_over_looks'): start
         with study.seeds and add seeds to variants whose difference from the baseline is undecided.
+        With study.target_effect set, 'max_seeds' may be left out: it is then the seed plan's N
+        (at least min_seeds); an explicit 'max_seeds' wins.
+    target_effect: the smallest change of the decision metric worth detecting, in its units (e.g.
+        0.02 = two points of gold accuracy); when set, `plan` sizes the seeds per variant for it from
+        the pilot's spread (experiments/seed_plan.py). None (default): no seed plan.
+    power: the chance wanted of detecting a true difference of target_effect (default 0.8).
+    pilot: a previous study whose per-seed spread sizes this round: its name (RESULTS/<name>) or
+        its results dir (a path with a '/'); default: the study resume_from names.
+        target_effect, power and pilot change no run, so no run hash.
     """
     return dict(locals())
 
@@ -320,6 +352,12 @@ def _validate(args: dict, path: Path) -> Study:
     if resume_from and isinstance(resume_from, str):  # may not exist yet (a previous round to run): planning checks it
         resume_from = str((Path.cwd() / Path(resume_from).expanduser()).resolve())
     seeds = _seeds(args["seeds"])
+    pilot = args["pilot"]
+    if isinstance(pilot, str) and pilot:
+        if "/" in pilot or pilot.startswith(("~", ".")):  # a results dir, resolved like resume_from
+            pilot = str((Path.cwd() / Path(pilot).expanduser()).resolve())
+        elif not NAME_RE.match(pilot):
+            raise _bad("study.pilot", pilot, _PILOT)
     return Study(
         name=args["name"], path=str(path), description=args["description"], baseline_recipe=str(recipe),
         baseline_bindings=tuple(bindings), variants=_variants(args["variants"], coupled),
@@ -328,8 +366,10 @@ def _validate(args: dict, path: Path) -> Study:
         resume_from=resume_from, resume_variant=args["resume_variant"], cpus_per_run=args["cpus_per_run"],
         gpus_per_run=float(args["gpus_per_run"]) if _is_number(args["gpus_per_run"]) else args["gpus_per_run"],
         retries=args["retries"], alpha=args["alpha"], wandb_project=args["wandb_project"],
-        adaptive_seeds=parse_adaptive_seeds(args["adaptive_seeds"], len(seeds)),
-        resume_setting=args["resume_setting"], start_gap_s=args["start_gap_s"])
+        adaptive_seeds=parse_adaptive_seeds(args["adaptive_seeds"], len(seeds),
+                                            planned=args["target_effect"] is not None),
+        resume_setting=args["resume_setting"], start_gap_s=args["start_gap_s"],
+        target_effect=args["target_effect"], power=args["power"], pilot=pilot)
 
 
 def split_cli_bindings(bindings: Sequence[str]) -> Tuple[List[str], List[str]]:

@@ -6,6 +6,12 @@ the chosen variant's change, resuming from this study's results dir (the planner
 every seed from the chosen variant's checkpoint of that seed). Each suggested change becomes
 one variant; the decision metric, direction, seeds, guardrails and resources carry over. The
 evidence is written in the recipe's header, so the file explains itself when read later.
+
+When this round had a target effect (its aggregate's `seed_plan`), the next round's seeds are
+planned from this round's spread for that target (experiments/seed_plan.py, alpha / the next
+round's variants): `study.seeds` is the planned N, the header gives the plan's line, and the
+target and power carry over, so `plan` on the next round (whose pilot is this round, through
+resume_from) prints the same line.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from experiments.advisor.window import AdviceError
 from experiments.paths import portable
 from experiments.results import StudyAggregate, load_aggregate
 from experiments.rundir import read_json
+from experiments.seed_plan import make_plan, plan_line
 from experiments.study import BASELINE, MANAGED_BINDINGS, split_binding
 
 
@@ -97,7 +104,16 @@ def next_study_text(study_dir: str | Path, advice: Advice, name: Optional[str] =
         lines.append(f"#   flag [{s.rule}]: {s.rationale} ({s.evidence})")
     if not changes:
         lines.append("#   (no rule fired: this round re-runs the chosen setting from its checkpoints)")
+    target = agg.seed_plan
+    planned = None
+    if target is not None:
+        planned = make_plan(agg, target_effect=target.target_effect, power=target.power, alpha=agg.alpha,
+                            variants=len(changes), seeds_run=0)
+        lines += [f"# Seeds, planned for study.target_effect from {agg.study}'s spread:",
+                  f"#   {plan_line(planned, agg.direction)}"]
     variants = "{\n" + "".join(f"    {s.variant_name!r}: {s.binding!r},\n" for s in changes) + "}" if changes else "{}"
+    if seeds is None and planned is not None and planned.seeds is not None:
+        seeds = planned.seeds
     seeds = seeds if seeds is not None else list(agg.seeds) or 3
     resume = portable(str(study_dir), cwd)
     description = f"Advised from {agg.study} ({chosen}): one suggested change per variant."
@@ -115,6 +131,9 @@ def next_study_text(study_dir: str | Path, advice: Advice, name: Optional[str] =
         f"study.guardrails = {_guardrails(agg)!r}",
         f"study.resume_from = {resume!r}",
         f"study.cpus_per_run = {int(cpus)!r}",
-        "",
     ]
+    if target is not None:
+        lines += [f"study.target_effect = {target.target_effect!r}", f"study.power = {target.power!r}",
+                  f"study.alpha = {agg.alpha!r}"]
+    lines.append("")
     return "\n".join(lines)

@@ -35,6 +35,15 @@ def test_welch_matches_scipy_and_hand_formula():
     assert p == pytest.approx(2 * sps.t.sf(abs(t), df))
 
 
+def test_pooled_std_over_any_number_of_groups():
+    c = [0.70, 0.74, 0.69]
+    two = math.sqrt((4 * np.var(A, ddof=1) + 4 * np.var(B, ddof=1)) / 8)
+    assert stats.pooled_std(A, B) == pytest.approx(two, rel=1e-12)
+    squares = sum(((np.array(g) - np.mean(g)) ** 2).sum() for g in (A, B, c))  # a naive loop over values
+    assert stats.pooled_std(A, B, c) == pytest.approx(math.sqrt(squares / (4 + 4 + 2)), rel=1e-12)
+    assert math.isnan(stats.pooled_std(A, [0.5])) and math.isnan(stats.pooled_std())
+
+
 def test_holm_step_down():
     # Textbook example: p = (0.01, 0.04, 0.03, 0.005), m = 4.
     adjusted = stats.holm([0.01, 0.04, 0.03, 0.005])
@@ -106,6 +115,9 @@ def test_compare_bundle_and_degenerate_inputs():
     one = stats.compare([0.5], [0.4, 0.45])
     assert one["p_value"] is None and one["difference_ci95"] == [None, None]
     assert stats.summarize([])["mean"] is None
+    none = stats.compare([], B)  # a variant none of whose runs completed
+    assert none["min_detectable_effect"] is None and none["seeds_needed"] is None
+    assert math.isnan(stats.power(0.1, 0.05, 0, 4)) and math.isnan(stats.power(0.1, math.nan, 3, 3, paired=True))
 
 
 def test_paired_power_matches_simulated_paired_t_tests():

@@ -1,0 +1,182 @@
+"""Seeds planned for power: how many seeds per variant a round needs, said before it runs.
+
+A round with too few seeds cannot tell "no difference" from "could not have seen one"; the
+report says so afterwards (`underpowered`). The plan says it before the compute: from the
+smallest change worth detecting (`study.target_effect`, in the decision metric's units), the
+power wanted (`study.power`, default 80%) and a finished round's spread (`study.pilot`, default
+the study `study.resume_from` names), `stats.seeds_needed` gives the seeds per variant. The
+choices, each one line:
+
+- sigma: the pilot's per-seed values pooled over all its variants, each variant's seeds around
+  its own mean (`stats.pooled_std`, sum(n_i - 1) degrees of freedom): the spread a comparison of
+  two of its settings sees, with every seed of the pilot behind it. A variant with fewer than two
+  completed seeds adds nothing.
+- design: Welch's two-sample design, unless the pilot recorded the correlation between paired
+  seeds (`comparison.paired.correlation`): then the paired design at the smallest correlation its
+  variants recorded (the least help pairing gave).
+- alpha: `study.alpha` / the number of variants (Bonferroni: the strictest step of the Holm
+  correction the verdicts use), so the plan holds whichever variant Holm tests first.
+- no pilot (none bound, `resume_from` unset or a checkpoint dir) or no spread in it: the plan
+  proposes a pilot round of PILOT_SEEDS seeds rather than failing. A pilot bound by name that
+  does not exist is a one-line error naming it.
+
+The plan is study-level: it changes no run's configuration, so no run's hash. `plan` prints it,
+and a notice when the study runs fewer seeds (with the power those give); `run` records it in
+plan.json and the aggregate (`results.SeedPlan`); adaptive seeds without 'max_seeds' stop at its
+N (`with_planned_max_seeds`); the advisor writes its N as the next round's `study.seeds`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from experiments import stats
+from experiments.plan import is_checkpoint_dir, previous_aggregate
+from experiments.results import SeedPlan, StudyAggregate
+from experiments.study import Study, StudyError
+
+PILOT_SEEDS = 3
+"""The seeds of the pilot round proposed when there is no spread to plan from (the guide's three)."""
+
+
+def _paired_correlation(variant) -> Optional[float]:
+    """`comparison.paired.correlation` of a pilot's variant, when its aggregate records one."""
+    paired = getattr(variant.comparison, "paired", None)
+    r = paired.get("correlation") if isinstance(paired, Mapping) else getattr(paired, "correlation", None)
+    return float(r) if isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) else None
+
+
+def pilot_spread(pilot: StudyAggregate) -> Tuple[Optional[float], int, int, Optional[float]]:
+    """(sigma, seeds pooled, variants pooled, paired correlation or None) of a finished study:
+    sigma pools the completed per-seed values of every variant with at least two of them."""
+    groups = [v.values for v in pilot.variants.values() if len(v.values) >= 2]
+    sigma = stats.pooled_std(*groups) if groups else math.nan
+    correlations = [r for r in map(_paired_correlation, pilot.variants.values()) if r is not None]
+    return (sigma if math.isfinite(sigma) else None, sum(map(len, groups)), len(groups),
+            min(correlations) if correlations else None)
+
+
+def make_plan(pilot: Optional[StudyAggregate], *, target_effect: float, power: float, alpha: float,
+              variants: int, seeds_run: int) -> SeedPlan:
+    """The seed plan for `variants` comparisons with the baseline, from `pilot`'s spread (None: no
+    pilot). Pure: the same numbers give the same plan."""
+    comparisons = max(variants, 1)
+    per_test = alpha / comparisons
+    sigma, n, k, r = pilot_spread(pilot) if pilot is not None else (None, 0, 0, None)
+    plan = SeedPlan(target_effect=float(target_effect), power=float(power), alpha=float(alpha),
+                    comparisons=comparisons, pilot=pilot.study if pilot is not None else "", pilot_seeds=n,
+                    pilot_variants=k, correlation=r, seeds_run=seeds_run)
+    if sigma is None:
+        return plan
+    design = dict(paired=r is not None, correlation=r if r is not None else 0.0)
+    at_run = stats.power(target_effect, sigma, seeds_run, seeds_run, per_test, **design)
+    return dataclasses.replace(plan, sigma=sigma,
+                               seeds=stats.seeds_needed(target_effect, sigma, per_test, power, **design),
+                               power_at_seeds_run=at_run if math.isfinite(at_run) else None)
+
+
+def find_pilot(study: Study, results_dir: str | Path) -> Optional[StudyAggregate]:
+    """The pilot's aggregate: `study.pilot` (a name under `results_dir`, or a results dir), else the
+    study `study.resume_from` names (its reader: plan.previous_aggregate); None when neither names
+    a study. A bound pilot that is missing is a StudyError naming it."""
+    if study.pilot:
+        root = Path(study.pilot) if Path(study.pilot).is_absolute() else Path(results_dir) / study.pilot
+        binding = f"study.pilot = {study.pilot!r}"
+        if not root.is_dir():
+            raise StudyError(f"{binding} does not exist (no study results at {root}): run that study first, or "
+                             f"name a finished study (its name under --results, or its results dir)")
+        return previous_aggregate(root, binding, ", or name another finished study")
+    if study.resume_from and Path(study.resume_from).is_dir() and not is_checkpoint_dir(Path(study.resume_from)):
+        return previous_aggregate(Path(study.resume_from), f"study.resume_from = {study.resume_from!r}",
+                                  ", or set study.pilot")
+    return None
+
+
+def seeds_run(study: Study) -> int:
+    """Seeds per variant the study runs: its seeds, or adaptive seeds' cap when that is set."""
+    cap = study.adaptive_seeds.max_seeds if study.adaptive_seeds is not None else None
+    return cap if cap is not None else len(study.seeds)
+
+
+def seed_plan(study: Study, results_dir: str | Path) -> Optional[SeedPlan]:
+    """The study's seed plan; None when `study.target_effect` is unset."""
+    if study.target_effect is None:
+        return None
+    plan = make_plan(find_pilot(study, results_dir), target_effect=study.target_effect, power=study.power,
+                     alpha=study.alpha, variants=len(study.variants), seeds_run=seeds_run(study))
+    if study.adaptive_seeds is not None and study.adaptive_seeds.max_seeds is None and plan.seeds is not None:
+        planned = max(plan.seeds, study.adaptive_seeds.min_seeds)  # adaptive seeds stop at the plan
+        at_run = stats.power(plan.target_effect, plan.sigma, planned, planned, plan.alpha / plan.comparisons,
+                             paired=plan.correlation is not None, correlation=plan.correlation or 0.0)
+        plan = dataclasses.replace(plan, seeds_run=planned, power_at_seeds_run=at_run if math.isfinite(at_run) else None)
+    return plan
+
+
+def with_planned_max_seeds(study: Study, plan: Optional[SeedPlan]) -> Study:
+    """The study with adaptive seeds' 'max_seeds', when left out, set to the plan's N (at least
+    min_seeds); a StudyError when there is no plan to take it from."""
+    cfg = study.adaptive_seeds
+    if cfg is None or cfg.max_seeds is not None:
+        return study
+    if plan is None or plan.seeds is None:
+        why = plan_line(plan, study.direction) if plan is not None else "no study.target_effect"
+        raise StudyError(f"study.adaptive_seeds has no 'max_seeds' and no seed plan gives one ({why}): set "
+                         f"study.adaptive_seeds['max_seeds']")
+    return dataclasses.replace(study, adaptive_seeds=dataclasses.replace(cfg, max_seeds=max(plan.seeds, cfg.min_seeds)))
+
+
+def _signed(effect: float, direction: str) -> str:
+    return f"{'-' if direction == 'lower' else '+'}{effect:g}"
+
+
+def _spread(plan: SeedPlan) -> str:
+    """'spread from round1: sigma = 0.031, n = 3 seeds x 2 variants, paired r = 0.6'."""
+    per = plan.pilot_seeds / plan.pilot_variants if plan.pilot_variants else 0
+    if plan.pilot_variants == 1:
+        n = f"n = {plan.pilot_seeds}"
+    elif per == int(per):
+        n = f"n = {int(per)} seeds x {plan.pilot_variants} variants"
+    else:
+        n = f"n = {plan.pilot_seeds} seeds over {plan.pilot_variants} variants"
+    paired = f", paired seeds correlate r = {plan.correlation:.2g}" if plan.correlation is not None else ""
+    return f"spread from {plan.pilot}: sigma = {plan.sigma:.2g}, {n}{paired}"
+
+
+def plan_line(plan: SeedPlan, direction: str = "higher") -> str:
+    """The plan in one line: 'plan: 7 seeds per variant detect +0.02 at 80% power (spread from
+    round1: sigma = 0.031, n = 3; alpha 0.05 / 3 variants)', or the pilot round it proposes."""
+    effect = _signed(plan.target_effect, direction)
+    if plan.sigma is None:
+        why = f" ({plan.pilot} has no variant with two completed seeds)" if plan.pilot else ""
+        return (f"plan: no spread to plan from{why}: run a pilot round of {PILOT_SEEDS} seeds first "
+                f"(study.pilot) to size seeds for {effect} at {plan.power:.0%} power")
+    family = f"alpha {plan.alpha:g} / {plan.comparisons} variant{'s' if plan.comparisons != 1 else ''}"
+    if plan.seeds is None:
+        return (f"plan: more than {stats.MAX_SEEDS} seeds per variant would be needed to detect {effect} at "
+                f"{plan.power:.0%} power ({_spread(plan)}; {family}): raise study.target_effect")
+    return (f"plan: {plan.seeds} seeds per variant detect {effect} at {plan.power:.0%} power "
+            f"({_spread(plan)}; {family})")
+
+
+def shortfall(plan: SeedPlan, direction: str = "higher", knob: str = "study.seeds") -> Optional[str]:
+    """A notice when the study runs fewer seeds per variant than planned (None otherwise); `knob`
+    is the binding that sets them."""
+    if plan.seeds is None or plan.seeds_run >= plan.seeds:
+        return None
+    power = f"{plan.power_at_seeds_run:.0%}" if plan.power_at_seeds_run is not None else "no"
+    return (f"notice: this study runs {plan.seeds_run} seeds per variant, fewer than the {plan.seeds} planned: a true "
+            f"difference of {_signed(plan.target_effect, direction)} is detected with {power} power; set "
+            f"{knob} = {plan.seeds} to detect it with {plan.power:.0%}")
+
+
+def plan_lines(study: Study, plan: Optional[SeedPlan]) -> List[str]:
+    """What `plan` and `run` print: the plan line and, when the study runs fewer seeds, the notice."""
+    if plan is None:
+        return []
+    adaptive = study.adaptive_seeds is not None
+    knob = "study.adaptive_seeds['max_seeds']" if adaptive else "study.seeds"
+    return [plan_line(plan, study.direction), *filter(None, [shortfall(plan, study.direction, knob)])]
