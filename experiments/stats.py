@@ -134,7 +134,7 @@ def power(effect: float, sd: float, n1: int, n2: int, alpha: float = 0.05, paire
         ncp = abs(effect) / (sd_diff / math.sqrt(n))
     else:
         df = n1 + n2 - 2
-        if df < 1 or sd <= 0:
+        if df < 1 or min(n1, n2) < 1 or sd <= 0:  # an empty arm (a variant whose runs all failed)
             return math.nan
         ncp = abs(effect) / (sd * math.sqrt(1 / n1 + 1 / n2))
     crit = stats.t.ppf(1 - alpha / 2, df)
