@@ -21,7 +21,11 @@ The file (`RESULTS/<study>/aggregate.json`), one JSON object:
 - `decision`: `chosen` (null when nothing could be decided), `reason`, `guardrail_violations`;
 - `provenance`: what the runs ran on (code version, data hashes, versions, hardware, and
   `hardware_mixed` when runs came from different machines); `plots`: {stem: relative path};
-- `adaptive`: the adaptive-seeds record (seeds per variant, looks, runs used), or null.
+- `adaptive`: the adaptive-seeds record (seeds per variant, looks, runs used), or null;
+- `best_checkpoints`: the checkpoints with the best held-out gold accuracy: `metric`, `runs` (per
+  run that has one: variant, seed, step, value, path relative to the study dir) and `best` (the
+  study's best of them); null in files written before it was recorded, or when no checkpoint's
+  step was evaluated.
 """
 
 from __future__ import annotations
@@ -178,6 +182,30 @@ class AdaptiveRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointScore:
+    """A saved checkpoint and its held-out gold accuracy (the eval row at the checkpoint's step)."""
+
+    variant: str
+    seed: int
+    step: int
+    value: float
+    path: str
+    """The checkpoint dir, relative to the study's results dir."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BestCheckpoints:
+    """Where gold accuracy peaked among the checkpoints a study saved: with a reward model that
+    can be over-optimised, the best model of a run is often not its last one."""
+
+    metric: str
+    runs: Tuple[CheckpointScore, ...] = ()
+    """Per run with an evaluated checkpoint: its best one (the earliest on a tie)."""
+    best: Optional[CheckpointScore] = None
+    """The study's best over every run (the first listed on a tie)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class StudyAggregate:
     study: str
     study_file: str
@@ -193,6 +221,7 @@ class StudyAggregate:
     provenance: Dict[str, Any] = dataclasses.field(default_factory=dict)
     plots: Dict[str, str] = dataclasses.field(default_factory=dict)
     adaptive: Optional[AdaptiveRecord] = None
+    best_checkpoints: Optional[BestCheckpoints] = None
 
     # ----------------------------------------------------------------- reading helpers
     @property
