@@ -20,9 +20,9 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from experiments import stats
 from experiments.collect import RunResult
 from experiments.results import (BASELINE, BETTER, DECIDED, FAILED, INSUFFICIENT, NO_DIFFERENCE, UNDECIDABLE,
-                                 WORSE, Comparison, Decision, GuardrailCheck, Robustness, RunOutcome,
-                                 StudyAggregate, Summary, VariantResult)
-from experiments.rundir import COMPLETED
+                                 WORSE, BestCheckpoints, CheckpointScore, Comparison, Decision, GuardrailCheck,
+                                 Robustness, RunOutcome, StudyAggregate, Summary, VariantResult)
+from experiments.rundir import COMPLETED, GOLD_METRIC
 from experiments.study import Study
 
 __all__ = ["BETTER", "WORSE", "NO_DIFFERENCE", "INSUFFICIENT", "FAILED", "UNDECIDABLE", "aggregate", "decide",
@@ -170,7 +170,7 @@ def aggregate(study: Study, results: Sequence[RunResult], provenance: Optional[D
         metric_from=study.metric_from, direction=study.direction, alpha=study.alpha, seeds=tuple(study.seeds),
         guardrails=tuple(g.describe() for g in study.guardrails), variants=variants,
         decision=decide(variants, higher, metric), provenance=provenance or {}, plots=plots or {},
-        adaptive=adaptive, seed_plan=seed_plan)
+        adaptive=adaptive, seed_plan=seed_plan, best_checkpoints=best_checkpoints(results, study.name))
 
 
 def decide(variants: Dict[str, VariantResult], higher: bool, metric: str = "the decision metric") -> Decision:
@@ -202,3 +202,15 @@ def _relative(run_dir: str, study_name: str) -> str:
     """A run dir relative to the study's results dir (so a results dir can move)."""
     parts = run_dir.split(f"/{study_name}/", 1)
     return parts[1] if len(parts) == 2 else run_dir
+
+
+def best_checkpoints(results: Sequence[RunResult], study_name: str) -> Optional[BestCheckpoints]:
+    """Each run's checkpoint with the best held-out gold accuracy, and the study's best of them
+    (any run that saved one, whatever its status: a checkpoint is a model either way); None when
+    no checkpoint's step was evaluated."""
+    runs = tuple(CheckpointScore(variant=r.variant, seed=r.seed, step=r.best_checkpoint[0], value=r.best_checkpoint[1],
+                                 path=f"{_relative(r.run_dir, study_name)}/checkpoints/step_{r.best_checkpoint[0]}")
+                 for r in results if r.best_checkpoint)
+    if not runs:
+        return None
+    return BestCheckpoints(metric=GOLD_METRIC, runs=runs, best=max(runs, key=lambda c: c.value))

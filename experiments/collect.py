@@ -19,8 +19,8 @@ from rlhf.config import PPOConfig
 
 from experiments.plan import RunSpec
 from experiments.results import SeedPlan
-from experiments.rundir import (COMPLETED, iter_metrics, last_attempt, read_json, scalar, state,
-                                summary)
+from experiments.rundir import (COMPLETED, best_checkpoint, iter_metrics, last_attempt, read_json, scalar,
+                                state, summary)
 from experiments.study import Study, StudyError
 
 
@@ -39,6 +39,8 @@ class RunResult:
     steps: Optional[int] = None
     initial: Optional[dict] = None
     final: Optional[dict] = None
+    best_checkpoint: Optional[tuple] = None
+    """(step, gold accuracy) of the run's best evaluated checkpoint (`rundir.best_checkpoint`)."""
 
     @property
     def key(self) -> str:
@@ -90,7 +92,8 @@ def read_run(spec: RunSpec, study: Study) -> RunResult:
     attempt = last_attempt(spec.run_dir)
     return RunResult(variant=spec.variant, seed=spec.seed, run_dir=spec.run_dir, status=st, value=value,
                      guardrails=guards, error=attempt.get("error") if st != COMPLETED else None,
-                     steps=(s or {}).get("steps"), initial=(s or {}).get("initial"), final=(s or {}).get("final"))
+                     steps=(s or {}).get("steps"), initial=(s or {}).get("initial"), final=(s or {}).get("final"),
+                     best_checkpoint=best_checkpoint(spec.run_dir))
 
 
 def collect(specs: Sequence[RunSpec], study: Study) -> List[RunResult]:

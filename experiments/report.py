@@ -16,7 +16,7 @@ from experiments.collect import RunResult, collect, load_plan, load_seed_plan
 from experiments.paths import portable
 from experiments.plan import RunSpec, git_commit
 from experiments.plots import plot_study
-from experiments.results import AdaptiveRecord, SeedPlan, StudyAggregate, VariantResult
+from experiments.results import AdaptiveRecord, CheckpointScore, SeedPlan, StudyAggregate, VariantResult
 from rlhf.atomic import write_json, write_text
 from experiments.rundir import read_json
 from experiments.seed_plan import plan_line, shortfall
@@ -114,6 +114,7 @@ def render(agg: StudyAggregate) -> str:
     lines += ["## Decision table", "", *decision_table(agg), ""]
     lines += explanations(agg)
     lines += ["", "## Per-seed values", "", *per_seed_table(agg)]
+    lines += best_checkpoint_lines(agg)
     if agg.guardrails:
         lines += ["", "## Guardrails (final-window values)", "", *guardrail_table(agg)]
     if agg.plots:
@@ -183,6 +184,25 @@ def per_seed_table(agg: StudyAggregate) -> List[str]:
     return lines
 
 
+def best_checkpoint_text(best: CheckpointScore, metric: str, where: str = "") -> str:
+    """'`runs/v/seed0/checkpoints/step_75` (v, seed 0, step 75): eval/accuracy = 0.2344'."""
+    return f"`{where}{best.path}` ({best.variant}, seed {best.seed}, step {best.step}): {metric} = {_fmt(best.value)}"
+
+
+def best_checkpoint_lines(agg: StudyAggregate) -> List[str]:
+    """The section naming the checkpoint with the best held-out gold accuracy, per run and overall
+    (nothing when no checkpoint's step was evaluated, or the aggregate predates the record)."""
+    record = agg.best_checkpoints
+    if record is None or record.best is None:
+        return []
+    lines = ["", f"## Best checkpoint by gold ({record.metric})", "",
+             f"Best of the study: {best_checkpoint_text(record.best, record.metric)}. Gold is scored at every "
+             f"evaluated step that kept a checkpoint; the last checkpoint is not always the best one.", "",
+             f"| variant | seed | step | {record.metric} | checkpoint |", "|---|---|---|---|---|"]
+    lines += [f"| {c.variant} | {c.seed} | {c.step} | {_fmt(c.value)} | `{c.path}` |" for c in record.runs]
+    return lines
+
+
 def guardrail_table(agg: StudyAggregate) -> List[str]:
     lines = ["| variant | guardrail | per-seed values | violated seeds |", "|---|---|---|---|"]
     for name, v in agg.variants.items():
@@ -242,13 +262,14 @@ def write_report(study: Study, study_dir: Path, specs: Optional[List[RunSpec]] =
 def render_summary(rounds: Sequence[tuple], results_dir: Path) -> str:
     """The tuning path over several rounds (`python -m experiments summary`): per round the
     advisor's evidence (when it resumed from a previous round), the decision table and the setting
-    it leaves; then the held-out evaluation of the last round's choice against the warm start.
+    it leaves, and its checkpoint with the best gold accuracy; then the held-out evaluation of the
+    last round's choice against the warm start, and the best gold checkpoint over all rounds.
     `rounds`: (Study, StudyAggregate) pairs in round order."""
     from experiments.advisor.evidence import advice_lines, heldout_start
 
     lines = ["# Tuning path", ""]
     setting: Dict[str, object] = {}
-    last, start, start_beside = None, None, {}
+    last, start, start_beside, best_overall = None, None, {}, None
     fmt = lambda x: "" if x is None else f"{x:.4g}"  # noqa: E731
     for study, agg in rounds:
         decision = agg.decision
@@ -278,6 +299,12 @@ def render_summary(rounds: Sequence[tuple], results_dir: Path) -> str:
             setting[key.strip()] = value.strip()
         lines += ["", f"Setting after {study.name}: " + (", ".join(f"`{k} = {v}`" for k, v in setting.items())
                                                         or "the baseline's"), ""]
+        record = agg.best_checkpoints
+        if record is not None and record.best is not None:
+            lines += [f"Best gold checkpoint of {study.name}: "
+                      f"{best_checkpoint_text(record.best, record.metric, f'{study.name}/')}.", ""]
+            if best_overall is None or record.best.value > best_overall[1].value:
+                best_overall = (study.name, record.best, record.metric)
         last = (study.name, decision.chosen, chosen, agg.metric)
     if last and last[2] is not None:
         name, chosen_name, chosen, metric = last
@@ -290,4 +317,7 @@ def render_summary(rounds: Sequence[tuple], results_dir: Path) -> str:
         if start is not None:
             also = "".join(f"; {m} = {v:.4f}" for m, v in start_beside.items() if v is not None)
             lines += [f"At the start of the first round (the warm start): {metric} = {start:.4f}{also}.", ""]
+    if best_overall is not None:
+        name, best, metric = best_overall
+        lines += [f"Best gold checkpoint over the path: {best_checkpoint_text(best, metric, f'{name}/')}.", ""]
     return "\n".join(lines)

@@ -29,6 +29,10 @@ The file (`RESULTS/<study>/aggregate.json`), one JSON object:
   pilot it came from, its seeds and variants, the paired correlation or null for Welch's design,
   the seeds run and the power they give), or null when no target effect was set. Files written
   before it existed load with null.
+- `best_checkpoints`: the checkpoints with the best held-out gold accuracy: `metric`, `runs` (per
+  run that has one: variant, seed, step, value, path relative to the study dir) and `best` (the
+  study's best of them); null in files written before it was recorded, or when no checkpoint's
+  step was evaluated.
 """
 
 from __future__ import annotations
@@ -225,6 +229,30 @@ class SeedPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointScore:
+    """A saved checkpoint and its held-out gold accuracy (the eval row at the checkpoint's step)."""
+
+    variant: str
+    seed: int
+    step: int
+    value: float
+    path: str
+    """The checkpoint dir, relative to the study's results dir."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BestCheckpoints:
+    """Where gold accuracy peaked among the checkpoints a study saved: with a reward model that
+    can be over-optimised, the best model of a run is often not its last one."""
+
+    metric: str
+    runs: Tuple[CheckpointScore, ...] = ()
+    """Per run with an evaluated checkpoint: its best one (the earliest on a tie)."""
+    best: Optional[CheckpointScore] = None
+    """The study's best over every run (the first listed on a tie)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class StudyAggregate:
     study: str
     study_file: str
@@ -241,6 +269,7 @@ class StudyAggregate:
     plots: Dict[str, str] = dataclasses.field(default_factory=dict)
     adaptive: Optional[AdaptiveRecord] = None
     seed_plan: Optional[SeedPlan] = None
+    best_checkpoints: Optional[BestCheckpoints] = None
 
     # ----------------------------------------------------------------- reading helpers
     @property

@@ -13,13 +13,14 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, Optional
+from typing import Dict, Iterable, Iterator, Optional, Tuple
 
 from experiments.plan import RunSpec, latest_checkpoint, spec_record
 
 from rlhf.atomic import write_json
 from rlhf.metrics import last_record, read_metrics
 
+from rlhf.checkpoint import list_checkpoints, verify_checkpoint  # noqa: E402  (the engine's checkpoint layout)
 from rlhf.run_dir import remove_outputs  # noqa: E402  (the engine owns its run dir's layout)
 from rlhf.train import EXIT_CONFIG, EXIT_DIVERGED  # noqa: E402  (the engine owns its exit codes)
 
@@ -158,6 +159,23 @@ def scalar(value) -> Optional[float]:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)
+
+
+GOLD_METRIC = "eval/accuracy"
+"""Held-out accuracy against ground truth: the gold a reward model's score is checked against."""
+
+
+def best_checkpoint(run_dir: str | Path, metric: str = GOLD_METRIC) -> Optional[Tuple[int, float]]:
+    """(step, value) of the run's intact checkpoint (`checkpoints/step_N`, sizes checked against its
+    manifest) whose held-out `metric` at step N is highest, the earliest on a tie; None when no
+    checkpoint's step has an eval row of it. The engine evaluates after a step's update and before
+    saving it, so the eval row at step N scores exactly the weights of step_N."""
+    checkpoints = {step for step, path in list_checkpoints(Path(run_dir) / "checkpoints")
+                   if verify_checkpoint(path, full=False) is None}
+    scored = [(int(row["step"]), scalar(row.get(metric))) for row in iter_metrics(run_dir)
+              if int(row["step"]) in checkpoints]
+    scored = [(step, value) for step, value in scored if value is not None]
+    return max(scored, key=lambda sv: (sv[1], -sv[0])) if scored else None
 
 
 def tail_metrics(run_dir: str | Path) -> Dict:

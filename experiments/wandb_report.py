@@ -48,7 +48,8 @@ def _advisor_markdown(agg: StudyAggregate, study_dir: Path, resume_from: str = "
     for s in [*advice.warnings, *advice.changes]:
         evidence = ", ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}"
                              for k, v in s.evidence.items() if v is not None)
-        lines.append(f"| {s.rule} | {'flag' if s.is_warning else '`' + s.binding + '`'} | {evidence} | "
+        change = "flag" if s.is_warning else " or ".join(f"`{b}`" for b in s.bindings)
+        lines.append(f"| {s.rule} | {change} | {evidence} | "
                      f"{s.rationale} |")
     lines += ["", f"Rules silent: {', '.join(advice.silent) or 'none'}."]
     return "\n".join(lines)

@@ -1,10 +1,11 @@
 """Advise: apply the rules to a window, rank their suggestions, one per parameter.
 
 The guide's closing advice is "change one parameter at a time", so the advisor never merges
-suggestions: each becomes one variant of the next study. When two rules touch the same
-parameter (a sawtooth and a high variance both lower the actor LR; memory and utilisation both
-move the rollout batch) the one further past its threshold is kept and the other is reported
-as `superseded`, so the evidence is not lost.
+suggestions: each becomes one variant of the next study (a bracket, one variant per value).
+When two rules touch the same parameter (a sawtooth and a high variance both lower the actor LR;
+memory and utilisation both move the rollout batch) the one further past its threshold is kept,
+unless the other declares that it outranks it (`Rule.outranks`: over-optimisation replaces the
+plain KL-too-high step), and the other is reported as `superseded`, so the evidence is not lost.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ class Advice:
     """The rules that checked and found nothing to change (or lacked their metrics)."""
     variant: str = ""
 
+    def variants(self, limit: Optional[int] = None) -> List[Tuple[Suggestion, str, str]]:
+        """(suggestion, variant name, binding) of every change in rank order, a bracket's values
+        one after another; the first `limit` of them when given (a round's variant budget)."""
+        out = [(s, name, binding) for s in self.changes for name, binding in s.variants]
+        return out[:limit] if limit is not None else out
+
     def to_json(self) -> dict:
         return {"variant": self.variant, "changes": [s.to_json() for s in self.changes],
                 "warnings": [s.to_json() for s in self.warnings],
@@ -76,16 +83,21 @@ class Advice:
 
 def advise(window: Window, rules: Iterable[Rule] = RULES) -> Advice:
     """Every rule's verdict on `window`: changes ranked by severity, one per parameter; flags apart."""
-    fired, silent = [], []
+    fired, silent, outranks = [], [], {}
     for rule in rules:
         suggestion = rule.check(window)
         (fired.append(suggestion) if suggestion else silent.append(rule.name))
+        outranks[rule.name] = rule.outranks
     ranked = sorted(fired, key=lambda s: -s.severity)
-    changes, superseded, seen = [], [], set()
+    by_parameter: Dict[str, List[Suggestion]] = {}
     for s in ranked:
-        if s.is_warning:
-            continue
-        (superseded if s.parameter in seen else changes).append(s)
-        seen.add(s.parameter)
+        if not s.is_warning:
+            by_parameter.setdefault(s.parameter, []).append(s)
+    kept = []
+    for group in by_parameter.values():
+        beaten = {name for s in group for name in outranks.get(s.rule, ())}
+        kept.append(next((s for s in group if s.rule not in beaten), group[0]))
+    changes = [s for s in ranked if any(s is k for k in kept)]
+    superseded = [s for s in ranked if not s.is_warning and not any(s is k for k in kept)]
     return Advice(changes=changes, warnings=[s for s in ranked if s.is_warning], superseded=superseded,
                   silent=silent, variant=window.variant)

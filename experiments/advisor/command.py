@@ -31,7 +31,8 @@ def add_arguments(parser: ArgumentParser) -> None:
     parser.add_argument("--rule", action="append", default=[], help="only this rule (repeatable)")
     parser.add_argument("-t", "--threshold", action="append", default=[],
                         help="RULE.PARAMETER=NUMBER overrides a rule's threshold, e.g. kl_high.kl_max=0.2")
-    parser.add_argument("--max-variants", type=int, default=None, help="keep the top N changes")
+    parser.add_argument("--max-variants", type=int, default=None,
+                        help="keep the top N variants (a bracket's values are one variant each)")
     parser.add_argument("--device-memory-gb", type=float, default=None,
                         help="the GPU's total memory, when the runs did not record it")
     parser.add_argument("--json", default=None, help="also write the advice as JSON here")
@@ -65,9 +66,11 @@ def cmd_advise(args: Namespace, console: Console) -> int:
         table.add_column(col, overflow="fold")
     for s in advice.warnings:
         table.add_row("flag", s.rule, s.change, _evidence(s.evidence), s.rationale)
+    kept = advice.variants(args.max_variants)
     for i, s in enumerate(advice.changes, 1):
-        kept = args.max_variants is None or i <= args.max_variants
-        table.add_row(str(i) if kept else f"{i} (left out)", s.rule, s.change, _evidence(s.evidence), s.rationale)
+        written = sum(k is s for k, _, _ in kept)
+        rank = str(i) if written == len(s.values) else f"{i} ({'left out' if not written else f'{written} kept'})"
+        table.add_row(rank, s.rule, s.change, _evidence(s.evidence), s.rationale)
     for s in advice.superseded:
         table.add_row("superseded", s.rule, s.change, _evidence(s.evidence), s.rationale)
     console.print(table)
@@ -80,8 +83,7 @@ def cmd_advise(args: Namespace, console: Console) -> int:
     out.write_text(text)
     if args.json:
         Path(args.json).write_text(json.dumps(advice.to_json(), indent=1, default=str))
-    console.print(f"wrote {out}: {min(len(advice.changes), args.max_variants if args.max_variants is not None else 99)}"
-                  f" variant(s); next: python -m experiments plan {out}", highlight=False)
+    console.print(f"wrote {out}: {len(kept)} variant(s); next: python -m experiments plan {out}", highlight=False)
     return 0
 
 

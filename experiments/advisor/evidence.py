@@ -2,9 +2,10 @@
 
 The final report (`python -m experiments summary`) shows, for every round that resumed
 from a previous one, the rules that fired on the previous round's chosen variant with their
-evidence, next to the variant of this round that tested the change and its verdict. A change
-the advisor proposed that no variant tested, or a variant no rule proposed, is said so: the
-report shows where the path followed the data and where a person chose otherwise.
+evidence and rationale, next to the variant of this round that tested the change and its
+verdict. A change the advisor proposed that no variant tested, a variant testing a change a
+stronger rule superseded, or a variant no rule proposed, is said so: the report shows where
+the path followed the data and where a person chose otherwise.
 """
 
 from __future__ import annotations
@@ -38,15 +39,25 @@ def advice_lines(previous_dir: Path, aggregate: StudyAggregate) -> List[str]:
         lines.append(f"| {s.rule} | flag: {s.rationale} | {_fmt(s.evidence)} | - | - |")
     proposed = set()
     for s in advice.changes:
-        proposed.add(s.binding)
-        name = tested.get(s.binding)
-        verdict = aggregate.variants[name].verdict if name else "not tested this round"
-        lines.append(f"| {s.rule} | `{s.binding}` (from {s.current!r}) | {_fmt(s.evidence)} | {name or '-'} | {verdict} |")
+        for i, binding in enumerate(s.bindings):
+            proposed.add(binding)
+            name = tested.get(binding)
+            verdict = aggregate.variants[name].verdict if name else "not tested this round"
+            evidence = _fmt(s.evidence) if i == 0 else "the bracket's next value (evidence above)"
+            lines.append(f"| {s.rule} | `{binding}` (from {s.current!r}) | {evidence} | {name or '-'} | {verdict} |")
+    superseded = {b: s for s in advice.superseded for b in s.bindings}
     for binding, name in tested.items():
-        if binding not in proposed:
-            lines.append(f"| (none) | `{binding}` | no rule proposed it | {name} | "
-                         f"{aggregate.variants[name].verdict} |")
-    lines += ["", f"Rules silent: {', '.join(advice.silent) or 'none'}.", ""]
+        if binding in proposed:
+            continue
+        verdict = aggregate.variants[name].verdict
+        s = superseded.get(binding)
+        if s is not None:
+            lines.append(f"| {s.rule} (superseded) | `{binding}` (from {s.current!r}) | {_fmt(s.evidence)} | {name} | "
+                         f"{verdict} |")
+        else:
+            lines.append(f"| (none) | `{binding}` | no rule proposed it | {name} | {verdict} |")
+    lines += ["", *(f"- {s.rule}: {s.rationale}" for s in advice.changes), ""] if advice.changes else [""]
+    lines += [f"Rules silent: {', '.join(advice.silent) or 'none'}.", ""]
     return lines
 
 

@@ -4,8 +4,9 @@ The next round's baseline is this round's chosen setting: the same engine recipe
 bindings as were run (read from plan.json, so `-b` bindings given at run time are kept), plus
 the chosen variant's change, resuming from this study's results dir (the planner then starts
 every seed from the chosen variant's checkpoint of that seed). Each suggested change becomes
-one variant; the decision metric, direction, seeds, guardrails and resources carry over. The
-evidence is written in the recipe's header, so the file explains itself when read later.
+one variant, a bracket one variant per value (each still a single parameter); the decision
+metric, direction, seeds, guardrails and resources carry over. The evidence is written in the
+recipe's header, so the file explains itself when read later.
 
 When this round had a target effect (its aggregate's `seed_plan`), the next round's seeds are
 planned from this round's spread for that target (experiments/seed_plan.py, alpha / the next
@@ -16,7 +17,6 @@ resume_from) prints the same line.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -74,7 +74,7 @@ def _guardrails(agg: StudyAggregate) -> dict:
 def next_study_text(study_dir: str | Path, advice: Advice, name: Optional[str] = None,
                     max_variants: Optional[int] = None, seeds=None, command: str = "",
                     cwd: Optional[Path] = None) -> str:
-    """The next study recipe: one variant per suggested change (the top `max_variants`)."""
+    """The next study recipe: one variant per suggested value (the top `max_variants` variants)."""
     study_dir = Path(study_dir)
     cwd = cwd or Path.cwd()
     agg = _aggregate(study_dir)
@@ -86,7 +86,7 @@ def next_study_text(study_dir: str | Path, advice: Advice, name: Optional[str] =
         recipe = str(Path(recipe).resolve().relative_to(RECIPES_DIR.resolve()))
     else:
         recipe = portable(recipe, cwd)
-    changes = advice.changes[:max_variants] if max_variants is not None else advice.changes
+    kept = advice.variants(max_variants)
     plan = read_json(study_dir / "plan.json") or {}
     cpus = (plan.get("runs") or [{}])[0].get("cpus", 1)
     name = name or f"{agg.study}_next"
@@ -94,24 +94,27 @@ def next_study_text(study_dir: str | Path, advice: Advice, name: Optional[str] =
         f"# Next round after study {agg.study!r}, proposed by the tuning advisor"
         + (f":\n#   {command}" if command else "."),
         f"# Baseline: {agg.study}'s chosen setting {chosen!r} ({agg.decision.reason}),",
-        f"# resuming from its checkpoints (study.resume_from). One variant per suggested change, ranked:",
+        "# resuming from its checkpoints (study.resume_from). One variant per suggested value, ranked:",
     ]
-    for i, s in enumerate(changes, 1):
+    suggestions = [s for s in advice.changes if any(s is k for k, _, _ in kept)]
+    for i, s in enumerate(suggestions, 1):
         evidence = ", ".join(f"{k} = {v}" for k, v in s.evidence.items() if v is not None)
-        lines += [f"#   {i}. {s.variant_name} [{s.rule}]: {s.change}", f"#      why: {s.rationale}",
+        names = ", ".join(variant for k, variant, _ in kept if k is s)
+        lines += [f"#   {i}. {names} [{s.rule}]: {s.change}", f"#      why: {s.rationale}",
                   f"#      evidence (window of {agg.study}/{chosen}): {evidence}"]
     for s in advice.warnings:
         lines.append(f"#   flag [{s.rule}]: {s.rationale} ({s.evidence})")
-    if not changes:
+    if not kept:
         lines.append("#   (no rule fired: this round re-runs the chosen setting from its checkpoints)")
     target = agg.seed_plan
     planned = None
     if target is not None:
         planned = make_plan(agg, target_effect=target.target_effect, power=target.power, alpha=agg.alpha,
-                            variants=len(changes), seeds_run=0)
+                            variants=len(kept), seeds_run=0)
         lines += [f"# Seeds, planned for study.target_effect from {agg.study}'s spread:",
                   f"#   {plan_line(planned, agg.direction)}"]
-    variants = "{\n" + "".join(f"    {s.variant_name!r}: {s.binding!r},\n" for s in changes) + "}" if changes else "{}"
+    variants = ("{\n" + "".join(f"    {variant!r}: {binding!r},\n" for _, variant, binding in kept) + "}"
+                if kept else "{}")
     if seeds is None and planned is not None and planned.seeds is not None:
         seeds = planned.seeds
     seeds = seeds if seeds is not None else list(agg.seeds) or 3

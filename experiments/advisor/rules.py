@@ -1,136 +1,26 @@
 """The tuning guide's rules as declared objects: each reads a `Window` and proposes one change.
 
-A rule is a frozen dataclass: its fields are its thresholds and step sizes (defaults: the guide's
-numbers, in /shared/TUNING_GUIDE.md terms; where the guide gives no number the default is ours
-and the field's docstring says so), its class attributes say what it reads and which round of
-the guide it belongs to (`kl_and_clip`: round 2; `throughput_and_quality`: round 3; `health`:
-flags, every round). `check(window)` returns a `Suggestion`
-(ONE single-parameter change with its size, the guide's rationale and the numbers that
-triggered it) or None when its condition does not hold or its metrics were not logged: a rule
-never guesses from missing data.
-
-Trends are judged per seed and averaged, never on the seed-mean curve alone, because seeds that
-swing out of phase average into a flat line.
+Each rule is a frozen dataclass whose fields are the guide's thresholds and steps (base.py says
+what a rule is and returns). `RULES` lists every rule the advisor applies: the guide's, in the
+guide's order, then those on signals the guide does not read (drift.py: entropy collapse and
+blow-up, over-optimisation of the reward model against held-out gold).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Dict, Optional, Tuple
+from typing import ClassVar, Optional, Tuple
 
 import numpy as np
-from scipy import stats
 
+from experiments.advisor.base import (GROUPS, GUIDE_KL_STEP, HEALTH, STABILITY, THROUGHPUT, Rule, Suggestion,
+                                      excess, reward_trend, significant)
+from experiments.advisor.drift import EntropyBlowUp, EntropyCollapse, OverOptimisation
 from experiments.advisor.window import Window
 
-STABILITY, THROUGHPUT, HEALTH = "kl_and_clip", "throughput_and_quality", "health"
-GROUPS = (STABILITY, THROUGHPUT, HEALTH)
-"""The guide's rounds: 2 (KL and clip: KL, clipping, actor LR) and 3 (throughput and quality: lengths,
-batch sizes, and a reward that slows late: kl_coef down, critic LR up); flags belong to every round."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Suggestion:
-    """One proposed single-parameter change (or, with parameter None, a flag that proposes none)."""
-
-    rule: str
-    group: str
-    parameter: Optional[str]
-    current: object
-    proposed: object
-    rationale: str
-    evidence: Dict[str, float]
-    severity: float
-    """How far past its threshold the evidence is, relative to the threshold (ranks suggestions)."""
-
-    @property
-    def is_warning(self) -> bool:
-        return self.parameter is None
-
-    @property
-    def binding(self) -> str:
-        return f"{self.parameter} = {self.proposed!r}"
-
-    @property
-    def variant_name(self) -> str:
-        """'kl_coef_up', 'max_response_length_down': names a results folder."""
-        short = self.parameter.split(".", 1)[-1]
-        return f"{short}_{'up' if self.proposed > self.current else 'down'}"
-
-    @property
-    def change(self) -> str:
-        if self.is_warning:
-            return "no change (flag)"
-        ratio = f" (x{self.proposed / self.current:.3g})" if self.current else ""
-        return f"{self.parameter}: {self.current!r} -> {self.proposed!r}{ratio}"
-
-    def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "change": self.change,
-                "binding": None if self.is_warning else self.binding}
-
-
-def significant(x: float, digits: int = 3) -> float:
-    """x rounded to `digits` significant digits, so a written recipe reads 0.06, not 0.060000001."""
-    if x == 0 or not math.isfinite(x):
-        return x
-    return float(f"{x:.{digits}g}")
-
-
-def _excess(value: float, threshold: float, above: bool = True) -> float:
-    """Relative distance past a threshold: the ranking score."""
-    if threshold == 0:
-        return abs(value)
-    return max((value - threshold) / abs(threshold) if above else (threshold - value) / abs(threshold), 1e-6)
-
-
-def reward_trend(window: Window) -> Optional[Tuple[float, float, float]]:
-    """(mean rise over the window, one-sided p of an upward slope, detrended reward variance),
-    per seed by linear regression (scipy.stats.linregress), rise/variance averaged over seeds and
-    p from the seeds' combined evidence (Stouffer); None with fewer than 5 steps."""
-    curves = [c for c in window.seed_curves("reward_mean") if len(c) >= 5]
-    if not curves:
-        return None
-    rises, zs, variances = [], [], []
-    for c in curves:
-        x = np.arange(len(c), dtype=float)
-        fit = stats.linregress(x, c)
-        rises.append(fit.slope * (len(c) - 1))
-        residual = c - (fit.intercept + fit.slope * x)
-        variances.append(float(np.var(residual, ddof=2)))
-        if fit.stderr > 0:
-            t = fit.slope / fit.stderr
-            zs.append(stats.norm.isf(stats.t.sf(t, len(c) - 2)))
-        else:
-            zs.append(math.copysign(8.0, fit.slope) if fit.slope else 0.0)
-    z = float(np.sum(zs) / math.sqrt(len(zs)))
-    return float(np.mean(rises)), float(stats.norm.sf(z)), float(np.mean(variances))
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """Base: subclasses declare `name`, `reads`, `group`, `rationale` and their thresholds."""
-
-    name: ClassVar[str] = ""
-    reads: ClassVar[Tuple[str, ...]] = ()
-    group: ClassVar[str] = STABILITY
-    parameter: ClassVar[Optional[str]] = None
-    rationale: ClassVar[str] = ""
-
-    def check(self, window: Window) -> Optional[Suggestion]:
-        raise NotImplementedError
-
-    def _suggest(self, window: Window, proposed, evidence: Dict[str, float], severity: float,
-                 rationale: str = "") -> Optional[Suggestion]:
-        current = window.param(self.parameter)
-        if self.parameter is not None:
-            if current is None or proposed is None or proposed == current:
-                return None
-        evidence = {k: (significant(float(v), 4) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-                    for k, v in evidence.items()}
-        return Suggestion(self.name, self.group, self.parameter, current, proposed,
-                          rationale or self.rationale, evidence, float(severity))
-
+__all__ = ["GROUPS", "HEALTH", "RULES", "STABILITY", "THROUGHPUT", "Rule", "Suggestion", "reward_trend",
+           "significant"]
 
 # ------------------------------------------------------------------------------------------ KL
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +38,7 @@ class KLTooHigh(Rule):
     """Mean KL above the healthy band's top (0.08) raises kl_coef when the reward also swings."""
     swing_std: float = 0.1
     """Detrended std of reward_mean above which the reward 'swings' (ours: the guide gives no number)."""
-    factor: float = 1.2
+    factor: float = GUIDE_KL_STEP
     """The guide's step: kl_coef 0.1 -> 0.12."""
 
     def check(self, window):
@@ -158,9 +48,9 @@ class KLTooHigh(Rule):
         trend = reward_trend(window)
         swing = math.sqrt(trend[2]) if trend else 0.0
         if kl > self.kl_max:
-            severity = _excess(kl, self.kl_max)
+            severity = excess(kl, self.kl_max)
         elif kl > self.band_high and swing > self.swing_std:
-            severity = _excess(kl, self.band_high) * 0.5
+            severity = excess(kl, self.band_high) * 0.5
         else:
             return None
         return self._suggest(window, significant(window.param(self.parameter, 0) * self.factor),
@@ -191,7 +81,7 @@ class KLTooLow(Rule):
             return None
         return self._suggest(window, significant(window.param(self.parameter, 0) * self.factor),
                              {"kl_divergence": kl, "reward_rise": trend[0], "reward_trend_p": trend[1],
-                              "kl_min": self.kl_min}, _excess(kl, self.kl_min, above=False))
+                              "kl_min": self.kl_min}, excess(kl, self.kl_min, above=False))
 
 
 # ---------------------------------------------------------------------------------- clipping
@@ -215,7 +105,7 @@ class ClipTooMany(Rule):
         return self._suggest(window, significant(window.param(self.parameter, 0) * self.factor),
                              {"clip_fraction": clipped, "clip_fraction_lower": window.mean("clip_fraction_lower"),
                               "clip_fraction_upper": window.mean("clip_fraction_upper"),
-                              "max_clipped": self.max_clipped}, _excess(clipped, self.max_clipped))
+                              "max_clipped": self.max_clipped}, excess(clipped, self.max_clipped))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +126,7 @@ class ClipTooFew(Rule):
             return None
         return self._suggest(window, significant(window.param(self.parameter, 0) * self.factor),
                              {"clip_fraction": clipped, "min_clipped": self.min_clipped},
-                             _excess(clipped, self.min_clipped, above=False))
+                             excess(clipped, self.min_clipped, above=False))
 
 
 # ---------------------------------------------------------------------------- learning rates
@@ -259,7 +149,7 @@ class RewardVariance(Rule):
             return None
         return self._suggest(window, significant(window.param(self.parameter, 0) * self.factor),
                              {"reward_variance": trend[2], "max_variance": self.max_variance},
-                             _excess(trend[2], self.max_variance))
+                             excess(trend[2], self.max_variance))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +225,9 @@ class FlatReward(Rule):
 # ---------------------------------------------------------------------------------- throughput
 @dataclasses.dataclass(frozen=True)
 class ResponseLength(Rule):
-    """Responses far shorter than the maximum: memory and time reserved for tokens never generated."""
+    """The response budget against what the answers use: far shorter than the maximum wastes memory
+    and time on tokens never generated (lower it, the guide's rule); many responses cut at the
+    maximum (`response_clip_ratio`) are answers the budget truncates (raise it)."""
 
     name: ClassVar[str] = "response_length"
     group: ClassVar[str] = THROUGHPUT
@@ -343,17 +235,31 @@ class ResponseLength(Rule):
     parameter: ClassVar[str] = "ppo.max_response_length"
     rationale: ClassVar[str] = ("response_length_mean below 60% of max_response_length: the unused length "
                                 "costs memory (~quadratic) and time; lower it, keeping room for the longest answers")
+    raise_rationale: ClassVar[str] = ("more responses cut at max_response_length than the guide's success rate "
+                                      "allows (a cut response is a failed rollout): the budget truncates answers; "
+                                      "raise it (memory grows ~quadratically with the length)")
     max_fraction: float = 0.6
     margin: float = 0.5
     """New max = the longest observed mean length x (1 + margin), rounded up (ours)."""
     max_clip_ratio: float = 0.01
-    """Silent when more responses than this hit the max: they need it."""
+    """Not lowered when more responses than this hit the max: they need it."""
+    max_clipped: float = 0.05
+    """Raised when more responses than this are cut at the max: a cut response is not a successful
+    rollout, and the guide's rollout_success_rate > 0.95 leaves 5% for every failure together."""
+    raise_factor: float = 1.5
+    """The raise, rounded up (ours: the guide's budgets step 512 -> 768 from dialog to code, x1.5)."""
 
     def check(self, window):
         mean, current = window.mean("response_length_mean"), window.param(self.parameter)
+        clipped = window.mean("response_clip_ratio")
+        if current and clipped is not None and clipped > self.max_clipped:
+            return self._suggest(window, int(math.ceil(current * self.raise_factor)),
+                                 {"response_clip_ratio": clipped, "max_clipped": self.max_clipped,
+                                  "response_length_mean": mean}, excess(clipped, self.max_clipped),
+                                 rationale=self.raise_rationale)
         if mean is None or not current or mean >= self.max_fraction * current:
             return None
-        clipped = window.mean("response_clip_ratio") or 0.0
+        clipped = clipped or 0.0
         if clipped > self.max_clip_ratio:
             return None
         longest = max(v for v in (window.max("response_length_max"), window.max("response_length_mean")) if v)
@@ -362,7 +268,7 @@ class ResponseLength(Rule):
             return None
         return self._suggest(window, proposed, {"response_length_mean": mean, "longest_mean": longest,
                                                 "fraction_of_max": mean / current, "response_clip_ratio": clipped},
-                             _excess(mean / current, self.max_fraction, above=False))
+                             excess(mean / current, self.max_fraction, above=False))
 
 
 def valid_micro_batch(target: int, window: Window, up: bool) -> Optional[int]:
@@ -404,7 +310,7 @@ class GpuMemory(Rule):
         factor = min(max((self.low + self.high) / 2 / used, 1 / self.max_factor), self.max_factor)
         up = used < self.low
         target = int(math.ceil(current * factor)) if up else max(1, int(math.floor(current * factor)))
-        severity = _excess(used, self.low, above=False) if up else _excess(used, self.high)
+        severity = excess(used, self.low, above=False) if up else excess(used, self.high)
         return self._suggest(window, valid_micro_batch(target, window, up),
                              {"peak_memory_gb": peak, "device_memory_gb": total, "memory_fraction": used}, severity)
 
@@ -430,7 +336,7 @@ class GpuUtilisation(Rule):
         if util >= self.min_utilization:
             return None
         return self._suggest(window, valid_micro_batch(int(math.ceil(current * self.factor)), window, True),
-                             {"gpu_utilization": util}, _excess(util, self.min_utilization, above=False))
+                             {"gpu_utilization": util}, excess(util, self.min_utilization, above=False))
 
 
 # ---------------------------------------------------------------------------------- health
@@ -451,10 +357,10 @@ class RolloutSuccess(Rule):
             return None
         return Suggestion(self.name, self.group, None, None, None, self.rationale,
                           {"rollout_success_rate": significant(rate, 4), "min_rate": self.min_rate},
-                          _excess(rate, self.min_rate, above=False))
+                          excess(rate, self.min_rate, above=False))
 
 
 RULES: Tuple[Rule, ...] = (KLTooHigh(), KLTooLow(), ClipTooMany(), ClipTooFew(), RewardVariance(),
                            RewardSawtooth(), FlatReward(), ResponseLength(), GpuMemory(), GpuUtilisation(),
-                           RolloutSuccess())
-"""Every rule with the guide's defaults, in the guide's order."""
+                           RolloutSuccess(), OverOptimisation(), EntropyCollapse(), EntropyBlowUp())
+"""Every rule with its defaults: the guide's, in the guide's order, then drift.py's."""

@@ -6,6 +6,10 @@ per-step values of every seed. A `Window` holds them as (seeds x steps) arrays, 
 did not log a metric at a step, together with the parameter values the variant ran with (rules
 propose a change relative to them) and the device's memory when it is known.
 
+Held-out evaluations (`eval/...`) come apart, over the whole run: a run evaluates only every
+`ppo.eval_every` steps, so a window holds two or three of them, and over-optimisation is read from
+the change between a run's initial evaluation (step 0, before any update) and its last one.
+
 `load_window` reads a study's results dir (`RESULTS/<study>/`, via its aggregate.json and run dirs).
 """
 
@@ -42,6 +46,7 @@ class Window:
     values: {metric: array (seeds x steps)}, NaN where missing; steps: the step numbers (columns).
     config: {'ppo.kl_coef': 0.05, ...}, the operative parameters of the variant.
     device_memory_gb: the accelerator's total memory, when known (rules on memory need it).
+    evals: {eval metric: array (seeds x eval_steps)} over the whole run, NaN where missing.
     """
 
     variant: str
@@ -50,6 +55,8 @@ class Window:
     config: Mapping[str, object]
     device_memory_gb: Optional[float] = None
     seeds: Sequence[int] = ()
+    eval_steps: np.ndarray = dataclasses.field(default_factory=lambda: np.array([], int))
+    evals: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def has(self, metric: str) -> bool:
         a = self.values.get(metric)
@@ -80,6 +87,17 @@ class Window:
 
     def param(self, name: str, default=None):
         return self.config.get(name, default)
+
+    def eval_ends(self, metric: str) -> np.ndarray:
+        """(seeds x 2): each seed's first and last evaluation of `metric` over the run; NaN rows for
+        seeds that evaluated it fewer than twice (no change to read)."""
+        rows = self.evals.get(metric, np.empty((0, 0)))
+        out = np.full((len(rows), 2), np.nan)
+        for i, row in enumerate(rows):
+            finite = row[np.isfinite(row)]
+            if len(finite) >= 2:
+                out[i] = finite[0], finite[-1]
+        return out
 
 
 def parse_operative_config(text: str) -> Dict[str, object]:
@@ -129,10 +147,27 @@ def load_window(study_dir: str | Path, variant: Optional[str] = None, window: in
     runs = [r for r in agg.variants[variant].runs if r.status == "completed"]
     if not runs:
         raise AdviceError(f"variant {variant!r} of {study_dir} has no completed run to read")
-    rows_by_seed = {}
+    rows_by_seed, evals_by_seed = {}, {}
     for run in runs:
-        rows = [row for row in iter_metrics(study_dir / run.run_dir) if "reward_mean" in row]
-        rows_by_seed[run.seed] = rows[-window:]
+        rows = list(iter_metrics(study_dir / run.run_dir))
+        rows_by_seed[run.seed] = [row for row in rows if "reward_mean" in row][-window:]
+        evals_by_seed[run.seed] = [{k: v for k, v in row.items() if k == "step" or k.startswith("eval/")}
+                                   for row in rows if any(k.startswith("eval/") for k in row)]
+    steps, values = _grid(rows_by_seed)
+    eval_steps, evals = _grid(evals_by_seed)
+    first = study_dir / runs[0].run_dir
+    config_path = first / "config.gin"
+    if not config_path.is_file():
+        raise AdviceError(f"{config_path} not found: the advisor needs the operative config of the run")
+    return Window(variant=variant, steps=steps, values=values,
+                  config=parse_operative_config(config_path.read_text()),
+                  device_memory_gb=device_memory_gb or _device_memory_gb(first), seeds=tuple(rows_by_seed),
+                  eval_steps=eval_steps, evals=evals)
+
+
+def _grid(rows_by_seed: Mapping[int, Sequence[dict]]) -> tuple:
+    """(steps, {metric: array (seeds x steps)}) of metrics.jsonl rows, NaN where a seed did not log
+    a metric at a step; non-scalar metrics (histograms) left out."""
     steps = sorted({int(r["step"]) for rows in rows_by_seed.values() for r in rows})
     col = {s: i for i, s in enumerate(steps)}
     names = sorted({k for rows in rows_by_seed.values() for r in rows for k, v in r.items()
@@ -144,10 +179,4 @@ def load_window(study_dir: str | Path, variant: Optional[str] = None, window: in
                 v = scalar(r.get(name))
                 if v is not None:
                     values[name][i, col[int(r["step"])]] = v
-    first = study_dir / runs[0].run_dir
-    config_path = first / "config.gin"
-    if not config_path.is_file():
-        raise AdviceError(f"{config_path} not found: the advisor needs the operative config of the run")
-    return Window(variant=variant, steps=np.asarray(steps), values=values,
-                  config=parse_operative_config(config_path.read_text()),
-                  device_memory_gb=device_memory_gb or _device_memory_gb(first), seeds=tuple(rows_by_seed))
+    return np.asarray(steps, int), values

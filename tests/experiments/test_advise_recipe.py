@@ -29,8 +29,9 @@ ppo.samples_per_prompt = 1
 """
 
 
-def synthetic_study(root: Path, name: str = "synth") -> Path:
-    """A finished study's results dir: KL too high, responses far under the max, clean otherwise."""
+def synthetic_study(root: Path, name: str = "synth", hacked: bool = False) -> Path:
+    """A finished study's results dir: KL too high, responses far under the max, clean otherwise;
+    `hacked`: held-out evaluations at steps 0, 10 and 20 where gold falls as the RM score rises."""
     study_dir = root / name
     runs, plan = [], []
     for seed in (0, 1):
@@ -38,11 +39,17 @@ def synthetic_study(root: Path, name: str = "synth") -> Path:
         fake_checkpoint(run_dir / "checkpoints" / "step_20")
         (run_dir / "config.gin").write_text(CONFIG_GIN)
         rng = np.random.default_rng(seed)
+        evals = {0: (0.30, 0.5), 10: (0.26, 1.2), 20: (0.21 + 0.01 * seed, 1.9)} if hacked else {}
         with open(run_dir / "metrics.jsonl", "w") as f:
+            if hacked:  # the engine's initial evaluation: its own row, before any update
+                f.write(json.dumps({"step": 0, "eval/accuracy": evals[0][0], "eval/rm_score": evals[0][1]}) + "\n")
             for step in range(1, 21):
-                f.write(json.dumps({"step": step, "reward_mean": 0.3 + 0.02 * step + rng.normal(0, 0.01),
-                                    "kl_divergence": 0.3, "clip_fraction": 0.3, "response_length_mean": 2.8,
-                                    "response_clip_ratio": 0.0, "rollout_success_rate": 1.0}) + "\n")
+                row = {"step": step, "reward_mean": 0.3 + 0.02 * step + rng.normal(0, 0.01),
+                       "kl_divergence": 0.3, "clip_fraction": 0.3, "response_length_mean": 2.8,
+                       "response_clip_ratio": 0.0, "rollout_success_rate": 1.0}
+                if step in evals:
+                    row.update({"eval/accuracy": evals[step][0], "eval/rm_score": evals[step][1]})
+                f.write(json.dumps(row) + "\n")
         runs.append(RunOutcome(seed=seed, status="completed", value=0.4, run_dir=f"runs/baseline/seed{seed}"))
         plan.append({"variant": "baseline", "seed": seed, "recipe": str(RECIPES_DIR / "tiny.gin"), "cpus": 1,
                      "bindings": ["ppo.total_steps = 4", "ppo.eval_every = 2", f"ppo.seed = {seed}",
@@ -117,3 +124,45 @@ def test_resume_setting_carries_the_previous_rounds_chosen_change(tmp_path, writ
     assert inherited[0].bindings[0] == "ppo.kl_coef = 0.08" and "ppo.kl_coef = 0.08" in inherited[0].operative_config
     plain = expand(load_study(write_study(text, "plain.gin")), tmp_path / "results")
     assert "ppo.kl_coef = 0.08" not in plain[0].bindings
+
+
+def test_over_optimisation_bracket_becomes_one_variant_per_value(tmp_path, capsys):
+    """Gold falls while the RM score rises: the guide's kl_coef +20% gives way to a bracket, each
+    value its own one-parameter variant of the next round, planned like any other."""
+    study_dir = synthetic_study(tmp_path / "results", hacked=True)
+    out, advice = tmp_path / "next.gin", tmp_path / "advice.json"
+    assert main(["advise", str(study_dir), "--out", str(out), "--json", str(advice)]) == 0
+    printed = capsys.readouterr().out
+    assert "over_optimisation" in printed and "superseded" in printed
+    study = load_study(out)
+    variants = {v.name: v.bindings for v in study.variants}
+    # KL 0.3 is 3.75x the band's top: sqrt(3.75) = 1.9 < the smallest step x2; the bracket's top is x3 of it.
+    assert variants == {"kl_coef_x2": ("ppo.kl_coef = 0.1",), "kl_coef_x6": ("ppo.kl_coef = 0.3",),
+                        "max_response_length_down": ("ppo.max_response_length = 5",)}
+    specs = expand(study, tmp_path / "results")
+    assert len(specs) == 4 * 2 and all(s.init_from.endswith("step_20") for s in specs)
+    text = out.read_text()
+    assert "1. kl_coef_x2, kl_coef_x6 [over_optimisation]" in text and "held-out gold accuracy fell 0.3" in text
+    saved = json.loads(advice.read_text())
+    assert saved["changes"][0]["bindings"] == ["ppo.kl_coef = 0.1", "ppo.kl_coef = 0.3"]
+    assert [s["rule"] for s in saved["superseded"]] == ["kl_high"]
+    # A variant budget counts variants: the bracket is cut, not the rule ranked below it kept.
+    top = tmp_path / "top.gin"
+    assert main(["advise", str(study_dir), "--out", str(top), "--max-variants", "1"]) == 0
+    assert [v.name for v in load_study(top).variants] == ["kl_coef_x2"]
+
+
+def test_tuning_path_shows_a_bracket_and_the_kl_step_it_superseded(tmp_path):
+    from experiments.advisor.evidence import advice_lines
+
+    study_dir = synthetic_study(tmp_path / "results", hacked=True)
+    aggregate = StudyAggregate.load(study_dir / "aggregate.json").replace(variants={
+        "baseline": VariantResult(),
+        "kl_coef_x6": VariantResult(bindings=("ppo.kl_coef = 0.3",), verdict="better"),
+        "kl_coef_up": VariantResult(bindings=("ppo.kl_coef = 0.06",), verdict="no detectable difference")})
+    text = "\n".join(advice_lines(study_dir, aggregate))
+    assert "| over_optimisation | `ppo.kl_coef = 0.1` (from 0.05) | gold_start = 0.3" in text
+    assert "| over_optimisation | `ppo.kl_coef = 0.3` (from 0.05) | the bracket's next value" in text
+    assert "| kl_coef_x6 | better |" in text
+    assert "| kl_high (superseded) | `ppo.kl_coef = 0.06` (from 0.05) | kl_divergence = 0.3" in text
+    assert "- over_optimisation: over-optimisation of the reward model: held-out gold accuracy fell" in text

@@ -8,10 +8,10 @@ import pytest
 
 from experiments.collect import band
 from experiments.plan import expand
-from experiments.report import write_report
+from experiments.report import render, write_report
 from experiments.study import load_study
 from rlhf.atomic import write_json
-from tests.experiments.conftest import fake_run
+from tests.experiments.conftest import fake_checkpoint, fake_run
 
 STUDY = """
 study.name = 'synthetic'
@@ -153,3 +153,70 @@ def test_reward_model_score_is_reported_beside_gold_accuracy(write_study, tmp_pa
     assert StudyAggregate.from_json(agg.to_json()) == agg
     text = render_summary([(study, agg)], tmp_path / "results")
     assert "eval/rm_score" in text and "(the warm start): eval/accuracy = 0.3000; eval/rm_score = 0.5000" in text
+
+
+def checkpointed_run(run_dir: Path, gold: dict, checkpoints, damaged=()) -> None:
+    """Eval rows of gold accuracy {step: value} in a run dir's metrics.jsonl, and checkpoints/step_N
+    for the given steps (those in `damaged` truncated after their manifest was written)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip().endswith("}")]
+    for row in rows:
+        row.pop("eval/accuracy", None)
+        if row["step"] in gold:
+            row["eval/accuracy"] = gold[row["step"]]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for step in checkpoints:
+        ckpt = fake_checkpoint(run_dir / "checkpoints" / f"step_{step}", content=b"weights-of-a-step")
+        if step in damaged:
+            (ckpt / "actor" / "model.safetensors").write_bytes(b"cut")
+
+
+def test_best_gold_checkpoint_of_a_run(tmp_path):
+    from experiments.rundir import best_checkpoint
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": 0.1}) + "\n"
+                                                   for s in range(6)))
+    assert best_checkpoint(run_dir) is None  # no checkpoint, no eval
+    # Step 3 scored best but kept no checkpoint; step 4's checkpoint is damaged; step 0 is the warm start.
+    checkpointed_run(run_dir, {0: 0.9, 1: 0.40, 2: 0.55, 3: 0.80, 4: 0.70, 5: 0.50}, checkpoints=(2, 4, 5),
+                     damaged=(4,))
+    assert best_checkpoint(run_dir) == (2, 0.55)
+    checkpointed_run(run_dir, {2: 0.55, 5: 0.55}, checkpoints=())
+    assert best_checkpoint(run_dir) == (2, 0.55)  # a tie: the earliest
+    assert best_checkpoint(run_dir, "eval/rm_score") is None
+
+
+def test_report_points_to_the_checkpoint_with_the_best_gold(study_dir):
+    study, specs, out = study_dir
+    for spec in specs:
+        if spec.variant == "broken":
+            continue
+        final = ACCURACY[spec.variant][spec.seed]
+        peak = final + 0.1 if (spec.variant, spec.seed) == ("same", 2) else final  # step 3 beat the last step
+        checkpointed_run(Path(spec.run_dir), {0: 0.3, 3: peak, 5: final}, checkpoints=(3, 5))
+    agg = write_report(study, out, specs)
+    record = agg.best_checkpoints
+    assert record.metric == "eval/accuracy" and len(record.runs) == 16
+    runs = {(c.variant, c.seed): c for c in record.runs}
+    assert (runs["same", 2].step, runs["same", 2].value) == (3, pytest.approx(0.63))
+    assert (runs["good", 1].step, runs["good", 1].path) == (3, "runs/good/seed1/checkpoints/step_3")  # a tie: earliest
+    assert (record.best.variant, record.best.seed, record.best.value) == ("hot", 1, pytest.approx(0.82))
+    saved = json.loads((out / "aggregate.json").read_text())
+    assert saved["best_checkpoints"]["best"] == {"variant": "hot", "seed": 1, "step": 3, "value": 0.82,
+                                                 "path": "runs/hot/seed1/checkpoints/step_3"}
+    report = (out / "report.md").read_text()
+    assert "## Best checkpoint by gold (eval/accuracy)" in report
+    assert "Best of the study: `runs/hot/seed1/checkpoints/step_3` (hot, seed 1, step 3): eval/accuracy = 0.82" in report
+    assert "| same | 2 | 3 | 0.63 | `runs/same/seed2/checkpoints/step_3` |" in report
+    from experiments.report import render_summary
+    from experiments.results import StudyAggregate
+    summary = render_summary([(study, agg)], out.parent)
+    assert "Best gold checkpoint of synthetic: `synthetic/runs/hot/seed1/checkpoints/step_3`" in summary
+    assert "Best gold checkpoint over the path: `synthetic/runs/hot/seed1/checkpoints/step_3`" in summary
+    # An aggregate written before the record existed still loads, and its report says nothing of it.
+    del saved["best_checkpoints"]
+    old = StudyAggregate.from_json(saved)
+    assert old.best_checkpoints is None and "Best checkpoint" not in render(old)
+    assert "Best gold checkpoint" not in render_summary([(study, old)], out.parent)
