@@ -48,7 +48,9 @@ START_GAP_S = 60.0
 """Default `study.start_gap_s`: a vLLM engine's start-up (load, memory profile, CUDA graphs) takes about a minute."""
 METRIC_SOURCES = ("final", "final_window")
 DIRECTIONS = ("higher", "lower")
-from experiments.results import BASELINE  # noqa: E402  (one definition: the results name the baseline)
+from experiments.results import BASELINE, PAIRED, WELCH  # noqa: E402  (one definition: the results name them)
+AUTO = "auto"
+ANALYSES = (AUTO, PAIRED, WELCH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +110,11 @@ class Study:
     """Also take the resumed variant's bindings into the baseline (planning reads them)."""
     start_gap_s: float = START_GAP_S
     """Runs sharing a GPU (gpus_per_run < 1) start their engines at most this far apart per GPU."""
+    analysis: str = AUTO
+    """How a variant's seeds are compared with the baseline's: 'paired', 'welch', or 'auto'
+    (chosen from the design by `resolve_analysis`)."""
+    equivalence_margin: float = 0.0
+    """A difference within +-this (the metric's units) counts as none: TOST equivalence; 0: off."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME_RE.match(self.name):
@@ -139,6 +146,11 @@ class Study:
             raise _bad("study.resume_setting", self.resume_setting, "must be True or False")
         if not _is_number(self.start_gap_s) or self.start_gap_s < 0:
             raise _bad("study.start_gap_s", self.start_gap_s, "must be a number of seconds >= 0")
+        _choice("analysis", self.analysis, ANALYSES)
+        margin = self.equivalence_margin
+        if not _is_number(margin) or margin != margin or margin < 0 or margin == float("inf"):
+            raise _bad("study.equivalence_margin", margin, "must be a number >= 0 in the metric's units "
+                                                           "(0 turns the equivalence test off)")
 
     @property
     def all_variants(self) -> Tuple[Variant, ...]:
@@ -160,6 +172,21 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def resolve_analysis(analysis: str, planned_seeds: Mapping[str, Sequence[int]]) -> str:
+    """The analysis a study's verdicts use: `analysis` itself unless it is 'auto', which is
+    decided by the design (the planned seeds of each variant, {variant: seeds}), never by the
+    values: 'paired' when every variant runs on seeds the baseline also runs, 'welch' otherwise.
+    Seed s of every variant shares its prompt order and sampling streams with seed s of the
+    baseline (the engine seeds everything from ppo.seed), so such a design pairs its runs. Both
+    designs a study declares do: fixed `study.seeds` are every variant's, and adaptive seeds give
+    the baseline every look's seeds, so a variant that stopped early ran a prefix of them."""
+    if analysis != AUTO:
+        return analysis
+    base = set(planned_seeds.get(BASELINE, ()))
+    shared = bool(base) and all(set(seeds) <= base for name, seeds in planned_seeds.items() if name != BASELINE)
+    return PAIRED if shared else WELCH
+
+
 def _integer(key: str, value, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise _bad(f"study.{key}", value, f"must be an integer >= {minimum}")
@@ -179,7 +206,8 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
           metric_from: str = "final", direction: str = "higher", guardrails: Mapping = None,
           resume_from: str = "", resume_variant: str = "", cpus_per_run: int = 1,
           gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, wandb_project: str = "",
-          adaptive_seeds: Mapping = None, resume_setting: bool = False, start_gap_s: float = START_GAP_S) -> dict:
+          adaptive_seeds: Mapping = None, resume_setting: bool = False, start_gap_s: float = START_GAP_S,
+          analysis: str = AUTO, equivalence_margin: float = 0.0) -> dict:
     """What a study file binds (`study.<parameter> = value`), with its defaults; returns them.
 
     name: the study's name; its results live in RESULTS/<name>/. Required.
@@ -206,7 +234,16 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
         finds no memory for its cache); 0 starts them together.
     retries: extra attempts for a run that crashed or was killed (a divergence or a
         configuration error is deterministic and never retried).
-    alpha: significance level of the Holm-corrected Welch tests.
+    alpha: significance level of the Holm-corrected tests (the difference, and equivalence).
+    analysis: 'paired' (the paired t-test of the per-seed differences: seed s of a variant shares
+        its prompts and sampling streams with seed s of the baseline, so pairing removes the luck
+        they share), 'welch' (Welch's t-test of the two groups of seeds), or 'auto': decided from
+        the design before any value is seen, 'paired' when every variant runs on the baseline's
+        seeds (true of fixed study.seeds and of adaptive seeds, whose baseline runs every look's
+        seeds), 'welch' otherwise (`resolve_analysis`). Both are reported; this one decides.
+    equivalence_margin: a number >= 0 in the metric's units (0: off). A variant neither better nor
+        worse whose difference lies within +-margin by two one-sided tests (TOST, the chosen
+        analysis, Holm-corrected) is 'equivalent': a settled question, not a lack of seeds.
     wandb_project: the W&B project of the study's runs (default: the study's name).
     adaptive_seeds: {'max_seeds': N} (optional 'min_seeds', 'step', 'spend_alpha_over_looks'): start
         with study.seeds and add seeds to variants whose difference from the baseline is undecided.
@@ -329,7 +366,9 @@ def _validate(args: dict, path: Path) -> Study:
         gpus_per_run=float(args["gpus_per_run"]) if _is_number(args["gpus_per_run"]) else args["gpus_per_run"],
         retries=args["retries"], alpha=args["alpha"], wandb_project=args["wandb_project"],
         adaptive_seeds=parse_adaptive_seeds(args["adaptive_seeds"], len(seeds)),
-        resume_setting=args["resume_setting"], start_gap_s=args["start_gap_s"])
+        resume_setting=args["resume_setting"], start_gap_s=args["start_gap_s"], analysis=args["analysis"],
+        equivalence_margin=float(args["equivalence_margin"]) if _is_number(args["equivalence_margin"])
+        else args["equivalence_margin"])
 
 
 def split_cli_bindings(bindings: Sequence[str]) -> Tuple[List[str], List[str]]:

@@ -4,7 +4,9 @@ The guide's closing advice is "change one parameter at a time", so the advisor n
 suggestions: each becomes one variant of the next study. When two rules touch the same
 parameter (a sawtooth and a high variance both lower the actor LR; memory and utilisation both
 move the rollout batch) the one further past its threshold is kept and the other is reported
-as `superseded`, so the evidence is not lost.
+as `superseded`, so the evidence is not lost. A change the study already settled (a variant
+that set the same value was found equivalent or worse: `Window.settled`) is not proposed again:
+it is reported as `settled`, and the next suggestion for that parameter, if any, takes its place.
 """
 
 from __future__ import annotations
@@ -67,11 +69,14 @@ class Advice:
     silent: List[str]
     """The rules that checked and found nothing to change (or lacked their metrics)."""
     variant: str = ""
+    settled: List[Tuple[Suggestion, str]] = dataclasses.field(default_factory=list)
+    """(suggestion, why) for the changes the study already settled: not proposed again."""
 
     def to_json(self) -> dict:
         return {"variant": self.variant, "changes": [s.to_json() for s in self.changes],
                 "warnings": [s.to_json() for s in self.warnings],
-                "superseded": [s.to_json() for s in self.superseded], "silent": list(self.silent)}
+                "superseded": [s.to_json() for s in self.superseded], "silent": list(self.silent),
+                "settled": [{**s.to_json(), "why": why} for s, why in self.settled]}
 
 
 def advise(window: Window, rules: Iterable[Rule] = RULES) -> Advice:
@@ -81,11 +86,15 @@ def advise(window: Window, rules: Iterable[Rule] = RULES) -> Advice:
         suggestion = rule.check(window)
         (fired.append(suggestion) if suggestion else silent.append(rule.name))
     ranked = sorted(fired, key=lambda s: -s.severity)
-    changes, superseded, seen = [], [], set()
+    changes, superseded, settled, seen = [], [], [], set()
     for s in ranked:
         if s.is_warning:
+            continue
+        why = window.settled.get((s.parameter, s.proposed))
+        if why:
+            settled.append((s, why))
             continue
         (superseded if s.parameter in seen else changes).append(s)
         seen.add(s.parameter)
     return Advice(changes=changes, warnings=[s for s in ranked if s.is_warning], superseded=superseded,
-                  silent=silent, variant=window.variant)
+                  silent=silent, variant=window.variant, settled=settled)
