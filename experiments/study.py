@@ -367,8 +367,12 @@ def _validate(args: dict, path: Path) -> Study:
         retries=args["retries"], alpha=args["alpha"], wandb_project=args["wandb_project"],
         adaptive_seeds=parse_adaptive_seeds(args["adaptive_seeds"], len(seeds)),
         resume_setting=args["resume_setting"], start_gap_s=args["start_gap_s"], analysis=args["analysis"],
-        equivalence_margin=float(args["equivalence_margin"]) if _is_number(args["equivalence_margin"])
-        else args["equivalence_margin"])
+        equivalence_margin=_as_float(args["equivalence_margin"]))
+
+
+def _as_float(value):
+    """An integer margin as a float; anything else as written, for `Study` to judge and quote."""
+    return float(value) if _is_number(value) and value >= 0 else value
 
 
 def split_cli_bindings(bindings: Sequence[str]) -> Tuple[List[str], List[str]]:

@@ -117,3 +117,28 @@ def test_resume_setting_carries_the_previous_rounds_chosen_change(tmp_path, writ
     assert inherited[0].bindings[0] == "ppo.kl_coef = 0.08" and "ppo.kl_coef = 0.08" in inherited[0].operative_config
     plain = expand(load_study(write_study(text, "plain.gin")), tmp_path / "results")
     assert "ppo.kl_coef = 0.08" not in plain[0].bindings
+
+
+def test_a_change_the_study_found_equivalent_or_worse_is_not_proposed_again(tmp_path, capsys):
+    from experiments.results import Robustness
+
+    study_dir = synthetic_study(tmp_path / "results")
+    agg = StudyAggregate.load(study_dir / "aggregate.json")
+    tested = {"kl_coef_up": VariantResult(bindings=("ppo.kl_coef = 0.060",), verdict="equivalent")}
+    agg.replace(variants={**agg.variants, **tested}, equivalence_margin=0.02).save(study_dir / "aggregate.json")
+    out, advice = tmp_path / "next.gin", tmp_path / "advice.json"
+    assert main(["advise", str(study_dir), "--out", str(out), "--json", str(advice)]) == 0
+    assert "not proposed again: synth/kl_coef_up found it equivalent" in capsys.readouterr().out
+    study = load_study(out)
+    assert [v.name for v in study.variants] == ["max_response_length_down"]
+    assert study.equivalence_margin == 0.02  # the margin carries over with the metric
+    assert "settled [kl_high]: ppo.kl_coef = 0.06 not proposed again" in out.read_text()
+    assert json.loads(advice.read_text())["settled"][0]["binding"] == "ppo.kl_coef = 0.06"
+    # A worse verdict settles it too; a fragile one, or no detectable difference, does not.
+    for verdict, fragile, proposed in (("worse", False, False), ("equivalent", True, True),
+                                       ("no detectable difference", False, True)):
+        variant = VariantResult(bindings=("ppo.kl_coef = 0.06",), verdict=verdict,
+                                robustness=Robustness(fragile=fragile))
+        agg.replace(variants={**agg.variants, "kl_coef_up": variant}).save(study_dir / "aggregate.json")
+        assert main(["advise", str(study_dir), "--out", str(out)]) == 0
+        assert ("kl_coef_up" in {v.name for v in load_study(out).variants}) == proposed, verdict
