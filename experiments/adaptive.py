@@ -8,7 +8,9 @@ difference from the baseline still contains zero, until it excludes zero or `max
 reached. The baseline gets as many seeds as the variants still running.
 
 The interval is Welch's t interval (scipy) at confidence 1 - alpha / m, m the study's variants,
-so stopping agrees with the report's Holm-corrected Welch verdict at its strictest step. Looking
+so stopping agrees with a Holm-corrected Welch verdict at its strictest step (`study.analysis =
+'welch'`); the report's paired verdict (the default: the baseline runs every look's seeds, so
+the seeds pair) can decide a variant the interval left undecided, or the reverse. Looking
 repeatedly raises the chance of a false verdict on a null variant; `spend_alpha_over_looks`
 (Bonferroni over the possible looks) bounds it at alpha, at the price of more seeds for real
 differences. `bench/adaptive_seeds.py` measures both: runs saved and the false verdict rate.
