@@ -11,7 +11,9 @@ reached. The baseline gets as many seeds as the variants still running. With
 would have; an explicit 'max_seeds' wins.
 
 The interval is Welch's t interval (scipy) at confidence 1 - alpha / m, m the study's variants,
-so stopping agrees with the report's Holm-corrected Welch verdict at its strictest step. Looking
+so stopping agrees with a Holm-corrected Welch verdict at its strictest step (`study.analysis =
+'welch'`); the report's paired verdict (the default: the baseline runs every look's seeds, so
+the seeds pair) can decide a variant the interval left undecided, or the reverse. Looking
 repeatedly raises the chance of a false verdict on a null variant; `spend_alpha_over_looks`
 (Bonferroni over the possible looks) bounds it at alpha, at the price of more seeds for real
 differences. `bench/adaptive_seeds.py` measures both: runs saved and the false verdict rate.

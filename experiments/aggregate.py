@@ -1,12 +1,21 @@
 """Aggregate and decide: per-variant statistics, a verdict against the baseline, the chosen variant.
 
 Input: the collected run results; output: a `results.StudyAggregate` (saved as aggregate.json),
-which the report renders and a later study's `resume_from` reads (`decision.chosen`). Verdicts:
-- `better` / `worse`: Holm-corrected Welch p-value below `study.alpha`, in the metric's direction;
+which the report renders and a later study's `resume_from` reads (`decision.chosen`). Every
+comparison records two analyses of the same seeds: Welch's t-test (independent groups) and the
+paired one (seed s of the variant against seed s of the baseline, which share their prompt
+order and sampling streams); `study.analysis` names the one that decides (`study.resolve_analysis`:
+'auto' is paired when the seeds pair and a previous round's correlation makes it the more sensitive). Verdicts:
+- `better` / `worse`: the deciding analysis's Holm-corrected p-value below `study.alpha`, in
+  the metric's direction;
+- `equivalent` (with `study.equivalence_margin` > 0): neither, and the deciding analysis's TOST
+  p-value, Holm-corrected across the variants, below alpha: the difference lies within
+  +-margin. A settled question: the advisor does not propose the change again;
 - `no detectable difference`, marked `underpowered` when the observed difference would need more
-  seeds than were run to be detected with 80% power;
-- `insufficient data`: fewer than two completed seeds on either side; `failed`: no run completed;
-  `undecidable`: runs completed but none logged the decision metric.
+  seeds than were run to be detected with 80% power (under the deciding analysis);
+- `insufficient data`: fewer than two completed seeds on either side (or, paired, fewer than two
+  seeds completed on both); `failed`: no run completed; `undecidable`: runs completed but none
+  logged the decision metric.
 Each verdict is checked leaving out one seed at a time (`leave_one_seed_out`): with a handful of
 seeds a verdict can hang on one of them, and the report marks such a verdict fragile.
 A guardrail is violated by a run whose final-window value is outside its bounds (or missing);
@@ -15,72 +24,113 @@ a variant with any violation, or any failed run, is never chosen.
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 from experiments import stats
 from experiments.collect import RunResult
-from experiments.results import (BASELINE, BETTER, DECIDED, FAILED, INSUFFICIENT, NO_DIFFERENCE, UNDECIDABLE,
-                                 WORSE, BestCheckpoints, CheckpointScore, Comparison, Decision, GuardrailCheck,
-                                 Robustness, RunOutcome, StudyAggregate, Summary, VariantResult)
+from experiments.results import (BASELINE, BETTER, DECIDED, EQUIVALENT, FAILED, INSUFFICIENT, NO_DIFFERENCE, PAIRED,
+                                 UNDECIDABLE, WELCH, WORSE, BestCheckpoints, CheckpointScore, Comparison, Decision,
+                                 GuardrailCheck, PairedComparison, Robustness, RunOutcome, StudyAggregate, Summary,
+                                 VariantResult)
 from experiments.rundir import COMPLETED, GOLD_METRIC
-from experiments.study import Study
+from experiments.study import Study, resolve_analysis
 
-__all__ = ["BETTER", "WORSE", "NO_DIFFERENCE", "INSUFFICIENT", "FAILED", "UNDECIDABLE", "aggregate", "decide",
-           "verdicts", "leave_one_seed_out"]
+__all__ = ["BETTER", "WORSE", "EQUIVALENT", "NO_DIFFERENCE", "INSUFFICIENT", "FAILED", "UNDECIDABLE", "aggregate",
+           "decide", "verdicts", "leave_one_seed_out"]
+
+ANALYSIS_NAMES = {WELCH: "Welch", PAIRED: "paired t"}
+
+Values = Union[Sequence[float], Mapping[int, float]]
 
 
-def _verdict(cmp: Dict, n: int, n_base: int, higher: bool, alpha: float) -> tuple:
-    """(verdict, underpowered, explanation) for one comparison."""
-    diff, p = cmp["difference"], cmp["p_value_holm"]
+def _by_seed(values: Values) -> Dict[int, float]:
+    """{seed: value}; a plain sequence's positions are its seeds."""
+    return dict(values) if isinstance(values, Mapping) else dict(enumerate(values))
+
+
+def _verdict(cmp: Dict, n: int, n_base: int, higher: bool, alpha: float, margin: float) -> tuple:
+    """(verdict, underpowered, explanation) for one comparison, read from its deciding analysis."""
+    analysis = cmp["analysis"]
+    own = cmp["paired"] if analysis == PAIRED else cmp  # the deciding analysis's own numbers
+    name = ANALYSIS_NAMES[analysis]
+    diff, p = own["difference"], cmp["p_value_holm"]
+    spread = own["sd_difference"] if analysis == PAIRED else cmp["pooled_std"]
     if n < 2 or n_base < 2:
         return INSUFFICIENT, True, f"{n} vs {n_base} completed seeds; at least 2 each are needed"
+    n_used = own["n_pairs"] if analysis == PAIRED else min(n, n_base)
+    if n_used < 2:
+        return INSUFFICIENT, True, (f"{n_used} seed(s) completed on both sides; the paired analysis needs at "
+                                    f"least 2 (study.analysis = 'welch' compares the groups)")
     improves = diff is not None and (diff > 0) == higher and diff != 0
-    if p is None and cmp["pooled_std"] == 0 and diff not in (None, 0):
-        return (BETTER if improves else WORSE), False, "every seed agrees (zero variance)"
+    if p is None and spread == 0 and diff not in (None, 0):
+        agree = "every seed agrees" if analysis == WELCH else "every seed pair differs by the same amount"
+        return (BETTER if improves else WORSE), False, f"{agree} (zero variance)"
     if p is not None and p < alpha:
-        return (BETTER if improves else WORSE), False, f"Holm-corrected p = {p:.3g} < {alpha:g}"
-    needed, mde = cmp["seeds_needed"], cmp["min_detectable_effect"]
-    underpowered = needed is None or needed > min(n, n_base)
+        return (BETTER if improves else WORSE), False, f"Holm-corrected {name} p = {p:.3g} < {alpha:g}"
+    tost = cmp.get("equivalence_p_holm")
+    if margin > 0 and tost is not None and tost < alpha:
+        return EQUIVALENT, False, (f"equivalent within ±{margin:g} (TOST p = {tost:.3g} < {alpha:g}, "
+                                   f"{name}, Holm-corrected)")
+    if margin > 0 and p is None and spread == 0 and diff == 0:
+        return EQUIVALENT, False, f"equivalent within ±{margin:g} (every seed agrees: zero variance, no difference)"
+    needed, mde = own["seeds_needed"], own["min_detectable_effect"]
+    underpowered = needed is None or needed > n_used
     if diff in (None, 0) or needed is None:
         why = "no observed difference"
     else:
-        why = f"{needed} seeds per variant needed to detect the observed difference {diff:+.4g} at 80% power"
+        why = (f"{needed} seeds per variant needed to detect the observed difference {diff:+.4g} at 80% power "
+               f"({name})")
     if mde is not None:
-        why += f"; minimum detectable effect at n={min(n, n_base)}: {mde:.4g}"
+        why += f"; minimum detectable effect at n={n_used}: {mde:.4g}"
     if diff not in (None, 0) and needed is not None and not underpowered:
         why = f"p = {p:.3g}, enough seeds to detect the observed difference: " + why
+    if margin > 0:
+        why += (f"; not shown equivalent within ±{margin:g}"
+                + (f" (TOST p = {tost:.3g})" if tost is not None else ""))
     return NO_DIFFERENCE, underpowered and diff not in (None, 0), why
 
 
-def verdicts(values: Mapping[str, Sequence[float]], higher: bool, alpha: float) -> Dict[str, tuple]:
+def verdicts(values: Mapping[str, Values], higher: bool, alpha: float, analysis: str = WELCH,
+             margin: float = 0.0) -> Dict[str, tuple]:
     """{variant: (comparison dict, verdict, underpowered, explanation)} for every variant but the
-    baseline: Welch against `values['baseline']`, Holm across the variants. Pure."""
-    names = [n for n in values if n != BASELINE]
-    base = list(values.get(BASELINE, ()))
-    comparisons = {n: stats.compare(values[n], base, higher, alpha) for n in names}
-    adjusted = stats.holm([comparisons[n]["p_value"] if comparisons[n]["p_value"] is not None else float("nan")
-                           for n in names])
+    baseline. `values`: {variant: {seed: value}} (or a list per variant, its positions the seeds).
+    Both analyses are computed against `values['baseline']`; `analysis` ('welch' | 'paired')
+    decides, its p-values (and TOST p-values, with a `margin` > 0) Holm-corrected across the
+    variants. Pure."""
+    by_seed = {n: _by_seed(v) for n, v in values.items()}
+    names = [n for n in by_seed if n != BASELINE]
+    base = by_seed.get(BASELINE, {})
+    comparisons = {}
+    for n in names:
+        cmp = stats.compare(list(by_seed[n].values()), list(base.values()), higher, alpha, margin)
+        cmp["paired"] = stats.compare_paired(by_seed[n], base, alpha, margin)
+        cmp["analysis"] = analysis
+        comparisons[n] = cmp
+
+    def holm(key: str) -> List[Optional[float]]:
+        raw = [(comparisons[n]["paired"] if analysis == PAIRED else comparisons[n])[key] for n in names]
+        return [None if p != p else p for p in stats.holm([float("nan") if p is None else p for p in raw])]
+
     out = {}
-    for n, p in zip(names, adjusted):
+    for n, p, tost in zip(names, holm("p_value"), holm("equivalence_p")):
         cmp = comparisons[n]
-        cmp["p_value_holm"] = None if p != p else p
-        out[n] = (cmp, *_verdict(cmp, len(values[n]), len(base), higher, alpha))
+        cmp["p_value_holm"], cmp["equivalence_p_holm"] = p, tost
+        out[n] = (cmp, *_verdict(cmp, len(by_seed[n]), len(base), higher, alpha, margin))
     return out
 
 
 def leave_one_seed_out(values_by_seed: Mapping[str, Mapping[int, float]], higher: bool,
-                       alpha: float) -> Dict[str, Robustness]:
+                       alpha: float, analysis: str = WELCH, margin: float = 0.0) -> Dict[str, Robustness]:
     """Per variant, its verdict with each seed left out of every variant (the baseline too), and
-    whether the full-data verdict survives: a better/worse verdict that some left-out seed
-    undoes, or a 'no detectable difference' that some left-out seed turns into better/worse,
+    whether the full-data verdict survives: a better/worse/equivalent verdict that some left-out
+    seed undoes, or a 'no detectable difference' that some left-out seed turns into one of them,
     is fragile. Pure: {variant: {seed: value}} in."""
-    full = {n: list(v.values()) for n, v in values_by_seed.items()}
-    reference = {n: r[1] for n, r in verdicts(full, higher, alpha).items()}
+    reference = {n: r[1] for n, r in verdicts(values_by_seed, higher, alpha, analysis, margin).items()}
     seeds = sorted({s for v in values_by_seed.values() for s in v})
     loo: Dict[str, Dict[str, str]] = {n: {} for n in reference}
     for seed in seeds:
-        left = {n: [x for s, x in v.items() if s != seed] for n, v in values_by_seed.items()}
-        for n, r in verdicts(left, higher, alpha).items():
+        left = {n: {s: x for s, x in v.items() if s != seed} for n, v in values_by_seed.items()}
+        for n, r in verdicts(left, higher, alpha, analysis, margin).items():
             loo[n][str(seed)] = r[1]
     out = {}
     for n, verdict in reference.items():
@@ -125,8 +175,11 @@ def _beside(study: Study, runs: Sequence[RunResult]) -> Dict[str, Summary]:
 
 
 def aggregate(study: Study, results: Sequence[RunResult], provenance: Optional[Dict] = None,
-              plots: Optional[Dict[str, str]] = None, adaptive=None, seed_plan=None) -> StudyAggregate:
-    """Study settings, per-variant stats and verdicts, their robustness, and the decision."""
+              plots: Optional[Dict[str, str]] = None, adaptive=None, seed_plan=None,
+              pilot_correlation: Optional[float] = None) -> StudyAggregate:
+    """Study settings, per-variant stats and verdicts, their robustness, and the decision.
+    `pilot_correlation`: the correlation between paired seeds a previous round measured, which
+    'auto' reads to choose the analysis (`study.resolve_analysis`)."""
     higher = study.direction == "higher"
     by_variant: Dict[str, List[RunResult]] = {v.name: [] for v in study.all_variants}
     for r in results:
@@ -134,8 +187,12 @@ def aggregate(study: Study, results: Sequence[RunResult], provenance: Optional[D
     by_seed = {name: {r.seed: r.value for r in runs if r.status == COMPLETED and r.value is not None}
                for name, runs in by_variant.items()}
     values = {name: list(v.values()) for name, v in by_seed.items()}
-    judged = verdicts(values, higher, alpha=study.alpha)
-    robust = leave_one_seed_out(by_seed, higher, study.alpha)
+    # The design (every planned run, whatever its outcome) picks the analysis, not the values.
+    analysis = resolve_analysis(study.analysis, {name: [r.seed for r in runs] for name, runs in by_variant.items()},
+                                pilot_correlation, study.alpha)
+    margin = study.equivalence_margin
+    judged = verdicts(by_seed, higher, study.alpha, analysis, margin)
+    robust = leave_one_seed_out(by_seed, higher, study.alpha, analysis, margin)
     declared = {v.name: v for v in study.all_variants}
     metric = f"{study.metric_from} {study.metric}"
     base_completed = sum(r.status == COMPLETED for r in by_variant.get(BASELINE, []))
@@ -161,7 +218,11 @@ def aggregate(study: Study, results: Sequence[RunResult], provenance: Optional[D
         elif not values[name] or (base_completed and not values[BASELINE]):
             verdict, underpowered = UNDECIDABLE, False
             why = f"no run logged {metric}"
-        variants[name] = VariantResult(**fields, comparison=Comparison(**{**cmp, "difference_ci95": tuple(cmp["difference_ci95"])}),
+        paired = cmp["paired"]
+        comparison = Comparison(**{**cmp, "difference_ci95": tuple(cmp["difference_ci95"]),
+                                   "paired": PairedComparison(**{**paired, "difference_ci95":
+                                                                 tuple(paired["difference_ci95"])})})
+        variants[name] = VariantResult(**fields, comparison=comparison,
                                        verdict=verdict,
                                        underpowered=underpowered, explanation=why,
                                        robustness=robust.get(name) if verdict not in (FAILED, UNDECIDABLE) else None)
@@ -170,12 +231,13 @@ def aggregate(study: Study, results: Sequence[RunResult], provenance: Optional[D
         metric_from=study.metric_from, direction=study.direction, alpha=study.alpha, seeds=tuple(study.seeds),
         guardrails=tuple(g.describe() for g in study.guardrails), variants=variants,
         decision=decide(variants, higher, metric), provenance=provenance or {}, plots=plots or {},
-        adaptive=adaptive, seed_plan=seed_plan, best_checkpoints=best_checkpoints(results, study.name))
+        adaptive=adaptive, seed_plan=seed_plan, best_checkpoints=best_checkpoints(results, study.name),
+        analysis=analysis, equivalence_margin=margin)
 
 
 def decide(variants: Dict[str, VariantResult], higher: bool, metric: str = "the decision metric") -> Decision:
     """The chosen variant: the best `better` one with clean guardrails and every run completed, else the
-    baseline. No choice (None) when no run completed, or none logged the metric."""
+    baseline (an `equivalent` variant is no reason to change: the baseline stays). No choice (None) when no run completed, or none logged the metric."""
     flagged = tuple(sorted(n for n, v in variants.items() if not v.guardrails_ok))
     if not any(v.completed for v in variants.values()):
         return Decision(None, "no decision: no run completed", flagged)

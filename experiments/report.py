@@ -16,10 +16,11 @@ from experiments.collect import RunResult, collect, load_plan, load_seed_plan
 from experiments.paths import portable
 from experiments.plan import RunSpec, git_commit
 from experiments.plots import plot_study
-from experiments.results import AdaptiveRecord, CheckpointScore, SeedPlan, StudyAggregate, VariantResult
+from experiments.results import (EQUIVALENT, PAIRED, WELCH, AdaptiveRecord, CheckpointScore, SeedPlan, StudyAggregate,
+                                 VariantResult)
 from rlhf.atomic import write_json, write_text
 from experiments.rundir import read_json
-from experiments.seed_plan import plan_line, shortfall
+from experiments.seed_plan import find_pilot, pilot_correlation, plan_line, shortfall
 from experiments.study import Study
 from rlhf.provenance import hardware_fingerprint
 
@@ -75,12 +76,28 @@ def provenance_summary(specs: Sequence[RunSpec]) -> tuple:
     return out, machine
 
 
-def _verdict_text(v: VariantResult) -> str:
-    text = v.verdict + (" (underpowered)" if v.underpowered else "")
+def _verdict_text(v: VariantResult, margin: float = 0.0) -> str:
+    text = v.verdict
+    if v.verdict == EQUIVALENT and v.comparison is not None:
+        p = v.comparison.equivalence_p_holm
+        text = f"equivalent within ±{margin:g}" + (f" (p = {p:.3g})" if p is not None else "")
+    text += " (underpowered)" if v.underpowered else ""
     if v.fragile:
         text += " (fragile)"
     if not v.guardrails_ok:
         text += " ⚠ guardrail"
+    return text
+
+
+ANALYSIS_TEXT = {PAIRED: "paired t-test over the seeds both sides ran", WELCH: "Welch's t-test"}
+
+
+def method_text(agg: StudyAggregate) -> str:
+    """How the verdicts were reached: the deciding test, Holm's correction, the margin when set."""
+    text = (f"alpha {agg.alpha:g} ({ANALYSIS_TEXT.get(agg.analysis, agg.analysis)}, Holm-corrected across "
+            f"{max(0, len(agg.variants) - 1)} variant(s))")
+    if agg.equivalence_margin > 0:
+        text += f"; equivalence: TOST within ±{agg.equivalence_margin:g}, Holm-corrected alike"
     return text
 
 
@@ -92,10 +109,10 @@ def render(agg: StudyAggregate) -> str:
         lines += [agg.description, ""]
     d = agg.decision
     decision = f"`{d.chosen}`: {d.reason}" if d.chosen else d.reason
+    ci = "the paired t interval" if agg.analysis == PAIRED else "Welch's t interval"
     lines += [f"**Decision:** {decision}.", "",
-              f"Metric: {metric}; seeds: {list(agg.seeds)}; alpha {agg.alpha:g} (Welch's t-test, "
-              f"Holm-corrected across {max(0, len(agg.variants) - 1)} variant(s)); a variant's 95% CI: "
-              f"percentile bootstrap; the difference's: Welch's t interval (uncorrected).", ""]
+              f"Metric: {metric}; seeds: {list(agg.seeds)}; {method_text(agg)}; a variant's 95% CI: "
+              f"percentile bootstrap; the difference's: {ci} (uncorrected).", ""]
     if agg.seed_plan:
         planned = [plan_line(agg.seed_plan, agg.direction), shortfall(agg.seed_plan, agg.direction)]
         lines += [f"Seed plan: {'; '.join(p.removeprefix('plan: ').removeprefix('notice: ') for p in planned if p)}.",
@@ -113,6 +130,9 @@ def render(agg: StudyAggregate) -> str:
                   + "). CPU numerics can differ across machines: compare variants run on the same one.", ""]
     lines += ["## Decision table", "", *decision_table(agg), ""]
     lines += explanations(agg)
+    both = analyses_table(agg)
+    if both:
+        lines += ["", "## Both analyses", "", *both]
     lines += ["", "## Per-seed values", "", *per_seed_table(agg)]
     lines += best_checkpoint_lines(agg)
     if agg.guardrails:
@@ -127,22 +147,25 @@ def render(agg: StudyAggregate) -> str:
 
 
 def decision_table(agg: StudyAggregate) -> List[str]:
-    """The decision table (markdown): per variant its statistics, the comparison and the verdict."""
-    lines = ["| variant | change | n | mean | std | SE | median | IQM | 95% CI | difference [95% CI] | "
+    """The decision table (markdown): per variant its statistics, the comparison by the deciding
+    analysis (its difference interval, Holm p, MDE and seeds needed) and the verdict."""
+    lines = ["| variant | change | n | mean | std | SE | median | IQM | 95% CI | difference [95% CI] | analysis | "
              "p (Holm) | Hedges' g | P(improve) | MDE | seeds needed | verdict |",
-             "|" + "---|" * 16]
+             "|" + "---|" * 17]
     for name, v in agg.variants.items():
         s, c = v.summary, v.comparison
+        own = c.decisive if c else None
         change = "; ".join(v.bindings) or "–"
         if v.coupled:
             change += " (coupled)"
-        diff = f"{_fmt(c.difference)} {_ci(c.difference_ci95)}" if c else "–"
+        diff = f"{_fmt(own.difference)} {_ci(own.difference_ci95)}" if c else "–"
         lines.append(f"| {name} | `{change}` | {s.n}/{len(v.runs)} | {_fmt(s.mean)} | {_fmt(s.std)} | "
                      f"{_fmt(s.se)} | {_fmt(s.median)} | {_fmt(s.iqm)} | {_ci(s.ci95)} | {diff} | "
+                     f"{c.analysis if c else '–'} | "
                      f"{_fmt(c.p_value_holm if c else None)} | {_fmt(c.hedges_g if c else None, 3)} | "
                      f"{_fmt(c.prob_improvement if c else None, 3)} | "
-                     f"{_fmt(c.min_detectable_effect if c else None)} | "
-                     f"{_fmt(c.seeds_needed if c else None)} | {_verdict_text(v)} |")
+                     f"{_fmt(own.min_detectable_effect if c else None)} | "
+                     f"{_fmt(own.seeds_needed if c else None)} | {_verdict_text(v, agg.equivalence_margin)} |")
     beside = beside_metrics(agg)
     if beside:
         lines += ["", f"Beside {agg.metric} (final held-out, mean +- std over the completed seeds):", "",
@@ -167,11 +190,38 @@ def explanations(agg: StudyAggregate) -> List[str]:
     lines = []
     for name, v in agg.variants.items():
         if v.explanation:
-            line = f"- `{name}`: {v.verdict}: {v.explanation}"
+            said = v.explanation.startswith(v.verdict)  # "equivalent within ±0.02 (...)" names itself
+            line = f"- `{name}`: {v.explanation}" if said else f"- `{name}`: {v.verdict}: {v.explanation}"
             if v.fragile:
                 loo = ", ".join(f"without seed {s}: {x}" for s, x in v.robustness.leave_one_out.items())
                 line += f"; fragile ({loo})"
             lines.append(line + ".")
+    return lines
+
+
+def analyses_table(agg: StudyAggregate) -> List[str]:
+    """Both analyses of every variant (markdown), whichever decided: Welch's (independent groups)
+    and the paired one (seed s against seed s), with Wilcoxon's signed-rank p and the pairs'
+    correlation, and the TOST p-values when an equivalence margin is set (all before Holm)."""
+    rows = [(name, v.comparison) for name, v in agg.variants.items() if v.comparison is not None]
+    if not rows:
+        return []
+    margin = agg.equivalence_margin
+    tost = margin > 0
+    lines = [f"p-values before Holm's correction; {agg.analysis} decides (study.analysis). Correlation: "
+             f"Pearson's, of the variant's and the baseline's values over the shared seeds."
+             + (f" TOST: equivalence within ±{margin:g}." if tost else ""), "",
+             "| variant | Welch difference [95% CI] | Welch p | pairs | paired difference [95% CI] | paired t p | "
+             "Wilcoxon p | correlation |" + (" TOST p (Welch) | TOST p (paired) |" if tost else ""),
+             "|" + "---|" * (8 + 2 * tost)]
+    for name, c in rows:
+        pr = c.paired
+        paired = (f"{pr.n_pairs} | {_fmt(pr.difference)} {_ci(pr.difference_ci95)} | {_fmt(pr.p_value)} | "
+                  f"{_fmt(pr.wilcoxon_p_value)} | {_fmt(pr.correlation, 3)} |") if pr else "– | – | – | – | – |"
+        line = f"| {name} | {_fmt(c.difference)} {_ci(c.difference_ci95)} | {_fmt(c.p_value)} | {paired}"
+        if tost:
+            line += f" {_fmt(c.equivalence_p)} | {_fmt(pr.equivalence_p if pr else None)} |"
+        lines.append(line)
     return lines
 
 
@@ -252,7 +302,8 @@ def write_report(study: Study, study_dir: Path, specs: Optional[List[RunSpec]] =
     results: List[RunResult] = collect(specs, study)
     plots = plot_study(study.name, results, study_dir / "plots")
     provenance, machine = provenance_summary(specs)
-    agg = aggregate(study, results, provenance, plots=plots, adaptive=adaptive, seed_plan=seed_plan)
+    agg = aggregate(study, results, provenance, plots=plots, adaptive=adaptive, seed_plan=seed_plan,
+                    pilot_correlation=pilot_correlation(find_pilot(study, study_dir.parent)))
     write_json(study_dir / MACHINE_PROVENANCE, machine)
     agg.save(study_dir / "aggregate.json")
     write_text(study_dir / "report.md", render(agg))

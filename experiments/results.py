@@ -8,16 +8,22 @@ dataclasses, which also checks the types when a file is read.
 
 The file (`RESULTS/<study>/aggregate.json`), one JSON object:
 - `study`, `study_file`, `description`, `metric`, `metric_from` (`final` | `final_window`),
-  `direction` (`higher` | `lower`), `alpha`, `seeds`, `guardrails` (their descriptions);
+  `direction` (`higher` | `lower`), `alpha`, `seeds`, `guardrails` (their descriptions),
+  `analysis` (`paired` | `welch`: the test that decided the verdicts, `study.analysis` with
+  'auto' resolved), `equivalence_margin` (in the metric's units; 0: no equivalence test);
 - `variants`: {name: variant}, the baseline first. A variant: `bindings` (its change), `coupled`,
   `summary` (n, mean, std, se, median, iqm, ci95 of the per-seed values), `runs` (per seed:
   seed, status, value, error, steps, run_dir relative to the study dir, guardrail values),
   `completed` / `failed` / `incomplete` run counts, `guardrails` ({metric: bound, min, max,
   per-seed values, violated_seeds, ok}), `guardrails_ok`, `comparison` against the baseline
-  (difference and its Welch 95% interval, p_value, p_value_holm, hedges_g, prob_improvement,
-  pooled_std, min_detectable_effect, seeds_needed; null for the baseline), `verdict`,
-  `underpowered`, `explanation`, `robustness` (the verdict with each seed left out, and
-  `fragile` when one of them differs);
+  (null for the baseline): Welch's analysis (difference and its Welch 95% interval, p_value,
+  hedges_g, prob_improvement, pooled_std, min_detectable_effect, seeds_needed, equivalence_p),
+  `paired`, the paired analysis over the seeds both sides completed (n_pairs, difference and
+  its paired t interval, sd_difference, p_value, wilcoxon_p_value, correlation,
+  min_detectable_effect, seeds_needed, equivalence_p), `analysis` (which of the two decided),
+  and that analysis's p_value_holm and equivalence_p_holm (Holm across the study's variants);
+  `verdict`, `underpowered`, `explanation`, `robustness` (the verdict with each seed left out,
+  and `fragile` when one of them differs);
 - `decision`: `chosen` (null when nothing could be decided), `reason`, `guardrail_violations`;
 - `provenance`: what the results depend on (the engine code's hash, data hashes, start
   checkpoints, recipe) and `hardware_mixed` when runs came from different machines; the
@@ -46,9 +52,12 @@ from pydantic import TypeAdapter
 
 BASELINE = "baseline"
 # Verdicts.
-BETTER, WORSE, NO_DIFFERENCE, INSUFFICIENT, FAILED, UNDECIDABLE = (
-    "better", "worse", "no detectable difference", "insufficient data", "failed", "undecidable")
-DECIDED = (BETTER, WORSE)
+BETTER, WORSE, EQUIVALENT, NO_DIFFERENCE, INSUFFICIENT, FAILED, UNDECIDABLE = (
+    "better", "worse", "equivalent", "no detectable difference", "insufficient data", "failed", "undecidable")
+DECIDED = (BETTER, WORSE, EQUIVALENT)
+"""The verdicts that settle a comparison (leave-one-seed-out checks that they survive)."""
+# Analyses: how a variant's seeds are compared with the baseline's (study.analysis).
+WELCH, PAIRED = "welch", "paired"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,18 +74,60 @@ class Summary:
 
 
 @dataclasses.dataclass(frozen=True)
+class PairedComparison:
+    """The paired analysis: seed s of the variant against seed s of the baseline, over the seeds
+    both completed (`stats.compare_paired`)."""
+
+    n_pairs: int = 0
+    difference: Optional[float] = None
+    """Mean of the per-seed differences."""
+    difference_ci95: Tuple[Optional[float], Optional[float]] = (None, None)
+    """Paired t interval (uncorrected)."""
+    sd_difference: Optional[float] = None
+    p_value: Optional[float] = None
+    """Paired t-test (scipy's ttest_rel), before Holm."""
+    wilcoxon_p_value: Optional[float] = None
+    correlation: Optional[float] = None
+    """Pearson's correlation of the pairs (null below 3 pairs)."""
+    min_detectable_effect: Optional[float] = None
+    seeds_needed: Optional[int] = None
+    equivalence_p: Optional[float] = None
+    """Paired TOST p-value for the study's equivalence margin, before Holm (null: no margin)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Comparison:
-    """A variant against the baseline (`stats.compare`, then Holm across the study's variants)."""
+    """A variant against the baseline: Welch's analysis (`stats.compare`) in the top-level fields,
+    the paired one (`stats.compare_paired`) in `paired`; `analysis` names the one that decided,
+    and the `_holm` fields are its p-values Holm-corrected across the study's variants."""
 
     difference: Optional[float] = None
     difference_ci95: Tuple[Optional[float], Optional[float]] = (None, None)
+    """Welch's t interval (uncorrected)."""
     p_value: Optional[float] = None
+    """Welch's t-test, before Holm."""
     p_value_holm: Optional[float] = None
+    """The deciding analysis's p-value, Holm-corrected."""
     hedges_g: Optional[float] = None
     prob_improvement: Optional[float] = None
     pooled_std: Optional[float] = None
     min_detectable_effect: Optional[float] = None
     seeds_needed: Optional[int] = None
+    equivalence_p: Optional[float] = None
+    """Welch TOST p-value for the study's equivalence margin, before Holm (null: no margin)."""
+    analysis: str = WELCH
+    """Which analysis decided the verdict: 'welch' or 'paired' (files written before the paired
+    analysis existed were decided by Welch's)."""
+    paired: Optional[PairedComparison] = None
+    equivalence_p_holm: Optional[float] = None
+    """The deciding analysis's TOST p-value, Holm-corrected (null: no margin)."""
+
+    @property
+    def decisive(self):
+        """The deciding analysis's own record: `paired`, or this comparison for Welch's (both
+        have difference, difference_ci95, p_value, min_detectable_effect, seeds_needed,
+        equivalence_p)."""
+        return self.paired if self.analysis == PAIRED and self.paired is not None else self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +164,8 @@ class Robustness:
     leave_one_out: Dict[str, str] = dataclasses.field(default_factory=dict)
     """{seed left out (as text): verdict}."""
     fragile: bool = False
-    """True when a verdict of better/worse does not survive leaving out some seed, or when
-    leaving out one seed turns 'no detectable difference' into better/worse."""
+    """True when a verdict of better/worse/equivalent does not survive leaving out some seed, or
+    when leaving out one seed turns 'no detectable difference' into one of them."""
     fragile_seeds: Tuple[int, ...] = ()
 
 
@@ -270,6 +321,10 @@ class StudyAggregate:
     adaptive: Optional[AdaptiveRecord] = None
     seed_plan: Optional[SeedPlan] = None
     best_checkpoints: Optional[BestCheckpoints] = None
+    analysis: str = WELCH
+    """The analysis that decided the verdicts ('auto' resolved); older files: Welch's."""
+    equivalence_margin: float = 0.0
+    """study.equivalence_margin, in the metric's units (0: no equivalence test)."""
 
     # ----------------------------------------------------------------- reading helpers
     @property

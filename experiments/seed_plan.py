@@ -37,7 +37,7 @@ from typing import List, Optional, Tuple
 from experiments import stats
 from experiments.plan import is_checkpoint_dir, previous_aggregate
 from experiments.results import SeedPlan, StudyAggregate
-from experiments.study import Study, StudyError
+from experiments.study import AUTO, PAIRED, WELCH, Study, StudyError
 
 PILOT_SEEDS = 3
 """The seeds of the pilot round proposed when there is no spread to plan from (the guide's three)."""
@@ -60,19 +60,37 @@ def pilot_spread(pilot: StudyAggregate) -> Tuple[Optional[float], int, int, Opti
             min(correlations) if correlations else None)
 
 
+def pilot_correlation(pilot: Optional[StudyAggregate]) -> Optional[float]:
+    """The correlation between paired seeds a finished round measured (the smallest over its
+    variants), None when it measured none: what `study.analysis = 'auto'` reads."""
+    return pilot_spread(pilot)[3] if pilot is not None else None
+
+
 def make_plan(pilot: Optional[StudyAggregate], *, target_effect: float, power: float, alpha: float,
-              variants: int, seeds_run: int) -> SeedPlan:
+              variants: int, seeds_run: int, analysis: str = AUTO) -> SeedPlan:
     """The seed plan for `variants` comparisons with the baseline, from `pilot`'s spread (None: no
-    pilot). Pure: the same numbers give the same plan."""
+    pilot). The design is the analysis the round will use: under 'auto', paired when the pilot
+    measured a correlation at which the paired design needs fewer seeds (`resolve_analysis` then
+    chooses it at the planned seeds), Welch's otherwise. Pure: the same numbers give the same plan."""
     comparisons = max(variants, 1)
     per_test = alpha / comparisons
     sigma, n, k, r = pilot_spread(pilot) if pilot is not None else (None, 0, 0, None)
+    if sigma is not None and analysis != WELCH:
+        def needed(**design):
+            return stats.seeds_needed(target_effect, sigma, per_test, power, **design) or stats.MAX_SEEDS + 1
+        at = stats.design_correlation(r)
+        if analysis == AUTO and (r is None or needed(paired=True, correlation=at) >= needed()):
+            r = None  # Welch's design: pairing would not save a seed
+        elif analysis == PAIRED:
+            r = at
+    elif analysis == WELCH:
+        r = None
     plan = SeedPlan(target_effect=float(target_effect), power=float(power), alpha=float(alpha),
                     comparisons=comparisons, pilot=pilot.study if pilot is not None else "", pilot_seeds=n,
                     pilot_variants=k, correlation=r, seeds_run=seeds_run)
     if sigma is None:
         return plan
-    design = dict(paired=r is not None, correlation=r if r is not None else 0.0)
+    design = dict(paired=r is not None, correlation=stats.design_correlation(r) if r is not None else 0.0)
     at_run = stats.power(target_effect, sigma, seeds_run, seeds_run, per_test, **design)
     return dataclasses.replace(plan, sigma=sigma,
                                seeds=stats.seeds_needed(target_effect, sigma, per_test, power, **design),
@@ -107,11 +125,13 @@ def seed_plan(study: Study, results_dir: str | Path) -> Optional[SeedPlan]:
     if study.target_effect is None:
         return None
     plan = make_plan(find_pilot(study, results_dir), target_effect=study.target_effect, power=study.power,
-                     alpha=study.alpha, variants=len(study.variants), seeds_run=seeds_run(study))
+                     alpha=study.alpha, variants=len(study.variants), seeds_run=seeds_run(study),
+                     analysis=study.analysis)
     if study.adaptive_seeds is not None and study.adaptive_seeds.max_seeds is None and plan.seeds is not None:
         planned = max(plan.seeds, study.adaptive_seeds.min_seeds)  # adaptive seeds stop at the plan
         at_run = stats.power(plan.target_effect, plan.sigma, planned, planned, plan.alpha / plan.comparisons,
-                             paired=plan.correlation is not None, correlation=plan.correlation or 0.0)
+                             paired=plan.correlation is not None,
+                             correlation=stats.design_correlation(plan.correlation))
         plan = dataclasses.replace(plan, seeds_run=planned, power_at_seeds_run=at_run if math.isfinite(at_run) else None)
     return plan
 

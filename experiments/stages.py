@@ -83,7 +83,8 @@ def cmd_sft(args) -> int:
 # ----------------------------------------------------------------------------- params
 def study_params(path: str, bindings: List[str]) -> Dict:
     """A study's resolved settings as nested YAML-able dicts: the baseline's operative config,
-    each variant's change, seeds and the decision metric."""
+    each variant's change, seeds, the decision metric and how it is judged (alpha, analysis,
+    equivalence margin: they change the report, not a run)."""
     from experiments.plan import config_changes, resolve_config
     from experiments.study import load_study
     from rlhf.config import flat_dict
@@ -98,7 +99,9 @@ def study_params(path: str, bindings: List[str]) -> Dict:
                           f"study.variants[{variant.name!r}]")
         variants[variant.name] = config_changes(base, flat_dict(cfg))
     return {"study": {"name": study.name, "seeds": list(study.seeds), "metric": study.metric,
-                      "direction": study.direction, "resume_from": portable(study.resume_from) or None},
+                      "direction": study.direction, "resume_from": portable(study.resume_from) or None,
+                      "alpha": study.alpha, "analysis": study.analysis,
+                      "equivalence_margin": study.equivalence_margin},
             "baseline": _nested(flat), "variants": {k: _nested(v) for k, v in variants.items()}}
 
 
@@ -115,14 +118,15 @@ def cmd_params(args) -> int:
 
 # ----------------------------------------------------------------------------- export
 def headline(aggregate: StudyAggregate) -> Dict:
-    """dvc metrics: per variant n/mean/std/CI and, against the baseline, difference, p, verdict."""
+    """dvc metrics: per variant n/mean/std/CI and, against the baseline, difference, the deciding
+    analysis and its Holm p, verdict."""
     out: Dict = {"chosen": aggregate.decision.chosen, "metric": aggregate.metric}
     for name, v in aggregate.variants.items():
         s = v.summary
         row = {"n": s.n, "mean": s.mean, "std": s.std, "ci95_low": s.ci95[0], "ci95_high": s.ci95[1]}
         cmp = v.comparison
         if cmp:
-            row.update(difference=cmp.difference, p_value_holm=cmp.p_value_holm,
+            row.update(difference=cmp.difference, p_value_holm=cmp.p_value_holm, analysis=cmp.analysis,
                        prob_improvement=cmp.prob_improvement)
         row["verdict"] = v.verdict
         out[name] = row

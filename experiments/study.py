@@ -50,7 +50,10 @@ START_GAP_S = 60.0
 """Default `study.start_gap_s`: a vLLM engine's start-up (load, memory profile, CUDA graphs) takes about a minute."""
 METRIC_SOURCES = ("final", "final_window")
 DIRECTIONS = ("higher", "lower")
-from experiments.results import BASELINE  # noqa: E402  (one definition: the results name the baseline)
+from experiments import stats  # noqa: E402
+from experiments.results import BASELINE, PAIRED, WELCH  # noqa: E402  (one definition: the results name them)
+AUTO = "auto"
+ANALYSES = (AUTO, PAIRED, WELCH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +121,11 @@ class Study:
     pilot: str = ""
     """A previous study's name (RESULTS/<name>) or results dir (absolute) whose spread sizes this
     round; '' takes resume_from's study."""
+    analysis: str = AUTO
+    """How a variant's seeds are compared with the baseline's: 'paired', 'welch', or 'auto'
+    (chosen from the design by `resolve_analysis`)."""
+    equivalence_margin: float = 0.0
+    """A difference within +-this (the metric's units) counts as none: TOST equivalence; 0: off."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME_RE.match(self.name):
@@ -158,6 +166,11 @@ class Study:
                                                   f"detecting a true difference of study.target_effect)")
         if not isinstance(self.pilot, str):
             raise _bad("study.pilot", self.pilot, _PILOT)
+        _choice("analysis", self.analysis, ANALYSES)
+        margin = self.equivalence_margin
+        if not _is_number(margin) or margin != margin or margin < 0 or margin == float("inf"):
+            raise _bad("study.equivalence_margin", margin, "must be a number >= 0 in the metric's units "
+                                                           "(0 turns the equivalence test off)")
 
     @property
     def all_variants(self) -> Tuple[Variant, ...]:
@@ -182,6 +195,29 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def resolve_analysis(analysis: str, planned_seeds: Mapping[str, Sequence[int]],
+                     pilot_correlation: Optional[float] = None, alpha: float = 0.05) -> str:
+    """The analysis a study's verdicts use: `analysis` itself unless it is 'auto', which is
+    decided before any of the round's values are read, from its design and a previous round:
+    'paired' when every variant runs on seeds the baseline also runs (seed s of every variant
+    shares its prompt order and sampling streams with seed s of the baseline: the engine seeds
+    everything from ppo.seed) and the pilot round's measured correlation between paired seeds
+    makes the paired t-test the more sensitive at this round's seeds (a smaller minimum detectable
+    effect: pairing halves the degrees of freedom, which a weak correlation does not repay);
+    'welch' otherwise, and when no previous round measured a correlation. Both designs a study
+    declares pair their runs: fixed `study.seeds` are every variant's, and adaptive seeds give
+    the baseline every look's seeds, so a variant that stopped early ran a prefix of them."""
+    if analysis != AUTO:
+        return analysis
+    base = set(planned_seeds.get(BASELINE, ()))
+    others = [set(seeds) for name, seeds in planned_seeds.items() if name != BASELINE]
+    shared = bool(base) and all(seeds <= base for seeds in others)
+    if not shared or pilot_correlation is None:
+        return WELCH
+    n = min([len(s) for s in others] or [len(base)])
+    return PAIRED if stats.paired_is_more_sensitive(n, pilot_correlation, alpha) else WELCH
+
+
 def _integer(key: str, value, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise _bad(f"study.{key}", value, f"must be an integer >= {minimum}")
@@ -202,7 +238,8 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
           resume_from: str = "", resume_variant: str = "", cpus_per_run: int = 1,
           gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, wandb_project: str = "",
           adaptive_seeds: Mapping = None, resume_setting: bool = False, start_gap_s: float = START_GAP_S,
-          target_effect: float = None, power: float = POWER, pilot: str = "") -> dict:
+          target_effect: float = None, power: float = POWER, pilot: str = "", analysis: str = AUTO,
+          equivalence_margin: float = 0.0) -> dict:
     """What a study file binds (`study.<parameter> = value`), with its defaults; returns them.
 
     name: the study's name; its results live in RESULTS/<name>/. Required.
@@ -229,7 +266,18 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
         finds no memory for its cache); 0 starts them together.
     retries: extra attempts for a run that crashed or was killed (a divergence or a
         configuration error is deterministic and never retried).
-    alpha: significance level of the Holm-corrected Welch tests.
+    alpha: significance level of the Holm-corrected tests (the difference, and equivalence).
+    analysis: 'paired' (the paired t-test of the per-seed differences: seed s of a variant shares
+        its prompts and sampling streams with seed s of the baseline, so pairing removes the luck
+        they share), 'welch' (Welch's t-test of the two groups of seeds), or 'auto': decided from
+        the design and the pilot round before any of this round's values are read: 'paired' when
+        every variant runs on the baseline's seeds (true of fixed study.seeds and of adaptive
+        seeds) and the pilot's measured correlation between paired seeds makes the paired test the
+        more sensitive at this round's seeds, 'welch' otherwise (`resolve_analysis`). Both are
+        reported; this one decides.
+    equivalence_margin: a number >= 0 in the metric's units (0: off). A variant neither better nor
+        worse whose difference lies within +-margin by two one-sided tests (TOST, the chosen
+        analysis, Holm-corrected) is 'equivalent': a settled question, not a lack of seeds.
     wandb_project: the W&B project of the study's runs (default: the study's name).
     adaptive_seeds: {'max_seeds': N} (optional 'min_seeds', 'step', 'spend_alpha_over_looks'): start
         with study.seeds and add seeds to variants whose difference from the baseline is undecided.
@@ -369,7 +417,13 @@ def _validate(args: dict, path: Path) -> Study:
         adaptive_seeds=parse_adaptive_seeds(args["adaptive_seeds"], len(seeds),
                                             planned=args["target_effect"] is not None),
         resume_setting=args["resume_setting"], start_gap_s=args["start_gap_s"],
-        target_effect=args["target_effect"], power=args["power"], pilot=pilot)
+        target_effect=args["target_effect"], power=args["power"], pilot=pilot, analysis=args["analysis"],
+        equivalence_margin=_as_float(args["equivalence_margin"]))
+
+
+def _as_float(value):
+    """An integer margin as a float; anything else as written, for `Study` to judge and quote."""
+    return float(value) if _is_number(value) and value >= 0 else value
 
 
 def split_cli_bindings(bindings: Sequence[str]) -> Tuple[List[str], List[str]]:

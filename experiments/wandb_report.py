@@ -61,7 +61,7 @@ def build_report(agg: StudyAggregate, study_dir: str | Path, project: str, entit
     import wandb_workspaces.reports.v2 as wr
     from wandb_workspaces import expr
 
-    from experiments.report import decision_table, explanations, per_seed_table
+    from experiments.report import decision_table, explanations, method_text, per_seed_table
 
     d = agg.decision
     decision = f"**Decision: `{d.chosen}`**: {d.reason}." if d.chosen else f"**No decision**: {d.reason}."
@@ -80,8 +80,7 @@ def build_report(agg: StudyAggregate, study_dir: str | Path, project: str, entit
         wr.H1(text=f"Study {agg.study}: {d.chosen or 'no decision'}"),
         wr.MarkdownBlock(text="\n\n".join([agg.description, decision,
                                            f"Metric: {agg.metric_from} {agg.metric} ({agg.direction} is better); "
-                                           f"seeds {list(agg.seeds)}; alpha {agg.alpha:g}, Welch's t-test with Holm's "
-                                           f"correction.", *notes]).strip()),
+                                           f"seeds {list(agg.seeds)}; {method_text(agg)}.", *notes]).strip()),
         wr.H2(text="Decision table"),
         wr.MarkdownBlock(text="\n".join([*decision_table(agg), "", *explanations(agg)])),
         wr.H2(text="Per-seed values"),

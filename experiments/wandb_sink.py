@@ -260,8 +260,9 @@ def log_study_aggregate(*, project: str, study: str, study_hash: str, columns: L
 
 
 AGGREGATE_COLUMNS = ["variant", "change", "n", "mean", "std", "se", "ci95_low", "ci95_high", "difference",
-                     "difference_ci95_low", "difference_ci95_high", "p_value_holm", "hedges_g", "prob_improvement",
-                     "verdict", "underpowered", "fragile", "guardrails_ok"]
+                     "difference_ci95_low", "difference_ci95_high", "analysis", "p_value_holm", "hedges_g",
+                     "prob_improvement", "verdict", "underpowered", "fragile", "guardrails_ok"]
+"""The difference's interval and the Holm p are the deciding analysis's (`analysis`)."""
 
 
 def aggregate_rows(aggregate: StudyAggregate) -> List[List]:
@@ -269,9 +270,11 @@ def aggregate_rows(aggregate: StudyAggregate) -> List[List]:
     rows = []
     for name, v in aggregate.variants.items():
         s, c = v.summary, v.comparison
+        own = c.decisive if c else None
         rows.append([name, "; ".join(v.bindings) or "baseline", s.n, s.mean, s.std, s.se, s.ci95[0], s.ci95[1],
-                     c.difference if c else None, c.difference_ci95[0] if c else None,
-                     c.difference_ci95[1] if c else None, c.p_value_holm if c else None, c.hedges_g if c else None,
+                     c.difference if c else None, own.difference_ci95[0] if c else None,
+                     own.difference_ci95[1] if c else None, c.analysis if c else None,
+                     c.p_value_holm if c else None, c.hedges_g if c else None,
                      c.prob_improvement if c else None, v.verdict if c else "reference", v.underpowered,
                      v.fragile, v.guardrails_ok])
     return rows

@@ -6,6 +6,9 @@ When two rules touch the same parameter (a sawtooth and a high variance both low
 memory and utilisation both move the rollout batch) the one further past its threshold is kept,
 unless the other declares that it outranks it (`Rule.outranks`: over-optimisation replaces the
 plain KL-too-high step), and the other is reported as `superseded`, so the evidence is not lost.
+A change the study already settled (a variant that set the same value was found equivalent or
+worse: `Window.settled`) is not proposed again: it is reported as `settled`, and the next
+suggestion for that parameter, if any, takes its place.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class Advice:
     silent: List[str]
     """The rules that checked and found nothing to change (or lacked their metrics)."""
     variant: str = ""
+    settled: List[Tuple[Suggestion, str]] = dataclasses.field(default_factory=list)
+    """(suggestion, why) for the changes the study already settled: not proposed again."""
 
     def variants(self, limit: Optional[int] = None) -> List[Tuple[Suggestion, str, str]]:
         """(suggestion, variant name, binding) of every change in rank order, a bracket's values
@@ -78,7 +83,8 @@ class Advice:
     def to_json(self) -> dict:
         return {"variant": self.variant, "changes": [s.to_json() for s in self.changes],
                 "warnings": [s.to_json() for s in self.warnings],
-                "superseded": [s.to_json() for s in self.superseded], "silent": list(self.silent)}
+                "superseded": [s.to_json() for s in self.superseded], "silent": list(self.silent),
+                "settled": [{**s.to_json(), "why": why} for s, why in self.settled]}
 
 
 def advise(window: Window, rules: Iterable[Rule] = RULES) -> Advice:
@@ -89,15 +95,18 @@ def advise(window: Window, rules: Iterable[Rule] = RULES) -> Advice:
         (fired.append(suggestion) if suggestion else silent.append(rule.name))
         outranks[rule.name] = rule.outranks
     ranked = sorted(fired, key=lambda s: -s.severity)
+    settled = [(s, window.settled[(s.parameter, s.proposed)]) for s in ranked
+               if not s.is_warning and (s.parameter, s.proposed) in window.settled]
+    open_ = [s for s in ranked if not any(s is t for t, _ in settled)]
     by_parameter: Dict[str, List[Suggestion]] = {}
-    for s in ranked:
+    for s in open_:
         if not s.is_warning:
             by_parameter.setdefault(s.parameter, []).append(s)
     kept = []
     for group in by_parameter.values():
         beaten = {name for s in group for name in outranks.get(s.rule, ())}
         kept.append(next((s for s in group if s.rule not in beaten), group[0]))
-    changes = [s for s in ranked if any(s is k for k in kept)]
-    superseded = [s for s in ranked if not s.is_warning and not any(s is k for k in kept)]
+    changes = [s for s in open_ if any(s is k for k in kept)]
+    superseded = [s for s in open_ if not s.is_warning and not any(s is k for k in kept)]
     return Advice(changes=changes, warnings=[s for s in ranked if s.is_warning], superseded=superseded,
-                  silent=silent, variant=window.variant)
+                  silent=silent, variant=window.variant, settled=settled)

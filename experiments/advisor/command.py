@@ -73,6 +73,8 @@ def cmd_advise(args: Namespace, console: Console) -> int:
         table.add_row(rank, s.rule, s.change, _evidence(s.evidence), s.rationale)
     for s in advice.superseded:
         table.add_row("superseded", s.rule, s.change, _evidence(s.evidence), s.rationale)
+    for s, why in advice.settled:
+        table.add_row("settled", s.rule, s.change, _evidence(s.evidence), f"not proposed again: {why}")
     console.print(table)
     console.print(f"silent: {', '.join(advice.silent) or 'none'}", highlight=False)
     name = args.name or f"{study_dir.name}_next"

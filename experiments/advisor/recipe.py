@@ -5,8 +5,9 @@ bindings as were run (read from plan.json, so `-b` bindings given at run time ar
 the chosen variant's change, resuming from this study's results dir (the planner then starts
 every seed from the chosen variant's checkpoint of that seed). Each suggested change becomes
 one variant, a bracket one variant per value (each still a single parameter); the decision
-metric, direction, seeds, guardrails and resources carry over. The evidence is written in the
-recipe's header, so the file explains itself when read later.
+metric, direction, seeds, guardrails, equivalence margin and resources carry over (a change the
+study found equivalent or worse is not proposed again). The evidence is written in the recipe's
+header, so the file explains itself when read later.
 
 When this round had a target effect (its aggregate's `seed_plan`), the next round's seeds are
 planned from this round's spread for that target (experiments/seed_plan.py, alpha / the next
@@ -104,6 +105,8 @@ def next_study_text(study_dir: str | Path, advice: Advice, name: Optional[str] =
                   f"#      evidence (window of {agg.study}/{chosen}): {evidence}"]
     for s in advice.warnings:
         lines.append(f"#   flag [{s.rule}]: {s.rationale} ({s.evidence})")
+    for s, why in advice.settled:
+        lines.append(f"#   settled [{s.rule}]: {s.binding} not proposed again: {why}")
     if not kept:
         lines.append("#   (no rule fired: this round re-runs the chosen setting from its checkpoints)")
     target = agg.seed_plan
@@ -132,6 +135,7 @@ def next_study_text(study_dir: str | Path, advice: Advice, name: Optional[str] =
         f"study.metric_from = {agg.metric_from!r}",
         f"study.direction = {agg.direction!r}",
         f"study.guardrails = {_guardrails(agg)!r}",
+        *([f"study.equivalence_margin = {agg.equivalence_margin!r}"] if agg.equivalence_margin else []),
         f"study.resume_from = {resume!r}",
         f"study.cpus_per_run = {int(cpus)!r}",
     ]

@@ -4,7 +4,9 @@ The guide's rules are judgements on curves ("KL oscillating in 0.03-0.08", "rewa
 crashing"), so a rule needs more than the final-window means of summary.json: it needs the
 per-step values of every seed. A `Window` holds them as (seeds x steps) arrays, NaN where a seed
 did not log a metric at a step, together with the parameter values the variant ran with (rules
-propose a change relative to them) and the device's memory when it is known.
+propose a change relative to them), the device's memory when it is known, and the changes the
+study already settled: a variant found `equivalent` (or `worse`) answered its question, so the
+advisor does not propose that change again.
 
 Held-out evaluations (`eval/...`) come apart, over the whole run: a run evaluates only every
 `ppo.eval_every` steps, so a window holds two or three of them, and over-optimisation is read from
@@ -20,13 +22,13 @@ import dataclasses
 import re
 import warnings
 from pathlib import Path
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from experiments.results import load_aggregate
+from experiments.results import EQUIVALENT, WORSE, StudyAggregate, load_aggregate
 from experiments.rundir import iter_metrics, read_json, scalar
-from experiments.study import StudyError
+from experiments.study import StudyError, split_binding
 
 DEFAULT_WINDOW = 50
 """Steps read by default: the guide judges trends "for long", more than summary.json's window."""
@@ -57,6 +59,8 @@ class Window:
     seeds: Sequence[int] = ()
     eval_steps: np.ndarray = dataclasses.field(default_factory=lambda: np.array([], int))
     evals: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    settled: Mapping[Tuple[str, object], str] = dataclasses.field(default_factory=dict)
+    """{(parameter, value): why} for the changes the study settled (`settled_changes`)."""
 
     def has(self, metric: str) -> bool:
         a = self.values.get(metric)
@@ -114,6 +118,35 @@ def parse_operative_config(text: str) -> Dict[str, object]:
     return out
 
 
+def _literal(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text.strip()
+
+
+def change_key(binding: str) -> Tuple[str, object]:
+    """'ppo.kl_coef = 0.06' -> ('ppo.kl_coef', 0.06): a binding as its parameter and value, so a
+    suggestion and a variant that set the same value match however the value was written."""
+    key, value = split_binding(binding, "binding")
+    return key, _literal(value)
+
+
+SETTLING_VERDICTS = (EQUIVALENT, WORSE)
+"""Verdicts that answer a change's question: no gain within the margin, or a loss."""
+
+
+def settled_changes(agg: StudyAggregate) -> Dict[Tuple[str, object], str]:
+    """{(parameter, value): why} for every single-binding variant of the study whose verdict is
+    equivalent or worse and not fragile (a verdict that one seed undoes has not settled anything:
+    more seeds would)."""
+    out = {}
+    for name, v in agg.variants.items():
+        if v.verdict in SETTLING_VERDICTS and len(v.bindings) == 1 and not v.fragile:
+            out[change_key(v.bindings[0])] = f"{agg.study}/{name} found it {v.verdict}"
+    return out
+
+
 def _device_memory_gb(run_dir: Path) -> Optional[float]:
     """Total accelerator memory from the run's provenance, when the engine recorded it."""
     prov = read_json(run_dir / "provenance.json") or {}
@@ -162,7 +195,7 @@ def load_window(study_dir: str | Path, variant: Optional[str] = None, window: in
     return Window(variant=variant, steps=steps, values=values,
                   config=parse_operative_config(config_path.read_text()),
                   device_memory_gb=device_memory_gb or _device_memory_gb(first), seeds=tuple(rows_by_seed),
-                  eval_steps=eval_steps, evals=evals)
+                  eval_steps=eval_steps, evals=evals, settled=settled_changes(agg))
 
 
 def _grid(rows_by_seed: Mapping[int, Sequence[dict]]) -> tuple:

@@ -31,6 +31,18 @@ def test_a_metric_no_run_logs_is_a_planning_error(capsys, tmp_path, binding, mat
     assert match in err and not (tmp_path / "smoke").exists()  # refused before anything ran
 
 
+@pytest.mark.parametrize("binding, match", [
+    ("study.analysis = 'paird'", "study.analysis = 'paird' is invalid: must be one of ('auto', 'paired', 'welch')"),
+    ("study.equivalence_margin = -0.02", "study.equivalence_margin = -0.02 is invalid: must be a number >= 0 in "
+                                         "the metric's units (0 turns the equivalence test off)"),
+    ("study.equivalence_margin = [0.02]", "study.equivalence_margin = [0.02] is invalid: must be a number >= 0"),
+])
+def test_a_bad_analysis_or_margin_is_one_line_before_planning(capsys, tmp_path, binding, match):
+    err = one_line_error(capsys, ["plan", SMOKE, "-b", binding, "--results", str(tmp_path)])
+    assert match in err
+    assert not (tmp_path / "smoke").exists()
+
+
 def test_final_window_metric_must_be_one_the_engine_logs(capsys, tmp_path):
     err = one_line_error(capsys, ["plan", SMOKE, "-b", "study.metric_from = 'final_window'",
                                   "-b", "study.metric = 'no/such_metric'", "--results", str(tmp_path)])

@@ -55,6 +55,16 @@ def test_hash_is_stable_and_tracks_the_config(write_study, tmp_path):
         {k: v for k, v in first.items() if not k.startswith("clip")}
 
 
+def test_how_a_study_is_judged_does_not_change_its_runs(write_study, tmp_path):
+    # The analysis and the equivalence margin change the verdicts, not what a run computes: every
+    # run keeps its hash, so changing them re-reports a study without rerunning it.
+    path = write_study(STUDY)
+    first = {s.key: s.run_hash for s in expand(load_study(path), tmp_path)}
+    judged = load_study(path, ["study.analysis = 'welch'", "study.equivalence_margin = 0.02", "study.alpha = 0.1"])
+    assert (judged.analysis, judged.equivalence_margin) == ("welch", 0.02)
+    assert {s.key: s.run_hash for s in expand(judged, tmp_path)} == first
+
+
 def test_data_change_changes_the_data_hash(write_study, tmp_path):
     specs = expand(load_study(write_study(STUDY), ["task.max_operand = 9"]), tmp_path)
     base = expand(load_study(write_study(STUDY)), tmp_path)

@@ -27,6 +27,9 @@ def test_defaults_and_seed_forms(write_study):
     assert study.seeds == (0, 1, 2)
     assert (study.metric, study.metric_from, study.direction) == ("eval/accuracy", "final", "higher")
     assert study.cpus_per_run == 1 and study.gpus_per_run == 0
+    assert (study.analysis, study.equivalence_margin) == ("auto", 0.0)
+    margin = load_study(write_study(MINIMAL + "study.equivalence_margin = 1\n")).equivalence_margin
+    assert margin == 1.0 and isinstance(margin, float)
     assert load_study(write_study(MINIMAL + "study.seeds = [7, 3]\n")).seeds == (7, 3)
 
 
@@ -56,6 +59,8 @@ def test_coupled_variant_must_be_declared(write_study):
     ("study.cpus_per_run = 0", "study.cpus_per_run"),
     ("study.retries = -1", "study.retries"),
     ("study.start_gap_s = -1", "study.start_gap_s = -1 is invalid: must be a number of seconds >= 0"),
+    ("study.analysis = 'bootstrap'", r"study.analysis = 'bootstrap' is invalid: must be one of \('auto'"),
+    ("study.equivalence_margin = -1", "study.equivalence_margin = -1 is invalid: must be a number >= 0"),
     ("study.guardrails = {'kl_divergence': {'below': 1}}", "study.guardrails"),
     ("study.variants = {'baseline': 'ppo.kl_coef = 0.1'}", "variant name"),
     ("study.variants = {'s': 'ppo.seed = 3'}", "ppo.seed is set by the manager"),
