@@ -37,7 +37,7 @@ def rollout_parity(trainer, repeats: int = 3) -> dict:
     import torch
 
     ppo = trainer.ppo
-    rollout = trainer.actor.rollout  # one process: the actor role itself
+    rollout = trainer.actor.local_roles[0].rollout  # one process: the actor role itself, behind its proxy
     prompts = trainer.sampler.next(ppo.rollout_micro_batch_size * ppo.num_rollout_batches)
     rollout.set_sleep(False)
 

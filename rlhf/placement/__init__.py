@@ -5,6 +5,8 @@
                       has processes of its own; rlhf/placement/ray_roles.py), sharded with FSDP2
                       over gloo (CPU) or NCCL (GPU) when there is more than one rank.
 
+Either way the trainer calls each device role through a proxy built from its `@dispatch`
+declarations (rlhf/placement/proxy.py), which spreads and collects a call the same way in both.
 Roles without a model (the rule reward) run in the controller's process in every placement.
 """
 
@@ -58,13 +60,11 @@ def build_roles(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, tokeniz
         from rlhf.placement.local import build_local_roles
         specs = role_specs(cfg, model_dir=model_dir, tokenizer_dir=tokenizer_dir, start_dir=start_dir,
                            tokenizer=tokenizer, log=log)
-        roles = build_local_roles(specs, device=device, autocast_dtype=autocast_dtype, controller_roles={}, log=log,
-                                  memory_plan=memory_plan)
+        roles = build_local_roles(specs, device=device, autocast_dtype=autocast_dtype, log=log, memory_plan=memory_plan)
     else:
         from rlhf.placement.ray_roles import build_ray_roles
         specs = role_specs(cfg, model_dir=model_dir, tokenizer_dir=tokenizer_dir, start_dir=start_dir)
-        roles = build_ray_roles(cfg, specs, controller_roles={}, ray_address=ray_address, log=log,
-                                memory_plan=memory_plan)
+        roles = build_ray_roles(cfg, specs, ray_address=ray_address, log=log, memory_plan=memory_plan)
     # The reward phase runs in the controller (normalisation sees the whole batch); the reward
     # model it calls is a device role like the reference.
     roles.reward = Reward(controller, cfg.task, cfg.reward, roles.reward_model)

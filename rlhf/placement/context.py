@@ -131,6 +131,3 @@ def context_for(device: torch.device, autocast_dtype, ranks) -> DeviceContext:
         return DeviceContext(device, autocast_dtype, ranks)
     return FSDPContext(device, autocast_dtype, ranks)
 
-
-def module_bytes(modules: List[torch.nn.Module]) -> int:
-    return sum(t.numel() * t.element_size() for m in modules for t in list(m.parameters()) + list(m.buffers()))

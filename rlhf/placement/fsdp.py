@@ -1,4 +1,5 @@
-"""FSDP2 for the engine's models: sharding, full state dicts, and offloading between phases.
+"""FSDP2 for the engine's models: sharding and full state dicts (moving idle roles off the device
+between phases is `memory.Offloader`'s, which moves FSDP2 modules with their own `.to()`).
 
 Everything here runs on every rank of a group at once (the gathers are collectives).
 Checkpoints stay in the single-process format: full state dicts keyed like the unsharded model,
@@ -75,14 +76,3 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
              "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in sd["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, keyed, options=StateDictOptions(full_state_dict=True))
 
-
-def move_model(model: torch.nn.Module, device: torch.device) -> None:
-    """Moves parameters (sharded or not) and buffers; FSDP2 modules support `.to()`."""
-    model.to(device)
-
-
-def move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step":  # AdamW keeps `step` on CPU
-                state[key] = value.to(device, non_blocking=True)

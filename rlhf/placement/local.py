@@ -1,4 +1,6 @@
-"""Every role in this process, on one device: the specs' classes built directly."""
+"""Every role in this process, on one device: the specs' classes built directly, each called through
+a proxy of one rank (rlhf/placement/proxy.py `local_proxy`), so a call is spread and collected as
+its `@dispatch` declaration says, exactly as on Ray ranks."""
 
 from __future__ import annotations
 
@@ -9,24 +11,22 @@ import torch
 from rlhf.gpu_monitor import DeviceMonitor
 from rlhf.placement import memory
 from rlhf.placement.context import DeviceContext
+from rlhf.placement.proxy import local_proxy
 from rlhf.roles import RoleSpec, Roles
 
 
-def build_local_roles(specs: List[RoleSpec], *, device: torch.device, autocast_dtype, controller_roles: dict,
-                      log=print, memory_plan=None) -> Roles:
+def build_local_roles(specs: List[RoleSpec], *, device: torch.device, autocast_dtype, log=print,
+                      memory_plan=None) -> Roles:
     ctx = DeviceContext(device, autocast_dtype)
-    roles = dict(controller_roles)
-    for spec in specs:
-        roles[spec.name] = spec.role_class()(ctx, **spec.kwargs, **spec.extra)
+    built = {spec.name: spec.role_class()(ctx, **spec.kwargs, **spec.extra) for spec in specs}
+    roles = {name: local_proxy(name, [role]) for name, role in built.items()}
     record = {"placement": "local", "world_size": 1, "device": device.type}
     if device.type == "cuda":
-        role_bytes = {spec.name: memory.state_bytes(roles[spec.name]) for spec in specs}
-        plan = memory.runtime_plan(specs[0].kwargs["ppo"], role_bytes, memory.device_memory(device),
-                                   offload_mode=False, can_offload=False, predicted=memory_plan)
-        roles["actor"].set_rollout_sleep(plan["rollout_sleep"])
-        log(memory.describe(plan))
-        record["memory"] = plan
+        role_bytes = {name: memory.state_bytes(role) for name, role in built.items()}
+        record["memory"] = memory.apply_runtime_plan(specs[0].kwargs["ppo"], roles["actor"], role_bytes,
+                                                     memory.device_memory(device), offload_mode=False,
+                                                     can_offload=False, predicted=memory_plan, log=log)
     monitor = DeviceMonitor(device).start()
     return Roles(actor=roles["actor"], critic=roles.get("critic"), reference=roles.get("reference"),
-                 reward=roles.get("reward"), reward_model=roles.get("reward_model"), placement=record,
+                 reward=None, reward_model=roles.get("reward_model"), placement=record,
                  device_report=monitor.take, close=monitor.close)

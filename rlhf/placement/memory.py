@@ -28,12 +28,15 @@ import itertools
 import json
 import math
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from rlhf.config import ConfigError, RunConfig
+
+if TYPE_CHECKING:
+    from rlhf.roles import ActorRole, PlacedRole
 
 ACTIVATION_HEADROOM = 0.2
 """Share of the device's memory kept free for activations when no prediction is at hand."""
@@ -70,7 +73,7 @@ def _local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def state_bytes(role) -> int:
+def state_bytes(role: "PlacedRole") -> int:
     """Bytes the role holds on its device when resident and at work (this rank's shard)."""
     modules, optimizers = role.device_state()
     total = sum(_local_bytes(t) for m in modules for t in _tensors(m))
@@ -122,6 +125,22 @@ def runtime_plan(ppo, role_bytes: Dict[str, int], info: dict, *, offload_mode, c
 def describe(plan: dict) -> str:
     return (f"memory plan: offload idle models {'on' if plan['offload'] else 'off'}, vLLM sleep "
             f"{'on' if plan['rollout_sleep'] else 'off'} ({plan['reason']})")
+
+
+def apply_runtime_plan(ppo, actor: "ActorRole", role_bytes: Dict[str, int], info: dict, *, offload_mode,
+                       can_offload: bool, predicted: Optional["MemoryPlan"] = None,
+                       set_offload: Optional[Callable[[bool], None]] = None, log=print) -> dict:
+    """The measured plan (`runtime_plan`) put into effect alike by every placement on a GPU: idle
+    roles offloaded or kept resident (`set_offload`, where the placement can offload), the actor's
+    rollout engine told whether to sleep between rollouts, and the decision logged. Returns the
+    plan, which the placement records as `placement.memory`."""
+    plan = runtime_plan(ppo, role_bytes, info, offload_mode=offload_mode, can_offload=can_offload,
+                        predicted=predicted)
+    if set_offload is not None:
+        set_offload(plan["offload"])
+    actor.set_rollout_sleep(plan["rollout_sleep"])
+    log(describe(plan))
+    return plan
 
 
 # ====================================================================== model shapes
@@ -760,7 +779,7 @@ class Offloader:
     to pinned host buffers (allocated once, reused) with non-blocking copies, which the device's
     stream orders before any later kernel. FSDP2-sharded modules move with their own `.to()`."""
 
-    def __init__(self, roles: dict, device: torch.device):
+    def __init__(self, roles: Dict[str, "PlacedRole"], device: torch.device):
         self.roles = roles
         self.device = device
         self.active = None

@@ -1,18 +1,46 @@
-"""A role on Ray ranks, called like the role itself: the proxy's methods are built from the
+"""A role called like the role itself, in every placement: the proxy's methods are built from the
 role class's `@dispatch` declarations (rlhf/roles/dispatch.py), so no role has a hand-written
-wrapper. Forward-only phases send each rank a share of the rows; collectives send every rank
-the same arguments (a large argument travels once through Ray's object store)."""
+wrapper, and a call is cut into its ranks' shares and their results put back together by the same
+code (`dispatch.spread`) whether the ranks are Ray actors or role objects in this process. Only
+how a share runs differs:
+
+    ray_proxy     on each rank's host (rlhf/placement/host.py), every rank at once; arguments
+                  that every rank gets the same (`@dispatch(ALL)`) travel once through Ray's
+                  object store
+    local_proxy   a call of the role object in this process (the local placement has one rank;
+                  more objects, one per rank, run their shares one after another)
+"""
 
 from __future__ import annotations
 
 import functools
-from typing import Any, List
+from typing import Any, Callable, List, Sequence
 
 import torch
 
 from rlhf.batch import Batch
-from rlhf.roles.dispatch import (ALL, CALLS, ROWS, calls_per_rank, dispatched_methods, gather_rows, split_rows,
-                                 take_rows)
+from rlhf.roles.dispatch import ALL, Spread, dispatched_methods, spread
+
+
+class RoleProxy:
+    def __init__(self, name: str, role_cls: type, world_size: int, run: Callable[[str, Spread], List[Any]],
+                 local_roles: Sequence[object] = ()):
+        """`run(method, spread)` runs each of `spread.calls` and returns their results in that order.
+        `local_roles`: the role objects of the ranks when they live in this process (none on Ray)."""
+        self.name = name
+        self.world_size = world_size
+        self.run = run
+        self.local_roles = list(local_roles)
+        self.methods = dispatched_methods(role_cls)
+        for method, mode in self.methods.items():
+            setattr(self, method, functools.partial(self._invoke, method, mode))
+
+    def _invoke(self, method: str, mode, *args, **kwargs):
+        shares = spread(mode, self.world_size, args, kwargs, f"{self.name}.{method}")
+        return shares.collect(self.run(method, shares))
+
+    def __repr__(self) -> str:
+        return f"RoleProxy({self.name}, {self.world_size} ranks)"
 
 
 def _shared(value: Any) -> Any:
@@ -23,42 +51,24 @@ def _shared(value: Any) -> Any:
     return value
 
 
-class RoleProxy:
-    def __init__(self, name: str, role_cls: type, hosts: list):
-        self.name = name
-        self.hosts = hosts
-        self.world_size = len(hosts)
-        self.methods = dispatched_methods(role_cls)
-        for method, mode in self.methods.items():
-            setattr(self, method, functools.partial(self._invoke, method, mode))
-
-    def _invoke(self, method: str, mode, *args, **kwargs):
+def ray_proxy(name: str, role_cls: type, hosts: list) -> RoleProxy:
+    """The role `name` on Ray ranks: rank r is `hosts[r]`, which holds the role built from its spec."""
+    def run(method: str, shares: Spread) -> List[Any]:
         import ray
-        if mode is ROWS:
-            batch, rest = args[0], args[1:]
-            n, extra = len(batch), (-len(batch)) % self.world_size
-            if extra:  # sharded models need equal shares: pad with copies of the last row, drop their results
-                batch = batch.select(list(range(n)) + [n - 1] * extra)
-            parts = split_rows(batch, self.world_size, f"{self.name}.{method}")
-            out = gather_rows(ray.get([h.call.remote(self.name, method, part, *rest, **kwargs)
-                                       for h, part in zip(self.hosts, parts)]))
-            return take_rows(out, n) if extra else out
-        if mode is CALLS:
-            requests, rest = args[0], args[1:]
-            per_rank = calls_per_rank(len(requests), self.world_size)
-            busy = [(h, calls) for h, calls in zip(self.hosts, per_rank) if calls]
-            results = ray.get([h.call.remote(self.name, method, [requests[i] for i in calls], *rest, **kwargs)
-                               for h, calls in busy])
-            out: List[Any] = [None] * len(requests)
-            for (_, calls), result in zip(busy, results):
-                for i, item in zip(calls, result):
-                    out[i] = item
-            return out
-        assert mode is ALL, mode
-        if self.world_size > 1:
-            args = tuple(_shared(a) for a in args)
-            kwargs = {k: _shared(v) for k, v in kwargs.items()}
-        return ray.get([h.call.remote(self.name, method, *args, **kwargs) for h in self.hosts])[0]
+        calls = shares.calls
+        if shares.mode is ALL and len(hosts) > 1:
+            args = tuple(_shared(a) for a in calls[0][1])
+            kwargs = {k: _shared(v) for k, v in calls[0][2].items()}
+            calls = tuple((rank, args, kwargs) for rank, _, _ in calls)
+        return ray.get([hosts[rank].call.remote(name, method, *args, **kwargs) for rank, args, kwargs in calls])
 
-    def __repr__(self) -> str:
-        return f"RoleProxy({self.name}, {self.world_size} ranks)"
+    return RoleProxy(name, role_cls, len(hosts), run)
+
+
+def local_proxy(name: str, roles: Sequence[object]) -> RoleProxy:
+    """The role `name` in this process: rank r is the object `roles[r]` (the local placement builds
+    one). Each rank's share is a call of its object, in rank order."""
+    def run(method: str, shares: Spread) -> List[Any]:
+        return [getattr(roles[rank], method)(*args, **kwargs) for rank, args, kwargs in shares.calls]
+
+    return RoleProxy(name, type(roles[0]), len(roles), run, local_roles=roles)

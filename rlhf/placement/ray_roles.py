@@ -11,12 +11,12 @@ from rlhf.gpu_monitor import merge_device_reports
 from rlhf.roles import RoleSpec, Roles
 
 
-def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, controller_roles: dict,
-                    ray_address: Optional[str], log=print, memory_plan=None) -> Roles:
+def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, ray_address: Optional[str], log=print,
+                    memory_plan=None) -> Roles:
     import ray
 
     from rlhf.placement import cluster, memory
-    from rlhf.placement.proxy import RoleProxy
+    from rlhf.placement.proxy import ray_proxy
 
     ppo = cfg.ppo
     cluster.connect(ray_address)
@@ -49,18 +49,20 @@ def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, controller_roles: 
     for name, refs in pending:
         built.setdefault(name, ray.get(refs))
 
+    proxies = {spec.name: ray_proxy(spec.name, spec.role_class(), hosts[spec.name]) for spec in specs}
     plan = None
     if device == "cuda":
-        actor_hosts = hosts["actor"]
-        info = ray.get(actor_hosts[0].where.remote())
+        info = ray.get(hosts["actor"][0].where.remote())
         # The actor's process: in colocated placement every role, in split placement the actor alone.
         local_names = names if colocated else ["actor"]
         role_bytes = {name: built[name][0]["bytes"] for name in local_names}
-        plan = memory.runtime_plan(ppo, role_bytes, info, offload_mode=ppo.offload_idle_models, can_offload=colocated,
-                                   predicted=memory_plan)
-        if colocated:
-            ray.get([h.set_offload.remote(plan["offload"]) for h in shared])
-        log(memory.describe(plan))
+
+        def set_offload(enabled: bool) -> None:
+            ray.get([h.set_offload.remote(enabled) for h in shared])
+
+        plan = memory.apply_runtime_plan(ppo, proxies["actor"], role_bytes, info, offload_mode=ppo.offload_idle_models,
+                                         can_offload=colocated, predicted=memory_plan,
+                                         set_offload=set_offload if colocated else None, log=log)
 
     every = list({id(h): h for hs in hosts.values() for h in hs}.values())
 
@@ -76,15 +78,11 @@ def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, controller_roles: 
             ray.kill(h)
         ray.util.remove_placement_group(pg)
 
-    proxies = {spec.name: RoleProxy(spec.name, spec.role_class(), hosts[spec.name]) for spec in specs}
-    if plan is not None:
-        proxies["actor"].set_rollout_sleep(plan["rollout_sleep"])
     record = {"placement": ppo.resolved_placement, "world_size": ppo.world_size, "device": device,
               "roles": {name: where[name] for name in names},
               "role_bytes": {name: [b["bytes"] for b in built[name]] for name in names}}
     if plan is not None:
         record["memory"] = plan
-    roles = {**controller_roles, **proxies}
-    return Roles(actor=roles["actor"], critic=roles.get("critic"), reference=roles.get("reference"),
-                 reward=roles.get("reward"), reward_model=roles.get("reward_model"), placement=record,
+    return Roles(actor=proxies["actor"], critic=proxies.get("critic"), reference=proxies.get("reference"),
+                 reward=None, reward_model=proxies.get("reward_model"), placement=record,
                  device_report=device_report, close=close)

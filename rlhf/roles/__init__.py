@@ -10,7 +10,9 @@
 A role receives a context (rlhf/placement/context.py) saying where it runs and declares on each
 method how a call is spread over ranks (rlhf/roles/dispatch.py). `rlhf/placement/` builds the
 roles in this process or on Ray ranks from the same `RoleSpec`s; the trainer sees the `Roles`
-below either way, typed by the protocols here.
+below either way, typed by the protocols here. A protocol lists every method that the trainer,
+the checkpoints and the placements call on that role (tests/rlhf/test_structure.py reads their
+code to hold it so); `PlacedRole` is what a placement asks of every role it builds.
 """
 
 from __future__ import annotations
@@ -24,8 +26,18 @@ from rlhf.batch import Batch
 from rlhf.rollout import SamplingParams
 
 
+class PlacedRole(Protocol):
+    """What a placement asks of every role it builds, in the role's own process (not through its
+    proxy): the state it holds on its device, which the memory plan measures and offloading moves
+    (rlhf/placement/memory.py `state_bytes`, `Offloader`)."""
+
+    def device_state(self) -> tuple[list, list]: ...
+
+
 class TrainedState(Protocol):
     """Checkpoint state of a trained role, in the one-process layout (rlhf/checkpoint.py)."""
+
+    def model_files(self) -> Dict[str, bytes]: ...
 
     def model_state(self) -> Dict[str, torch.Tensor]: ...
 
@@ -51,15 +63,13 @@ class ActorRole(TrainedState, Protocol):
 
     def release_memory(self) -> None: ...
 
-    def sync_weights(self) -> None: ...
+    def set_rollout_sleep(self, enabled: bool) -> None: ...
 
-    def model_files(self) -> Dict[str, bytes]: ...
+    def sync_weights(self) -> None: ...
 
 
 class CriticRole(TrainedState, Protocol):
     def compute_values(self, batch: Batch) -> torch.Tensor: ...
-
-    def model_files(self) -> Dict[str, bytes]: ...
 
     def update(self, batch: Batch, shuffle_seed: int) -> Dict[str, float]: ...
 
@@ -70,6 +80,8 @@ class ReferenceRole(Protocol):
 
 class RewardRole(Protocol):
     def score(self, batch: Batch, update: bool = True) -> Dict[str, torch.Tensor]: ...
+
+    def model_scores(self, batch: Batch) -> torch.Tensor: ...
 
     def state_dict(self) -> dict: ...
 
@@ -101,7 +113,8 @@ class Roles:
     actor: ActorRole
     critic: Optional[CriticRole]
     reference: ReferenceRole
-    reward: RewardRole
+    reward: Optional[RewardRole]
+    """The reward phase, in the controller (set by rlhf/placement/__init__.py `build_roles`)."""
     placement: dict
     """Where each role runs (recorded in provenance.json)."""
     device_report: Callable[[], Dict[str, float]] = lambda: {}

@@ -26,8 +26,6 @@ class Role:
     `@dispatch` declaration (rlhf/roles/dispatch.py)."""
 
     name: str = ""
-    on_device: bool = True
-    """False for roles without a model (the rule reward): they run in the controller's process."""
 
     def __init__(self, ctx):
         self.ctx = ctx

@@ -13,16 +13,18 @@
                       Generation: each request carries its own seed, so which rank runs it does
                       not change what it samples.
 
-In one process a role's methods are called directly and the declaration is not consulted. The
-Ray placement builds each role's proxy from these declarations (`rlhf/placement/ray.py`), so a
-new role method is written once, on the role.
+Every placement calls a role through a proxy built from these declarations
+(`rlhf/placement/proxy.py`): `spread` cuts a call into its ranks' shares and `Spread.collect`
+puts their results back together, the same in this process (one rank) as on Ray ranks
+(rlhf/placement/ray_roles.py), so a new role method is written once, on the role.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import inspect
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -97,3 +99,50 @@ def take_rows(result: Any, n: int) -> Any:
 def calls_per_rank(n: int, world_size: int) -> List[List[int]]:
     """Request indices of each rank: request i on rank i mod world_size."""
     return [list(range(r, n, world_size)) for r in range(world_size)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """One call spread over a role's ranks as its method declares (`spread`): `calls` holds the
+    (rank, args, kwargs) of every rank with work, in rank order, and `collect` makes the call's
+    result from theirs, given in that order."""
+
+    mode: Dispatch
+    calls: Tuple[Tuple[int, tuple, dict], ...]
+    size: int = 0
+    """ROWS: the caller's row count; CALLS: its request count."""
+    padded: bool = False
+    """ROWS: the shares carry copies of the last row, whose results `collect` drops."""
+    requests: Tuple[List[int], ...] = ()
+    """CALLS: the request indices each of `calls` runs."""
+
+    def collect(self, results: Sequence[Any]) -> Any:
+        if self.mode is ROWS:
+            out = gather_rows(results)
+            return take_rows(out, self.size) if self.padded else out
+        if self.mode is CALLS:
+            out: List[Any] = [None] * self.size
+            for indices, result in zip(self.requests, results):
+                for i, item in zip(indices, result):
+                    out[i] = item
+            return out
+        return results[0]
+
+
+def spread(mode: Dispatch, world_size: int, args: tuple, kwargs: dict, what: str) -> Spread:
+    """The shares of one call of a method declared `mode` (`what` names it in errors)."""
+    if mode is ROWS:
+        batch, rest = args[0], args[1:]
+        n, extra = len(batch), (-len(batch)) % world_size
+        if extra:  # sharded models need equal shares: pad with copies of the last row, drop their results
+            batch = batch.select(list(range(n)) + [n - 1] * extra)
+        parts = split_rows(batch, world_size, what)
+        return Spread(mode, tuple((rank, (part, *rest), kwargs) for rank, part in enumerate(parts)), size=n,
+                      padded=bool(extra))
+    if mode is CALLS:
+        requests, rest = args[0], args[1:]
+        busy = [(rank, calls) for rank, calls in enumerate(calls_per_rank(len(requests), world_size)) if calls]
+        return Spread(mode, tuple((rank, ([requests[i] for i in calls], *rest), kwargs) for rank, calls in busy),
+                      size=len(requests), requests=tuple(calls for _, calls in busy))
+    assert mode is ALL, mode
+    return Spread(mode, tuple((rank, args, kwargs) for rank in range(world_size)))

@@ -16,7 +16,6 @@ from rlhf.roles.common import Role
 
 class Reward(Role):
     name = "reward"
-    on_device = False
 
     def __init__(self, ctx, task: TaskConfig, reward: RewardConfig, reward_model=None):
         super().__init__(ctx)

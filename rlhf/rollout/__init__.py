@@ -20,11 +20,5 @@ def backend_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def build_rollout(ppo, *, model, tokenizer, device, model_dir: str, log=print) -> RolloutBackend:
-    """The run's backend (`ppo.rollout_backend`), built from its PPOConfig."""
-    return backend_class(ppo.rollout_backend).from_config(ppo, model=model, tokenizer=tokenizer, device=device,
-                                                          model_dir=model_dir, log=log)
-
-
-__all__ = ["BACKENDS", "RolloutBackend", "SamplingParams", "backend_class", "build_rollout", "decode_responses",
+__all__ = ["BACKENDS", "RolloutBackend", "SamplingParams", "backend_class", "decode_responses",
            "derive_seed", "encode_prompts", "response_mask_from_ids", "rollout_logprob_gap"]

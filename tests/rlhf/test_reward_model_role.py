@@ -66,7 +66,7 @@ def ray_cpu():
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_role_on_ray_ranks_scores_equal_direct_forward(setup, ray_cpu, world_size):
     from rlhf.placement import cluster
-    from rlhf.placement.proxy import RoleProxy
+    from rlhf.placement.proxy import ray_proxy
     root, tok, rm_tok = setup
     ppo = PPOConfig(world_size=world_size, placement="colocated", cpus_per_rank=1.0, torch_threads=1,
                     mini_batch_size=32, micro_batch_size=16, device="cpu")
@@ -76,7 +76,7 @@ def test_role_on_ray_ranks_scores_equal_direct_forward(setup, ray_cpu, world_siz
         for which in ("same", "other"):
             spec = RoleSpec("reward_model", "rlhf.roles.reward_model:RewardModel", role_kwargs(root, which))
             ray_cpu.get([h.add_role.remote(spec) for h in hosts])
-            proxy = RoleProxy("reward_model", RewardModel, hosts)
+            proxy = ray_proxy("reward_model", RewardModel, hosts)
             reward = Reward(DeviceContext(torch.device("cpu")), TaskConfig(), spec.kwargs["reward"], proxy)
             want = expected(root, tok, rm_tok, which)
             batch = policy_batch(tok, PromptRenderer(tok, "auto"), "right")

@@ -84,3 +84,46 @@ def test_critic_micro_batches_equal_one_batch(parts):
         results.append((torch.cat([p.detach().flatten() for p in worker.model.parameters()]), stats))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-9, atol=1e-10)
     assert results[1][1]["critic/value_loss"] == pytest.approx(results[0][1]["critic/value_loss"], rel=1e-6)
+
+
+def test_local_placement_spreads_uneven_rows_and_calls_as_declared(parts):
+    """The local placement calls a role through the proxy its `@dispatch` declarations build, as
+    the Ray placement does (rlhf/placement/proxy.py). Over three in-process ranks (one replica
+    each), 7 rows do not split evenly: each rank's share is padded with copies of the last row,
+    the padding's results are dropped, and what comes back equals the role's own undispatched
+    call row for row; generation requests come back in request order, sampled as one process does."""
+    from rlhf.placement.proxy import local_proxy
+    from rlhf.rollout import SamplingParams
+    from rlhf.roles.dispatch import spread
+
+    tok, model = parts
+    batch = make_batch(tok, n=7, seed=2)
+    cfg = PPOConfig(rollout_micro_batch_size=8, num_rollout_batches=1, mini_batch_size=8, micro_batch_size=2,
+                    forward_micro_batch_size=2, critic_learning_rate=1e-2)
+    actors = [Actor(CPU, cfg, start_dir="", tokenizer_dir="", total_updates=1, model=copy.deepcopy(model),
+                    tokenizer=tok) for _ in range(3)]
+    value_model = ValueModel(copy.deepcopy(model).base_model, model.config.hidden_size).double()
+    critics = [Critic(CPU, cfg, model_dir="", random_init=False, total_updates=1, model=copy.deepcopy(value_model))
+               for _ in range(3)]
+    actor, critic = local_proxy("actor", actors), local_proxy("critic", critics)
+
+    shares = spread(actor.methods["compute_logprobs"], 3, (batch,), {}, "actor.compute_logprobs")
+    assert [len(args[0]) for _, args, _ in shares.calls] == [3, 3, 3] and shares.padded and shares.size == 7
+    assert shares.calls[2][1][0]["prompt_ids"][1:].tolist() == [batch["prompt_ids"][6].tolist()] * 2
+
+    logprobs, entropy = actor.compute_logprobs(batch)
+    want_logprobs, want_entropy = actors[0].compute_logprobs(batch)
+    assert logprobs.shape == (7, batch["response_ids"].shape[1])
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-9, atol=1e-10)
+    values = critic.compute_values(batch)
+    assert values.shape == (7, batch["response_ids"].shape[1])
+    torch.testing.assert_close(values, critics[0].compute_values(batch), rtol=1e-9, atol=1e-10)
+
+    sampling = SamplingParams(max_new_tokens=3, temperature=1.0, max_prompt_length=8)
+    requests = [([tok(f"{i}+{i}=")["input_ids"]] * (1 + i % 2), 100 + i) for i in range(5)]
+    got = local_proxy("actor", actors[:2]).generate(requests, sampling)
+    want = actors[0].generate(requests, sampling)
+    assert len(got) == 5
+    for g, w in zip(got, want):
+        assert torch.equal(g["response_ids"], w["response_ids"]) and torch.equal(g["prompt_ids"], w["prompt_ids"])
