@@ -23,16 +23,10 @@ from experiments.study import StudyError, load_study
 from tests.experiments.conftest import fake_run
 from tests.experiments.test_advise_recipe import synthetic_study
 from tests.experiments.test_bad_input import one_line_error
+from tests.experiments.test_plan import STUDY
 
 REPO = Path(__file__).resolve().parents[2]
 
-STUDY = """
-study.name = 'p'
-study.baseline_recipe = 'tiny.gin'
-study.baseline_bindings = ['ppo.total_steps = 4']
-study.variants = {'kl': 'ppo.kl_coef = 0.1', 'clip': 'ppo.clip_range = 0.1'}
-study.seeds = 3
-"""
 TARGET = ["study.target_effect = 0.05", "study.pilot = 'pilot'"]
 
 PILOT = {  # per-seed gold accuracy of a finished round; 'lr' has one completed seed, so no spread
