@@ -28,6 +28,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 from experiments import stats
 from experiments.collect import RunResult
+from experiments.paths import portable
 from experiments.results import (BASELINE, BETTER, DECIDED, EQUIVALENT, FAILED, INSUFFICIENT, NO_DIFFERENCE, PAIRED,
                                  UNDECIDABLE, WELCH, WORSE, BestCheckpoints, CheckpointScore, Comparison, Decision,
                                  GuardrailCheck, PairedComparison, Robustness, RunOutcome, StudyAggregate, Summary,
@@ -227,7 +228,7 @@ def aggregate(study: Study, results: Sequence[RunResult], provenance: Optional[D
                                        underpowered=underpowered, explanation=why,
                                        robustness=robust.get(name) if verdict not in (FAILED, UNDECIDABLE) else None)
     return StudyAggregate(
-        study=study.name, study_file=study.path, description=study.description, metric=study.metric,
+        study=study.name, study_file=portable(study.path), description=study.description, metric=study.metric,
         metric_from=study.metric_from, direction=study.direction, alpha=study.alpha, seeds=tuple(study.seeds),
         guardrails=tuple(g.describe() for g in study.guardrails), variants=variants,
         decision=decide(variants, higher, metric), provenance=provenance or {}, plots=plots or {},
