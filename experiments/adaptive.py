@@ -18,7 +18,7 @@ repeatedly raises the chance of a false verdict on a null variant; `spend_alpha_
 (Bonferroni over the possible looks) bounds it at alpha, at the price of more seeds for real
 differences. `bench/adaptive_seeds.py` measures both: runs saved and the false verdict rate.
 
-`decide_look` and `simulate` are pure (per-seed values in, decisions out); `run_adaptive` drives
+`decide_look` and `simulate` are pure (per-seed values in, decisions out); `driver.run_adaptive` drives
 real studies through the ordinary plan -> launch -> report steps, one launch per look.
 """
 
@@ -28,6 +28,7 @@ import dataclasses
 import math
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
+from experiments.errors import StudyError
 from experiments.stats import difference_ci
 
 
@@ -54,8 +55,6 @@ class AdaptiveSeeds:
 def parse_adaptive_seeds(value, initial_seeds: int, planned: bool = False) -> Optional[AdaptiveSeeds]:
     """`study.adaptive_seeds` -> AdaptiveSeeds (None when unset); errors name the key and what is allowed.
     `planned` (study.target_effect is set): 'max_seeds' may be left to the seed plan (None here)."""
-    from experiments.study import StudyError
-
     if value is None or value == {}:
         return None
     if not isinstance(value, Mapping):

@@ -21,7 +21,8 @@ from experiments.plan import RunSpec
 from experiments.results import SeedPlan
 from experiments.rundir import (COMPLETED, best_checkpoint, iter_metrics, last_attempt, read_json, scalar,
                                 state, summary)
-from experiments.study import Study, StudyError
+from experiments.errors import StudyError
+from experiments.study import Study
 
 
 @dataclasses.dataclass

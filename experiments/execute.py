@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from experiments.rundir import (DETERMINISTIC_FAILURES, EXIT_CONFIG, EXIT_DIVERGED, read_json, read_record,
-                                write_record)
+from experiments.errors import DETERMINISTIC_FAILURES, EXIT_CONFIG, EXIT_DIVERGED
+from experiments.rundir import read_json, read_record, write_record
 from rlhf.atomic import write_json
 
 STDERR_TAIL = 2000

@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from experiments.display import DONE_BEFORE, StudyDisplay
+from experiments.errors import DETERMINISTIC_FAILURES, StudyError
 from experiments.execute import execute, now
 from experiments.paths import portable
-from experiments.plan import REPO_ROOT, RunSpec, latest_checkpoint
+from experiments.plan import REPO_ROOT, RunSpec
 from experiments.results import SeedPlan
-from experiments.rundir import (COMPLETED, DETERMINISTIC_FAILURES, FAILED, INTERRUPTED, STALE,
-                                clear_engine_outputs, last_attempt, prune, read_record, state, supersede,
-                                write_record)
-from experiments.study import Study, StudyError
+from experiments.rundir import (COMPLETED, FAILED, INTERRUPTED, STALE, clear_engine_outputs, last_attempt,
+                                latest_checkpoint, prune, read_record, state, supersede, write_record)
+from experiments.study import Study
 from rlhf import numerics
 from rlhf.atomic import is_disk_full, write_json
 from rlhf.run_dir import DirLock, LockBusy

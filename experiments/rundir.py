@@ -15,21 +15,18 @@ import time
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, Optional, Tuple
 
-from experiments.plan import RunSpec, latest_checkpoint, spec_record
-
 from rlhf.atomic import write_json
+from rlhf.checkpoint import latest_checkpoint as engine_latest_checkpoint  # the engine's checkpoint layout
+from rlhf.checkpoint import list_checkpoints, verify_checkpoint
 from rlhf.metrics import last_record, read_metrics
+from rlhf.run_dir import remove_outputs  # the engine owns its run dir's layout
 
-from rlhf.checkpoint import list_checkpoints, verify_checkpoint  # noqa: E402  (the engine's checkpoint layout)
-from rlhf.run_dir import remove_outputs  # noqa: E402  (the engine owns its run dir's layout)
-from rlhf.train import EXIT_CONFIG, EXIT_DIVERGED  # noqa: E402  (the engine owns its exit codes)
+from experiments.paths import spec_record
 
 RECORD, ATTEMPTS = "run.json", "attempts.json"
 """The manager's record of a run, in two files: `run.json` (the run's hash and spec: what it is,
 the same in every checkout) and `attempts.json` (one entry per attempt: command, host, pid,
 start and end, exit: a machine record, rlhf/run_dir.py's MACHINE_RECORDS)."""
-DETERMINISTIC_FAILURES = (EXIT_CONFIG, EXIT_DIVERGED)
-"""Exit codes that a retry would only repeat: a bad configuration and a diverged loss."""
 
 # Run states, as `state()` reports them.
 COMPLETED, FAILED, INTERRUPTED, PENDING, STALE = "completed", "failed", "interrupted", "pending", "stale"
@@ -71,8 +68,16 @@ def is_completed(run_dir: str | Path) -> bool:
     return bool(s) and s.get("status") == "completed"
 
 
-def state(spec: RunSpec) -> str:
-    """completed | failed | interrupted | pending | stale, for this spec's run dir.
+def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
+    """The newest intact `run_dir/checkpoints/step_N`, or None: the engine's rule
+    (rlhf.checkpoint.latest_checkpoint, sizes checked against each checkpoint's manifest), so a
+    damaged checkpoint is never what a study resumes from or starts the next round with."""
+    return engine_latest_checkpoint(Path(run_dir) / "checkpoints", full=False)
+
+
+def state(spec) -> str:
+    """completed | failed | interrupted | pending | stale, for the run dir of `spec` (a
+    `plan.RunSpec`: its run_dir and run_hash).
 
     `stale`: the dir holds a run of another hash (the config, code, data or start changed).
     `failed`: the last attempt exited nonzero and no later attempt started.

@@ -184,7 +184,7 @@ def cmd_export(args) -> int:
 
 
 def _load(study_dir: Path) -> StudyAggregate:
-    from experiments.study import StudyError
+    from experiments.errors import StudyError
     path = study_dir / "aggregate.json"
     if not path.is_file():
         raise StudyError(f"{path} not found: run `python -m experiments run` on the study first")

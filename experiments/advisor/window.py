@@ -28,7 +28,8 @@ import numpy as np
 
 from experiments.results import EQUIVALENT, WORSE, StudyAggregate, load_aggregate
 from experiments.rundir import iter_metrics, read_json, scalar
-from experiments.study import StudyError, split_binding
+from experiments.errors import StudyError
+from experiments.study import split_binding
 
 DEFAULT_WINDOW = 50
 """Steps read by default: the guide judges trends "for long", more than summary.json's window."""

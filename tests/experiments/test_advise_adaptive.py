@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from experiments.adaptive import AdaptiveSeeds, decide_look, extra_seeds, simulate
-from experiments.study import StudyError, load_study
+from experiments.errors import StudyError
+from experiments.study import load_study
 
 CFG = AdaptiveSeeds(max_seeds=8, min_seeds=3)
 

@@ -13,7 +13,8 @@ from experiments.aggregate import aggregate, decide, leave_one_seed_out, verdict
 from experiments.collect import RunResult
 from experiments.report import render
 from experiments.results import (BETTER, EQUIVALENT, NO_DIFFERENCE, PAIRED, WELCH, StudyAggregate)
-from experiments.study import StudyError, load_study, resolve_analysis
+from experiments.errors import StudyError
+from experiments.study import load_study, resolve_analysis
 
 # Five seeds whose luck both arms share: the seed-to-seed spread (0.05) dwarfs the variant's
 # effect on each seed (a few thousandths).
