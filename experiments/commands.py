@@ -16,7 +16,8 @@ from experiments.driver import decision_line, run_study
 from experiments.errors import EXIT_OK, EXIT_RUNS_FAILED, StudyError
 from experiments.launch import decide, is_locked
 from experiments.plan import expand, study_dir
-from experiments.rundir import COMPLETED, FAILED, last_attempt, scalar, state, tail_metrics
+from experiments.results import RunStatus
+from experiments.rundir import last_attempt, scalar, state, tail_metrics
 from experiments.seed_plan import plan_lines, seed_plan, with_planned_max_seeds
 from experiments.study import load_study
 
@@ -70,23 +71,23 @@ def cmd_status(args: Namespace, console: Console) -> int:
         st = state(s)
         attempt = last_attempt(s.run_dir)
         if busy and attempt.get("start") and attempt.get("end") is None:
-            st = "running"
+            st = RunStatus.RUNNING
         counts[st] = counts.get(st, 0) + 1
         row = tail_metrics(s.run_dir)
         reward = scalar(row.get("reward_mean"))
         step = f"{int(row['step']) + 1}/{s.total_steps}" if "step" in row else f"0/{s.total_steps}"
         table.add_row(s.key, st, step, f"{reward:.3f}" if reward is not None else "-",
-                      (attempt.get("error") or "") if st == FAILED else "")
+                      (attempt.get("error") or "") if st == RunStatus.FAILED else "")
     console.print(table)
     console.print(", ".join(f"{v} {k}" for k, v in sorted(counts.items())), highlight=False)
-    return EXIT_OK if counts.get(COMPLETED, 0) == len(specs) else EXIT_RUNS_FAILED
+    return EXIT_OK if counts.get(RunStatus.COMPLETED, 0) == len(specs) else EXIT_RUNS_FAILED
 
 
 def cmd_report(args: Namespace, console: Console) -> int:
     """Rewrites aggregate.json, report.md and plots from the run dirs of the last launch; with
     --wandb also the study's W&B Report (created when W&B is online, else its definition saved
     for --publish)."""
-    from experiments.report import write_report
+    from experiments.report import REPORT, write_report
     study = load_study(args.study, args.bindings)
     if getattr(args, "publish", False):
         return publish_wandb_report(study, args, console)
@@ -96,7 +97,7 @@ def cmd_report(args: Namespace, console: Console) -> int:
         console.print(f"  {name}: n={v.summary.n} mean={mean} -> {v.verdict}"
                       f"{' (underpowered)' if v.underpowered else ''}{' (fragile)' if v.fragile else ''}"
                       f"{'' if v.guardrails_ok else ' [guardrail violated]'}", highlight=False)
-    console.print(f"{decision_line(agg)}; report: {study_dir(study, args.results) / 'report.md'}", highlight=False)
+    console.print(f"{decision_line(agg)}; report: {study_dir(study, args.results) / REPORT}", highlight=False)
     if getattr(args, "wandb", False):
         from experiments.wandb_report import DEFINITION, build_report, save_definition
         from experiments.wandb_sink import logged_in, wandb_mode

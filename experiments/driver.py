@@ -22,13 +22,12 @@ from typing import Dict, List, Optional
 
 from rich.console import Console
 
-from experiments.adaptive import decide_look, extra_seeds
+from experiments.adaptive import Measured, extra_seeds, run_looks
 from experiments.collect import collect
 from experiments.errors import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNS_FAILED
 from experiments.launch import LaunchResult, StudyBusy, launch, prune_superseded
 from experiments.plan import RunSpec, expand, study_dir
-from experiments.results import AdaptiveRecord, AdaptiveVariant, SeedPlan
-from experiments.rundir import COMPLETED
+from experiments.results import BASELINE, AdaptiveRecord, AdaptiveVariant, RunStatus, SeedPlan
 from experiments.study import Study
 
 INTERRUPTED = "interrupted: run the same command again to resume"
@@ -70,7 +69,7 @@ def _launch(study: Study, specs: List[RunSpec], args: Namespace, seed_plan: Opti
 def run_fixed(study: Study, specs: List[RunSpec], args: Namespace, console: Console,
               seed_plan: Optional[SeedPlan]) -> int:
     """One launch of the whole plan, then the report and the study's W&B aggregate run."""
-    from experiments.report import write_report
+    from experiments.report import REPORT, write_report
     t0 = time.monotonic()
     try:
         with sigterm_as_interrupt():
@@ -94,7 +93,7 @@ def run_fixed(study: Study, specs: List[RunSpec], args: Namespace, console: Cons
                               [s.run_hash for s in specs])
     except Exception as err:  # noqa: BLE001 - W&B must never fail a study
         console.print(f"warning: W&B aggregate: {err}", highlight=False)
-    console.print(f"{decision_line(agg)}; report: {study_dir(study, args.results) / 'report.md'}",
+    console.print(f"{decision_line(agg)}; report: {study_dir(study, args.results) / REPORT}",
                   highlight=False, soft_wrap=True)
     return EXIT_RUNS_FAILED if result.failed or agg.decision.chosen is None else EXIT_OK
 
@@ -116,47 +115,50 @@ def _run_adaptive(study: Study, args: Namespace, console: Console, seed_plan: Op
     cfg = study.adaptive_seeds
     seeds = extra_seeds(study.seeds, cfg.max_seeds)
     confidence = cfg.confidence(study.alpha, len(study.variants))
-    n, active, decided, looks = cfg.min_seeds, list(study.variants), {}, []
-    specs_by_key: Dict[str, object] = {}
+    specs_by_key: Dict[str, RunSpec] = {}
     failed = {}
-    while True:
-        look_study = dataclasses.replace(study, variants=tuple(active), seeds=tuple(seeds[:n]))
+
+    def measure(n: int, active: List[str]) -> Optional[Measured]:
+        """One look: the baseline and the active variants planned at n seeds and launched (the runs
+        already finished are skipped), then every run so far collected; None when interrupted."""
+        look_study = dataclasses.replace(study, variants=tuple(v for v in study.variants if v.name in active),
+                                         seeds=tuple(seeds[:n]))
         specs = expand(look_study, args.results)
         specs_by_key.update({s.key: s for s in specs})
         # plan.json records every run of every look so far: `report` re-reads them all.
         result = _launch(look_study, specs, args, seed_plan, recorded=list(specs_by_key.values()))
         failed.update(result.failed)
         if result.interrupted:
-            console.print(INTERRUPTED, highlight=False)
-            return EXIT_INTERRUPTED
+            return None
         results = collect(list(specs_by_key.values()), look_study)
-        values = {v.name: [r.value for r in results if r.variant == v.name and r.status == COMPLETED
-                           and r.value is not None] for v in active}
-        base = [r.value for r in results if r.variant == "baseline" and r.status == COMPLETED and r.value is not None]
-        look = decide_look(values, base, confidence)
-        looks.append({"seeds": n, "active": [v.name for v in active], "intervals": look})
-        for v in active:
-            if look[v.name]["decided"] or n >= cfg.max_seeds:
-                decided[v.name] = AdaptiveVariant(n=look[v.name]["n"], decided=look[v.name]["decided"],
-                                                  interval=tuple(look[v.name]["interval"]), look=len(looks),
-                                                  stopped="decided" if look[v.name]["decided"] else "max_seeds")
-        active = [v for v in active if v.name not in decided]
-        console.print(f"look {len(looks)} at {n} seeds: "
+
+        def values(variant: str) -> List[float]:
+            return [r.value for r in results if r.variant == variant and r.status == RunStatus.COMPLETED
+                    and r.value is not None]
+        return {name: values(name) for name in active}, values(BASELINE)
+
+    def said(look: int, n: int, decisions: Dict) -> None:
+        console.print(f"look {look} at {n} seeds: "
                       + ", ".join(f"{k} {'decided' if d['decided'] else 'undecided'} "
-                                  f"[{d['interval'][0]:+.4g}, {d['interval'][1]:+.4g}]" for k, d in look.items()),
+                                  f"[{d['interval'][0]:+.4g}, {d['interval'][1]:+.4g}]" for k, d in decisions.items()),
                       highlight=False)
-        if not active:
-            break
-        n = min(n + cfg.step, cfg.max_seeds)
+
+    ended = run_looks(cfg, [v.name for v in study.variants], confidence, measure, said)
+    if ended is None:
+        console.print(INTERRUPTED, highlight=False)
+        return EXIT_INTERRUPTED
+    decided = {name: AdaptiveVariant(n=d["n"], decided=d["decided"], interval=tuple(d["interval"]), look=look,
+                                     stopped="decided" if d["decided"] else "max_seeds")
+               for name, (d, look) in ended.stopped.items()}
     out = study_dir(study, args.results)
     all_specs = list(specs_by_key.values())
     report_pruned(prune_superseded(out, all_specs), console)
     full = dataclasses.replace(study, seeds=tuple(seeds[:max(d.n for d in decided.values())
-                                                        if decided else n]))
+                                                        if decided else ended.seeds]))
     used, fixed = len(all_specs), (1 + len(study.variants)) * cfg.max_seeds
     adaptive = AdaptiveRecord(max_seeds=cfg.max_seeds, min_seeds=cfg.min_seeds, step=cfg.step,
                               confidence=confidence, spend_alpha_over_looks=cfg.spend_alpha_over_looks,
-                              variants=decided, looks=tuple(looks), runs_used=used, runs_fixed=fixed)
+                              variants=decided, looks=ended.looks, runs_used=used, runs_fixed=fixed)
     agg = write_report(full, out, all_specs, adaptive=adaptive, seed_plan=seed_plan)
     console.print(f"{study.name}: {used} runs instead of {fixed} at a fixed {cfg.max_seeds} seeds "
                   f"({1 - used / fixed:.0%} saved); {decision_line(agg)}", highlight=False)

@@ -205,3 +205,8 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
 
 def study_dir(study: Study, results_dir: str | Path) -> Path:
     return Path(results_dir).resolve() / study.name
+
+
+def plan_path(study_dir: str | Path) -> Path:
+    """The plan a study last launched (written by `launch`, read by `collect.load_plan`)."""
+    return Path(study_dir) / "plan.json"

@@ -15,7 +15,7 @@ from typing import Dict
 
 from experiments.errors import StudyError
 from experiments.paths import portable
-from experiments.results import StudyAggregate
+from experiments.results import AGGREGATE, RunStatus, StudyAggregate, aggregate_path, read_aggregate
 from experiments.rundir import latest_checkpoint
 from experiments.study import Study
 
@@ -39,7 +39,7 @@ def resume_checkpoints(study: Study) -> Dict[int, str]:
     variant = _resumed_variant(study, previous)
     by_seed = {}
     for run in previous.variants[variant].runs:
-        ckpt = latest_checkpoint(root / run.run_dir) if run.status == "completed" else None
+        ckpt = latest_checkpoint(root / run.run_dir) if run.status == RunStatus.COMPLETED else None
         if ckpt is not None:
             by_seed[run.seed] = portable(ckpt)  # the engine's `ppo.init_from`: the same in every checkout
     if not by_seed:
@@ -53,7 +53,7 @@ def resumed_setting(study: Study) -> tuple:
     """The bindings of the variant `study.resume_from` chose (or `resume_variant`), when the study
     sets `resume_setting`; () otherwise. The baseline's own bindings come after them and win."""
     root = Path(study.resume_from) if study.resume_from else None
-    if not study.resume_setting or root is None or not (root / "aggregate.json").is_file():
+    if not study.resume_setting or root is None or not aggregate_path(root).is_file():
         return ()
     previous = _previous_aggregate(study)
     return tuple(previous.variants[_resumed_variant(study, previous)].bindings)
@@ -67,14 +67,8 @@ def is_checkpoint_dir(root: Path) -> bool:
 def previous_aggregate(root: Path, binding: str, otherwise: str = "") -> StudyAggregate:
     """The aggregate of the finished study whose results dir is `root`, named by `binding` (e.g.
     "study.resume_from = '...'"), or a StudyError saying what to do (`otherwise`: the alternative)."""
-    path = Path(root) / "aggregate.json"
-    if not path.is_file():
-        raise StudyError(f"{binding}: no aggregate.json there; run `python -m experiments report` on that "
-                         f"study first{otherwise}")
-    try:
-        return StudyAggregate.load(path)
-    except ValueError as err:
-        raise StudyError(f"{binding.partition(' = ')[0]}: {err}") from None
+    return read_aggregate(root, f"{binding}: no {AGGREGATE} there; run `python -m experiments report` on that "
+                                f"study first{otherwise}", where=binding.partition(" = ")[0])
 
 
 def _previous_aggregate(study: Study) -> StudyAggregate:

@@ -19,17 +19,16 @@ from rlhf.atomic import write_json
 from rlhf.checkpoint import latest_checkpoint as engine_latest_checkpoint  # the engine's checkpoint layout
 from rlhf.checkpoint import list_checkpoints, verify_checkpoint
 from rlhf.metrics import last_record, read_metrics
+from rlhf.run_dir import COMPLETED as ENGINE_COMPLETED  # summary.json's status of a finished run
 from rlhf.run_dir import remove_outputs  # the engine owns its run dir's layout
 
 from experiments.paths import spec_record
+from experiments.results import RunStatus
 
 RECORD, ATTEMPTS = "run.json", "attempts.json"
 """The manager's record of a run, in two files: `run.json` (the run's hash and spec: what it is,
 the same in every checkout) and `attempts.json` (one entry per attempt: command, host, pid,
 start and end, exit: a machine record, rlhf/run_dir.py's MACHINE_RECORDS)."""
-
-# Run states, as `state()` reports them.
-COMPLETED, FAILED, INTERRUPTED, PENDING, STALE = "completed", "failed", "interrupted", "pending", "stale"
 
 
 def read_json(path: Path) -> Optional[dict]:
@@ -65,7 +64,7 @@ def summary(run_dir: str | Path) -> Optional[dict]:
 
 def is_completed(run_dir: str | Path) -> bool:
     s = summary(run_dir)
-    return bool(s) and s.get("status") == "completed"
+    return bool(s) and s.get("status") == ENGINE_COMPLETED
 
 
 def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
@@ -75,7 +74,7 @@ def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
     return engine_latest_checkpoint(Path(run_dir) / "checkpoints", full=False)
 
 
-def state(spec) -> str:
+def state(spec) -> RunStatus:
     """completed | failed | interrupted | pending | stale, for the run dir of `spec` (a
     `plan.RunSpec`: its run_dir and run_hash).
 
@@ -85,15 +84,15 @@ def state(spec) -> str:
     run_dir = Path(spec.run_dir)
     record = read_record(run_dir)
     if record is None:
-        return STALE if run_dir.exists() and any(run_dir.iterdir()) else PENDING
+        return RunStatus.STALE if run_dir.exists() and any(run_dir.iterdir()) else RunStatus.PENDING
     if record.get("run_hash") != spec.run_hash:
-        return STALE
+        return RunStatus.STALE
     if is_completed(run_dir):
-        return COMPLETED
+        return RunStatus.COMPLETED
     attempts = record.get("attempts", [])
     if attempts and attempts[-1].get("exit_code") not in (None, 0):
-        return FAILED
-    return INTERRUPTED if latest_checkpoint(run_dir) is not None else PENDING
+        return RunStatus.FAILED
+    return RunStatus.INTERRUPTED if latest_checkpoint(run_dir) is not None else RunStatus.PENDING
 
 
 def last_attempt(run_dir: str | Path) -> dict:

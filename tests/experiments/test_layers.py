@@ -1,15 +1,18 @@
-"""The manager's module structure: layers that import only downward, so no import cycles.
+"""The manager's module structure: layers that import only downward, so no import cycles, and
+one name for each run state and each study file.
 
 The layers, bottom first, as README ("Layout") draws them. A module imports from its own layer
 or the layers below it, never above; every import counts, at the top of a module or deferred
 inside a function (tests/import_graph.py).
 """
 
+import ast
 import subprocess
 import sys
 
 import pytest
 
+from experiments.results import AGGREGATE, RunStatus
 from tests.conftest import REPO
 from tests.import_graph import cycles, import_graph, layer_violations
 
@@ -40,6 +43,48 @@ def test_the_manager_imports_only_downward():
     toy = {"p.low": {"p.high"}, "p.high": {"p.low"}, "p.stray": set(), "p.sub.cmd": {"p.sub.x"}, "p.sub.x": set()}
     assert layer_violations(toy, (("low", "sub"), ("high", "sub.cmd")), "p") == [
         "p.low (layer 0) imports p.high (layer 1)", "p.stray: in no layer"]
+
+
+RUN_STATES = {status.value for status in RunStatus}
+FILES = {AGGREGATE: "experiments/results.py", "plan.json": "experiments/plan.py"}
+"""A study file's name, written out by one module: every other one calls results.aggregate_path,
+plan.plan_path."""
+
+
+def state_strings(tree):
+    """(line, string) of each run state written as a plain string where a state goes: compared
+    (`status == 'completed'`, `in ('failed', ...)`), returned, assigned, passed, or a dict's
+    'status' (a message that says 'failed' in words is not a state)."""
+    spots = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            spots += [node.left, *node.comparators]
+        elif isinstance(node, ast.Dict):
+            spots += [v for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant) and k.value == "status"]
+        elif isinstance(node, ast.Call):
+            spots += [*node.args, *(k.value for k in node.keywords)]
+        elif isinstance(node, (ast.Return, ast.Assign)) and node.value is not None:
+            spots.append(node.value)
+    spots += [e for spot in spots if isinstance(spot, (ast.Tuple, ast.List, ast.Set)) for e in spot.elts]
+    return sorted((c.lineno, c.value) for c in spots if isinstance(c, ast.Constant) and c.value in RUN_STATES)
+
+
+def test_each_run_state_and_study_file_is_written_out_once():
+    """The run states are RunStatus's members (results.py), whose strings the files hold; the
+    study files' names are each one module's."""
+    found = []
+    for path in sorted((REPO / "experiments").rglob("*.py")):
+        where = str(path.relative_to(REPO))
+        tree = ast.parse(path.read_text())
+        if where != "experiments/results.py":
+            found += [f"{where}:{line}: {value!r}" for line, value in state_strings(tree)]
+        found += [f"{where}:{n.lineno}: {n.value!r}" for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                  and n.value in FILES and FILES[n.value] != where]
+    assert found == []
+    assert f"{RunStatus.FAILED}" == "failed" and RunStatus("stale") is RunStatus.STALE  # the files' strings
+    caught = state_strings(ast.parse("if r.status in ('done', 'failed'):\n    show(key, 'running')\n"
+                                     "x = {'status': 'stale', 'why': 'failed'}\nsay(f'{n} failed')\n"))
+    assert caught == [(1, "failed"), (2, "running"), (3, "stale")]
 
 
 @pytest.mark.parametrize("module", ["experiments.errors", "experiments.adaptive", "experiments.rundir",

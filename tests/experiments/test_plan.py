@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments.plan import expand
-from tests.experiments.conftest import fake_checkpoint, previous_study_aggregate
 from experiments.errors import StudyError
+from experiments.plan import expand
 from experiments.study import BASELINE, load_study
+from tests.experiments.conftest import fake_checkpoint, previous_study_aggregate
 from rlhf.provenance import hash_directory
 
 REPO = Path(__file__).resolve().parents[2]
