@@ -18,16 +18,20 @@ repeatedly raises the chance of a false verdict on a null variant; `spend_alpha_
 (Bonferroni over the possible looks) bounds it at alpha, at the price of more seeds for real
 differences. `bench/adaptive_seeds.py` measures both: runs saved and the false verdict rate.
 
-`decide_look` and `simulate` are pure (per-seed values in, decisions out); `run_adaptive` drives
-real studies through the ordinary plan -> launch -> report steps, one launch per look.
+`run_looks` is the rule's one loop: it asks a `measure` callback for each look's values, so the
+same loop stops `simulate`'s drawn values (pure: per-seed values in, decisions out) and real
+studies, which `driver.run_adaptive` measures through the ordinary plan -> launch -> collect
+steps, one launch per look.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from experiments.errors import StudyError
+from experiments.results import BASELINE
 from experiments.stats import difference_ci
 
 
@@ -54,8 +58,6 @@ class AdaptiveSeeds:
 def parse_adaptive_seeds(value, initial_seeds: int, planned: bool = False) -> Optional[AdaptiveSeeds]:
     """`study.adaptive_seeds` -> AdaptiveSeeds (None when unset); errors name the key and what is allowed.
     `planned` (study.target_effect is set): 'max_seeds' may be left to the seed plan (None here)."""
-    from experiments.study import StudyError
-
     if value is None or value == {}:
         return None
     if not isinstance(value, Mapping):
@@ -92,29 +94,65 @@ def decide_look(values: Mapping[str, Sequence[float]], baseline: Sequence[float]
     return out
 
 
+Measured = Tuple[Mapping[str, Sequence[float]], Sequence[float]]
+"""({variant: its values}, the baseline's values): one look's completed per-seed values."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Looks:
+    """How the stopping rule ended: per variant, its last look's `decide_look` entry and the look
+    (1-based) it stopped at, in the order they stopped; every look's record; the seeds of the last."""
+
+    stopped: Dict[str, Tuple[Dict, int]]
+    looks: Tuple[Dict, ...]
+    """Per look: 'seeds', the variants still 'active', their 'intervals' (`decide_look`)."""
+    seeds: int
+
+
+def run_looks(cfg: AdaptiveSeeds, variants: Sequence[str], confidence: float,
+              measure: Callable[[int, List[str]], Optional[Measured]],
+              on_look: Optional[Callable[[int, int, Dict], None]] = None) -> Optional[Looks]:
+    """The stopping rule's loop. At n = min_seeds seeds, then `step` more at a time up to max_seeds,
+    `measure(n, active)` gives the values of the baseline and of the variants still undecided at n
+    seeds (None: stop now, and return None); a variant stops at the look whose interval excludes
+    zero, or at max_seeds. `on_look(look, n, decisions)` hears each look as it ends."""
+    n, active, stopped, looks = cfg.min_seeds, list(variants), {}, []
+    while True:
+        measured = measure(n, active)
+        if measured is None:
+            return None
+        values, baseline = measured
+        look = decide_look(values, baseline, confidence)
+        looks.append({"seeds": n, "active": list(active), "intervals": look})
+        for name, d in look.items():
+            if d["decided"] or n >= cfg.max_seeds:
+                stopped[name] = (d, len(looks))
+        if on_look is not None:
+            on_look(len(looks), n, look)
+        active = [v for v in active if v not in stopped]
+        if not active:
+            return Looks(stopped=stopped, looks=tuple(looks), seeds=n)
+        n = min(n + cfg.step, cfg.max_seeds)
+
+
 def simulate(draw: Callable[[str, int], float], variants: Sequence[str], cfg: AdaptiveSeeds,
              alpha: float = 0.05) -> Dict:
     """Runs the stopping rule on values from `draw(variant, seed)` ('baseline' included).
 
     Returns per-variant seeds used and final decision, runs used, and the fixed design's runs
     (every variant and the baseline at max_seeds)."""
-    confidence = cfg.confidence(alpha, len(variants))
-    n, active, final = cfg.min_seeds, list(variants), {}
-    values = {name: [draw(name, s) for s in range(n)] for name in ["baseline", *variants]}
-    while True:
-        look = decide_look({v: values[v] for v in active}, values["baseline"], confidence)
-        for name, d in look.items():
-            if d["decided"] or n >= cfg.max_seeds:
-                final[name] = d
-        active = [v for v in active if v not in final]
-        if not active:
-            break
-        n = min(n + cfg.step, cfg.max_seeds)
-        for name in ["baseline", *active]:
-            values[name] += [draw(name, s) for s in range(len(values[name]), n)]
+    values: Dict[str, List[float]] = {}
+
+    def measure(n: int, active: List[str]) -> Measured:
+        for name in [BASELINE, *active]:  # each look draws only the seeds it adds
+            drawn = values.setdefault(name, [])
+            drawn += [draw(name, s) for s in range(len(drawn), n)]
+        return {v: values[v] for v in active}, values[BASELINE]
+
+    ended = run_looks(cfg, variants, cfg.confidence(alpha, len(variants)), measure)
     used = sum(len(v) for v in values.values())
-    return {"variants": final, "runs_used": used, "runs_fixed": (1 + len(variants)) * cfg.max_seeds,
-            "baseline_seeds": len(values["baseline"])}
+    return {"variants": {name: d for name, (d, _) in ended.stopped.items()}, "runs_used": used,
+            "runs_fixed": (1 + len(variants)) * cfg.max_seeds, "baseline_seeds": len(values[BASELINE])}
 
 
 def extra_seeds(seeds: Sequence[int], count: int) -> List[int]:

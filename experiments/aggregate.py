@@ -27,17 +27,16 @@ from __future__ import annotations
 from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 from experiments import stats
-from experiments.collect import RunResult
 from experiments.paths import portable
-from experiments.results import (BASELINE, BETTER, DECIDED, EQUIVALENT, FAILED, INSUFFICIENT, NO_DIFFERENCE, PAIRED,
-                                 UNDECIDABLE, WELCH, WORSE, BestCheckpoints, CheckpointScore, Comparison, Decision,
-                                 GuardrailCheck, PairedComparison, Robustness, RunOutcome, StudyAggregate, Summary,
-                                 VariantResult)
-from experiments.rundir import COMPLETED, GOLD_METRIC
+from experiments.results import (BASELINE, BETTER, DECIDED, EQUIVALENT, INSUFFICIENT, NO_DIFFERENCE, PAIRED,
+                                 UNDECIDABLE, VARIANT_FAILED, WELCH, WORSE, BestCheckpoints, CheckpointScore,
+                                 Comparison, Decision, GuardrailCheck, PairedComparison, Robustness, RunOutcome,
+                                 RunStatus, StudyAggregate, Summary, VariantResult)
+from experiments.rundir import GOLD_METRIC
 from experiments.study import Study, resolve_analysis
 
-__all__ = ["BETTER", "WORSE", "EQUIVALENT", "NO_DIFFERENCE", "INSUFFICIENT", "FAILED", "UNDECIDABLE", "aggregate",
-           "decide", "verdicts", "leave_one_seed_out"]
+__all__ = ["BETTER", "WORSE", "EQUIVALENT", "NO_DIFFERENCE", "INSUFFICIENT", "VARIANT_FAILED", "UNDECIDABLE",
+           "aggregate", "decide", "verdicts", "leave_one_seed_out"]
 
 ANALYSIS_NAMES = {WELCH: "Welch", PAIRED: "paired t"}
 
@@ -148,10 +147,10 @@ def _summary(values: Sequence[float]) -> Summary:
     return Summary(**{**s, "ci95": tuple(s["ci95"])})
 
 
-def _guardrails(study: Study, runs: Sequence[RunResult]) -> Dict[str, GuardrailCheck]:
+def _guardrails(study: Study, runs: Sequence[RunOutcome]) -> Dict[str, GuardrailCheck]:
     out = {}
     for g in study.guardrails:
-        values = {r.seed: r.guardrails.get(g.metric) for r in runs if r.status == COMPLETED}
+        values = {r.seed: r.guardrails.get(g.metric) for r in runs if r.status == RunStatus.COMPLETED}
         violations = tuple(sorted(seed for seed, v in values.items() if g.violated_by(v)))
         out[g.metric] = GuardrailCheck(bound=g.describe(), min=g.min, max=g.max,
                                        values={str(k): v for k, v in values.items()},
@@ -164,28 +163,29 @@ BESIDE_METRICS = ("eval/accuracy", "eval/rm_score")
 gold accuracy and the reward model's score, so over-optimisation of a reward model is visible."""
 
 
-def _beside(study: Study, runs: Sequence[RunResult]) -> Dict[str, Summary]:
+def _beside(study: Study, runs: Sequence[RunOutcome]) -> Dict[str, Summary]:
     out = {}
     for metric in BESIDE_METRICS:
         if metric == study.metric:
             continue
-        values = [r.final[metric] for r in runs if r.status == COMPLETED and r.final and r.final.get(metric) is not None]
+        values = [r.final[metric] for r in runs
+                  if r.status == RunStatus.COMPLETED and r.final and r.final.get(metric) is not None]
         if values:
             out[metric] = _summary(values)
     return out
 
 
-def aggregate(study: Study, results: Sequence[RunResult], provenance: Optional[Dict] = None,
+def aggregate(study: Study, results: Sequence[RunOutcome], provenance: Optional[Dict] = None,
               plots: Optional[Dict[str, str]] = None, adaptive=None, seed_plan=None,
               pilot_correlation: Optional[float] = None) -> StudyAggregate:
     """Study settings, per-variant stats and verdicts, their robustness, and the decision.
     `pilot_correlation`: the correlation between paired seeds a previous round measured, which
     'auto' reads to choose the analysis (`study.resolve_analysis`)."""
     higher = study.direction == "higher"
-    by_variant: Dict[str, List[RunResult]] = {v.name: [] for v in study.all_variants}
+    by_variant: Dict[str, List[RunOutcome]] = {v.name: [] for v in study.all_variants}
     for r in results:
         by_variant.setdefault(r.variant, []).append(r)
-    by_seed = {name: {r.seed: r.value for r in runs if r.status == COMPLETED and r.value is not None}
+    by_seed = {name: {r.seed: r.value for r in runs if r.status == RunStatus.COMPLETED and r.value is not None}
                for name, runs in by_variant.items()}
     values = {name: list(v.values()) for name, v in by_seed.items()}
     # The design (every planned run, whatever its outcome) picks the analysis, not the values.
@@ -196,26 +196,25 @@ def aggregate(study: Study, results: Sequence[RunResult], provenance: Optional[D
     robust = leave_one_seed_out(by_seed, higher, study.alpha, analysis, margin)
     declared = {v.name: v for v in study.all_variants}
     metric = f"{study.metric_from} {study.metric}"
-    base_completed = sum(r.status == COMPLETED for r in by_variant.get(BASELINE, []))
+    base_completed = sum(r.status == RunStatus.COMPLETED for r in by_variant.get(BASELINE, []))
     variants: Dict[str, VariantResult] = {}
     for name, runs in by_variant.items():
-        completed = sum(r.status == COMPLETED for r in runs)
+        completed = sum(r.status == RunStatus.COMPLETED for r in runs)
         rails = _guardrails(study, runs)
         fields = dict(
             bindings=tuple(declared[name].bindings) if name in declared else (),
             coupled=bool(declared.get(name) and declared[name].coupled),
             summary=_summary(values[name]),
-            runs=tuple(RunOutcome(seed=r.seed, status=r.status, value=r.value, error=r.error, steps=r.steps,
-                                  run_dir=_relative(r.run_dir, study.name), guardrails=r.guardrails)
-                       for r in runs),
-            completed=completed, failed=sum(r.status == "failed" for r in runs), incomplete=len(runs) - completed,
+            runs=tuple(r.as_filed(_relative(r.run_dir, study.name)) for r in runs),
+            completed=completed, failed=sum(r.status == RunStatus.FAILED for r in runs),
+            incomplete=len(runs) - completed,
             guardrails=rails, guardrails_ok=all(g.ok for g in rails.values()), beside=_beside(study, runs))
         if name == BASELINE:
             variants[name] = VariantResult(**fields)
             continue
         cmp, verdict, underpowered, why = judged[name]
         if completed == 0:
-            verdict, underpowered, why = FAILED, False, "no run completed"
+            verdict, underpowered, why = VARIANT_FAILED, False, "no run completed"
         elif not values[name] or (base_completed and not values[BASELINE]):
             verdict, underpowered = UNDECIDABLE, False
             why = f"no run logged {metric}"
@@ -226,7 +225,8 @@ def aggregate(study: Study, results: Sequence[RunResult], provenance: Optional[D
         variants[name] = VariantResult(**fields, comparison=comparison,
                                        verdict=verdict,
                                        underpowered=underpowered, explanation=why,
-                                       robustness=robust.get(name) if verdict not in (FAILED, UNDECIDABLE) else None)
+                                       robustness=(robust.get(name) if verdict not in (VARIANT_FAILED, UNDECIDABLE)
+                                                   else None))
     return StudyAggregate(
         study=study.name, study_file=portable(study.path), description=study.description, metric=study.metric,
         metric_from=study.metric_from, direction=study.direction, alpha=study.alpha, seeds=tuple(study.seeds),
@@ -267,7 +267,7 @@ def _relative(run_dir: str, study_name: str) -> str:
     return parts[1] if len(parts) == 2 else run_dir
 
 
-def best_checkpoints(results: Sequence[RunResult], study_name: str) -> Optional[BestCheckpoints]:
+def best_checkpoints(results: Sequence[RunOutcome], study_name: str) -> Optional[BestCheckpoints]:
     """Each run's checkpoint with the best held-out gold accuracy, and the study's best of them
     (any run that saved one, whatever its status: a checkpoint is a model either way); None when
     no checkpoint's step was evaluated."""

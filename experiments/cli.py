@@ -20,7 +20,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Union
 from rich.console import Console
 
 from rlhf.config import ConfigError
-from rlhf.train import EXIT_CONFIG, EXIT_ERROR
+
+from experiments.errors import EXIT_CONFIG, EXIT_ERROR, StudyError
 
 Hook = Union[str, Callable, None]
 """A function, or 'module:function' imported when its subcommand is used: `data` and `sft` must not
@@ -122,7 +123,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         handler = _resolve(command.handler)
         return handler(args) if command.stage else handler(args, console)
-    except ConfigError as err:
+    except (ConfigError, StudyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
     except OSError as err:
@@ -133,9 +134,3 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"free some space, then run the same command again (what was written is kept: finished runs are "
               f"skipped, interrupted ones resume)", file=sys.stderr)
         return EXIT_ERROR
-    except Exception as err:
-        study = sys.modules.get("experiments.study")  # a StudyError can only come from a loaded study module
-        if study is None or not isinstance(err, study.StudyError):
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_CONFIG

@@ -1,4 +1,5 @@
-"""Collect: the run dirs of a launched plan, read into per-run results and per-step curves.
+"""Collect: the run dirs of a launched plan, read into run records (`results.RunOutcome`) and
+per-step curves.
 
 Reads `plan.json` (written at launch) and each run dir; writes nothing. Non-scalar metrics
 (the policy-ratio histogram) are skipped. A run counts as completed only when its summary.json
@@ -17,40 +18,17 @@ import numpy as np
 
 from rlhf.config import PPOConfig
 
-from experiments.plan import RunSpec
-from experiments.results import SeedPlan
-from experiments.rundir import (COMPLETED, best_checkpoint, iter_metrics, last_attempt, read_json, scalar,
-                                state, summary)
-from experiments.study import Study, StudyError
-
-
-@dataclasses.dataclass
-class RunResult:
-    variant: str
-    seed: int
-    run_dir: str
-    status: str
-    """completed | failed | interrupted | pending | stale."""
-    value: Optional[float]
-    """The decision metric, or None when the run did not complete."""
-    guardrails: Dict[str, Optional[float]]
-    """Each guardrail metric's final-window value."""
-    error: Optional[str] = None
-    steps: Optional[int] = None
-    initial: Optional[dict] = None
-    final: Optional[dict] = None
-    best_checkpoint: Optional[tuple] = None
-    """(step, gold accuracy) of the run's best evaluated checkpoint (`rundir.best_checkpoint`)."""
-
-    @property
-    def key(self) -> str:
-        return f"{self.variant}/seed{self.seed}"
+from experiments.errors import StudyError
+from experiments.plan import RunSpec, plan_path
+from experiments.results import RunOutcome, RunStatus, SeedPlan
+from experiments.rundir import best_checkpoint, iter_metrics, last_attempt, read_json, scalar, state, summary
+from experiments.study import Study
 
 
 def load_plan(study_dir: Path) -> List[RunSpec]:
-    plan = read_json(study_dir / "plan.json")
+    plan = read_json(plan_path(study_dir))
     if plan is None:
-        raise StudyError(f"{study_dir}/plan.json not found: run `python -m experiments run` on the study first")
+        raise StudyError(f"{plan_path(study_dir)} not found: run `python -m experiments run` on the study first")
     fields = {f.name for f in dataclasses.fields(RunSpec)}
     return [RunSpec(**{"placement": "local", "final_window": _final_window(run.get("operative_config", "")),
                        **{k: (tuple(v) if k == "bindings" else v) for k, v in run.items() if k in fields},
@@ -60,7 +38,7 @@ def load_plan(study_dir: Path) -> List[RunSpec]:
 
 def load_seed_plan(study_dir: Path) -> Optional[SeedPlan]:
     """The seed plan plan.json recorded at launch (experiments/seed_plan.py); None when it has none."""
-    recorded = (read_json(Path(study_dir) / "plan.json") or {}).get("seed_plan")
+    recorded = (read_json(plan_path(study_dir)) or {}).get("seed_plan")
     return SeedPlan.from_json(recorded) if recorded else None
 
 
@@ -76,9 +54,11 @@ def final_window_value(run_dir: str, metric: str, window: int) -> Optional[float
     return float(np.mean(values[-window:])) if values else None
 
 
-def read_run(spec: RunSpec, study: Study) -> RunResult:
+def read_run(spec: RunSpec, study: Study) -> RunOutcome:
+    """The run record of `spec`'s run dir: its state and, when it completed, its decision metric,
+    guardrail values and final evaluation."""
     st = state(spec)
-    s = summary(spec.run_dir) if st == COMPLETED else None
+    s = summary(spec.run_dir) if st == RunStatus.COMPLETED else None
     value, guards = None, {}
     if s is not None:
         value = scalar((s.get(study.metric_from) or {}).get(study.metric))
@@ -90,13 +70,13 @@ def read_run(spec: RunSpec, study: Study) -> RunResult:
     elif study.guardrails:
         guards = {g.metric: None for g in study.guardrails}
     attempt = last_attempt(spec.run_dir)
-    return RunResult(variant=spec.variant, seed=spec.seed, run_dir=spec.run_dir, status=st, value=value,
-                     guardrails=guards, error=attempt.get("error") if st != COMPLETED else None,
-                     steps=(s or {}).get("steps"), initial=(s or {}).get("initial"), final=(s or {}).get("final"),
-                     best_checkpoint=best_checkpoint(spec.run_dir))
+    return RunOutcome(variant=spec.variant, seed=spec.seed, run_dir=spec.run_dir, status=st, value=value,
+                      guardrails=guards, error=attempt.get("error") if st != RunStatus.COMPLETED else None,
+                      steps=(s or {}).get("steps"), final=(s or {}).get("final"),
+                      best_checkpoint=best_checkpoint(spec.run_dir))
 
 
-def collect(specs: Sequence[RunSpec], study: Study) -> List[RunResult]:
+def collect(specs: Sequence[RunSpec], study: Study) -> List[RunOutcome]:
     return [read_run(spec, study) for spec in specs]
 
 

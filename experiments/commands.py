@@ -7,24 +7,19 @@ binding, 130 interrupted.
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import time
 from argparse import ArgumentParser, Namespace
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from experiments.launch import StudyBusy, is_locked, launch, prune_superseded
+from experiments.driver import decision_line, run_study
+from experiments.errors import EXIT_OK, EXIT_RUNS_FAILED, StudyError
+from experiments.launch import decide, is_locked
 from experiments.plan import expand, study_dir
+from experiments.results import RunStatus
+from experiments.rundir import last_attempt, scalar, state, tail_metrics
 from experiments.seed_plan import plan_lines, seed_plan, with_planned_max_seeds
-from experiments.rundir import (COMPLETED, FAILED, last_attempt, scalar, state, tail_metrics)
-from experiments.study import StudyError, load_study
-
-from rlhf.train import EXIT_CONFIG, EXIT_OK  # noqa: E402  (the engine's codes; 2 means bad input everywhere)
-
-EXIT_RUNS_FAILED, EXIT_INTERRUPTED = 1, 130
+from experiments.study import load_study
 
 
 def _planned(args: Namespace):
@@ -37,7 +32,6 @@ def _planned(args: Namespace):
 
 def cmd_plan(args: Namespace, console: Console) -> int:
     """Prints the run table (variant, seed, change, hashes, what a `run` would do) without running."""
-    from experiments.launch import decide
     study, specs, plan = _planned(args)
     table = Table(title=f"study {study.name}: {len(study.all_variants)} variants x {len(study.seeds)} seeds "
                         f"= {len(specs)} runs ({study.cpus_per_run} CPU, {study.gpus_per_run:g} GPU each)")
@@ -57,73 +51,12 @@ def cmd_plan(args: Namespace, console: Console) -> int:
     return EXIT_OK
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """SIGTERM stops a study like Ctrl-C: runs are stopped in order and recorded as interrupted."""
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def cmd_run(args: Namespace, console: Console) -> int:
-    """Runs what the plan needs on Ray, then writes the report."""
-    from experiments.report import write_report
+    """Runs what the plan needs on Ray, then writes the report (experiments/driver.py)."""
     study, specs, plan = _planned(args)
     for line in plan_lines(study, plan):
         console.print(line, highlight=False)
-    if study.adaptive_seeds is not None:  # one launch per look: experiments/adaptive_run.py
-        from experiments.adaptive_run import run_adaptive
-        return run_adaptive(study, args, console, plan)
-    t0 = time.monotonic()
-    try:
-        with sigterm_as_interrupt():
-            result = launch(study, specs, Path(args.results), ray_address=args.ray_address, num_cpus=args.num_cpus,
-                            num_gpus=args.num_gpus, cache_dir=args.cache_dir, rerun_failed=args.rerun_failed,
-                            argv=args.argv, seed_plan=plan)
-    except StudyBusy as err:
-        console.print(f"error: {err}", highlight=False)
-        return EXIT_CONFIG
-    console.print(f"{study.name}: {len(result.completed)} completed, {len(result.skipped)} already done, "
-                  f"{len(result.failed)} failed in {time.monotonic() - t0:.0f}s", highlight=False)
-    for key, error in result.failed.items():
-        console.print(f"  failed {key}: {error}", highlight=False, soft_wrap=True)
-    if result.interrupted:
-        console.print("interrupted: run the same command again to resume", highlight=False)
-        return EXIT_INTERRUPTED
-    report_pruned(prune_superseded(study_dir(study, args.results), specs), console)
-    agg = write_report(study, study_dir(study, args.results), specs, seed_plan=plan)
-    try:
-        from experiments.wandb_sink import log_aggregate_dir, wandb_mode
-        if wandb_mode() != "disabled":
-            log_aggregate_dir(study_dir(study, args.results), study.wandb_project or study.name,
-                              [s.run_hash for s in specs])
-    except Exception as err:  # noqa: BLE001 - W&B must never fail a study
-        console.print(f"warning: W&B aggregate: {err}", highlight=False)
-    console.print(f"{decision_line(agg)}; report: {study_dir(study, args.results) / 'report.md'}",
-                  highlight=False, soft_wrap=True)
-    return EXIT_RUNS_FAILED if result.failed or agg.decision.chosen is None else EXIT_OK
-
-
-def report_pruned(removed, console: Console) -> None:
-    """One line for `launch.prune_superseded`'s outcome (nothing when there was nothing to remove)."""
-    if removed is None:
-        console.print("notice: another manager holds the study's lock: superseded runs were not removed",
-                      highlight=False)
-    elif removed:
-        console.print(f"removed {removed} superseded run{'s' if removed != 1 else ''} (not in the current plan)",
-                      highlight=False)
-
-
-def decision_line(agg) -> str:
-    """'decision: X (why)', or the reason there is none (no run completed, the metric never logged)."""
-    d = agg.decision
-    return f"decision: {d.chosen} ({d.reason})" if d.chosen else d.reason
+    return run_study(study, specs, args, console, plan)
 
 
 def cmd_status(args: Namespace, console: Console) -> int:
@@ -138,23 +71,23 @@ def cmd_status(args: Namespace, console: Console) -> int:
         st = state(s)
         attempt = last_attempt(s.run_dir)
         if busy and attempt.get("start") and attempt.get("end") is None:
-            st = "running"
+            st = RunStatus.RUNNING
         counts[st] = counts.get(st, 0) + 1
         row = tail_metrics(s.run_dir)
         reward = scalar(row.get("reward_mean"))
         step = f"{int(row['step']) + 1}/{s.total_steps}" if "step" in row else f"0/{s.total_steps}"
         table.add_row(s.key, st, step, f"{reward:.3f}" if reward is not None else "-",
-                      (attempt.get("error") or "") if st == FAILED else "")
+                      (attempt.get("error") or "") if st == RunStatus.FAILED else "")
     console.print(table)
     console.print(", ".join(f"{v} {k}" for k, v in sorted(counts.items())), highlight=False)
-    return EXIT_OK if counts.get(COMPLETED, 0) == len(specs) else EXIT_RUNS_FAILED
+    return EXIT_OK if counts.get(RunStatus.COMPLETED, 0) == len(specs) else EXIT_RUNS_FAILED
 
 
 def cmd_report(args: Namespace, console: Console) -> int:
     """Rewrites aggregate.json, report.md and plots from the run dirs of the last launch; with
     --wandb also the study's W&B Report (created when W&B is online, else its definition saved
     for --publish)."""
-    from experiments.report import write_report
+    from experiments.report import REPORT, write_report
     study = load_study(args.study, args.bindings)
     if getattr(args, "publish", False):
         return publish_wandb_report(study, args, console)
@@ -164,7 +97,7 @@ def cmd_report(args: Namespace, console: Console) -> int:
         console.print(f"  {name}: n={v.summary.n} mean={mean} -> {v.verdict}"
                       f"{' (underpowered)' if v.underpowered else ''}{' (fragile)' if v.fragile else ''}"
                       f"{'' if v.guardrails_ok else ' [guardrail violated]'}", highlight=False)
-    console.print(f"{decision_line(agg)}; report: {study_dir(study, args.results) / 'report.md'}", highlight=False)
+    console.print(f"{decision_line(agg)}; report: {study_dir(study, args.results) / REPORT}", highlight=False)
     if getattr(args, "wandb", False):
         from experiments.wandb_report import DEFINITION, build_report, save_definition
         from experiments.wandb_sink import logged_in, wandb_mode

@@ -16,11 +16,16 @@ from rich.table import Table
 from rich.text import Text
 
 from experiments.plan import RunSpec
+from experiments.results import RunStatus
 from experiments.rundir import scalar, tail_metrics
 
+QUEUED, RETRYING, DONE = "queued", "retrying", "done"
+"""A run's status in the view besides its RunStatus (running, failed, interrupted): waiting for
+its resources, submitted again after a crash, completed in this launch."""
 DONE_BEFORE = "already done"  # finished by an earlier invocation (same hash): not run again
-STYLES = {"done": "green", DONE_BEFORE: "green", "running": "yellow", "queued": "dim",
-          "failed": "red", "retrying": "magenta", "interrupted": "magenta"}
+FINISHED = (DONE, RunStatus.FAILED, DONE_BEFORE)
+STYLES = {DONE: "green", DONE_BEFORE: "green", RunStatus.RUNNING: "yellow", QUEUED: "dim",
+          RunStatus.FAILED: "red", RETRYING: "magenta", RunStatus.INTERRUPTED: "magenta"}
 
 
 def _fmt_seconds(seconds: Optional[float]) -> str:
@@ -36,7 +41,7 @@ class StudyDisplay:
     def __init__(self, study_name: str, specs: List[RunSpec], console: Optional[Console] = None):
         self.study_name = study_name
         self.specs = {s.key: s for s in specs}
-        self.status: Dict[str, str] = {s.key: "queued" for s in specs}
+        self.status: Dict[str, str] = {s.key: QUEUED for s in specs}
         self.note: Dict[str, str] = {}
         self.started: Dict[str, float] = {}
         self.finished: Dict[str, float] = {}
@@ -57,9 +62,9 @@ class StudyDisplay:
             self.live.__exit__(*exc)
 
     def set(self, key: str, status: str, note: str = "") -> None:
-        if status == "running" and key not in self.started:
+        if status == RunStatus.RUNNING and key not in self.started:
             self.started[key] = time.monotonic()
-        if status in ("done", "failed", DONE_BEFORE):
+        if status in FINISHED:
             self.finished[key] = time.monotonic()
         changed = self.status.get(key) != status
         self.status[key] = status
@@ -84,9 +89,9 @@ class StudyDisplay:
 
     def counts_line(self) -> str:
         c = self.counts()
-        done = c.get("done", 0) + c.get(DONE_BEFORE, 0)
-        return (f"{done}/{len(self.status)} done, {c.get('running', 0)} running, "
-                f"{c.get('failed', 0)} failed, {c.get('queued', 0) + c.get('retrying', 0)} queued, "
+        done = c.get(DONE, 0) + c.get(DONE_BEFORE, 0)
+        return (f"{done}/{len(self.status)} done, {c.get(RunStatus.RUNNING, 0)} running, "
+                f"{c.get(RunStatus.FAILED, 0)} failed, {c.get(QUEUED, 0) + c.get(RETRYING, 0)} queued, "
                 f"ETA {_fmt_seconds(self.eta())}")
 
     def _progress(self, key: str) -> tuple[int, int]:
@@ -99,13 +104,13 @@ class StudyDisplay:
         rates, remaining, running = [], 0, 0
         for key, status in self.status.items():
             step, total = self._progress(key)
-            if status in ("done", DONE_BEFORE, "failed"):
+            if status in FINISHED:
                 if key in self.started and key in self.finished:
                     done_steps = max(1, total - self.first_step.get(key, 0))
                     rates.append((self.finished[key] - self.started[key]) / done_steps)
                 continue
             remaining += max(0, total - step)
-            if status == "running":
+            if status == RunStatus.RUNNING:
                 running += 1
                 self.first_step.setdefault(key, step)
                 progressed = step - self.first_step[key]

@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from experiments.rundir import (DETERMINISTIC_FAILURES, EXIT_CONFIG, EXIT_DIVERGED, read_json, read_record,
-                                write_record)
+from experiments.errors import DETERMINISTIC_FAILURES, EXIT_CONFIG, EXIT_DIVERGED
+from experiments.results import RunStatus
+from experiments.rundir import read_json, read_record, write_record
 from rlhf.atomic import write_json
 
 STDERR_TAIL = 2000
@@ -297,5 +298,5 @@ def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: st
     if interrupted:
         raise KeyboardInterrupt(f"{spec['variant']}/seed{spec['seed']} interrupted")
     return {"key": f"{spec['variant']}/seed{spec['seed']}", "exit_code": exit_code, "error": entry["error"],
-            "status": "completed" if exit_code == 0 else "failed", "seconds": seconds,
+            "status": RunStatus.COMPLETED if exit_code == 0 else RunStatus.FAILED, "seconds": seconds,
             "retriable": exit_code not in (0, *DETERMINISTIC_FAILURES)}

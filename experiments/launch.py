@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from experiments.display import DONE_BEFORE, StudyDisplay
+from experiments.display import DONE, DONE_BEFORE, QUEUED, RETRYING, StudyDisplay
+from experiments.errors import DETERMINISTIC_FAILURES, StudyError
 from experiments.execute import execute, now
 from experiments.paths import portable
-from experiments.plan import REPO_ROOT, RunSpec, latest_checkpoint
-from experiments.results import SeedPlan
-from experiments.rundir import (COMPLETED, DETERMINISTIC_FAILURES, FAILED, INTERRUPTED, STALE,
-                                clear_engine_outputs, last_attempt, prune, read_record, state, supersede,
-                                write_record)
-from experiments.study import Study, StudyError
+from experiments.plan import REPO_ROOT, RunSpec, plan_path
+from experiments.results import RunStatus, SeedPlan
+from experiments.rundir import (clear_engine_outputs, last_attempt, latest_checkpoint, prune, read_record, state,
+                                supersede, write_record)
+from experiments.study import Study
 from rlhf import numerics
 from rlhf.atomic import is_disk_full, write_json
 from rlhf.run_dir import DirLock, LockBusy
@@ -51,13 +51,13 @@ class LaunchResult:
 def decide(spec: RunSpec, rerun_failed: bool = False) -> str:
     """'skip', 'resume' or 'start' for one run, from what its run dir holds."""
     st = state(spec)
-    if st == COMPLETED:
+    if st == RunStatus.COMPLETED:
         return "skip"
-    if st == FAILED:
+    if st == RunStatus.FAILED:
         exit_code = last_attempt(spec.run_dir).get("exit_code")
         if exit_code in DETERMINISTIC_FAILURES:  # resuming would repeat it: skip, or start over
             return "start" if rerun_failed else "skip"
-    if st in (INTERRUPTED, FAILED) and latest_checkpoint(spec.run_dir) is not None:
+    if st in (RunStatus.INTERRUPTED, RunStatus.FAILED) and latest_checkpoint(spec.run_dir) is not None:
         return "resume"
     return "start"
 
@@ -66,7 +66,7 @@ def prepare(spec: RunSpec, action: str) -> None:
     """Makes the run dir ready for `action`: stale runs moved aside, partial outputs cleared."""
     if action != "start":
         return
-    if state(spec) == STALE:
+    if state(spec) == RunStatus.STALE:
         supersede(spec.run_dir)
     clear_engine_outputs(spec.run_dir)
 
@@ -191,7 +191,7 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
     display = display or StudyDisplay(study.name, specs)
     check_writable(study_path, specs)
     with StudyLock(study_path):
-        write_json(study_path / "plan.json", {"study": study.name, "study_file": portable(study.path),
+        write_json(plan_path(study_path), {"study": study.name, "study_file": portable(study.path),
                                                "runs": [s.record() for s in (recorded or specs)],
                                                "seed_plan": seed_plan.to_json() if seed_plan else None})
         actions = {s.key: decide(s, rerun_failed) for s in specs}
@@ -199,9 +199,9 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
         for s in specs:
             if actions[s.key] == "skip":
                 st = state(s)
-                display.set(s.key, DONE_BEFORE if st == COMPLETED else "failed",
-                            "" if st == COMPLETED else f"not rerun: {last_attempt(s.run_dir).get('error')}")
-                if st == COMPLETED:
+                display.set(s.key, DONE_BEFORE if st == RunStatus.COMPLETED else RunStatus.FAILED,
+                            "" if st == RunStatus.COMPLETED else f"not rerun: {last_attempt(s.run_dir).get('error')}")
+                if st == RunStatus.COMPLETED:
                     result.skipped.append(s.key)
                 else:
                     result.failed[s.key] = last_attempt(s.run_dir).get("error") or "failed"
@@ -242,7 +242,7 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
             for s in todo:
                 prepare(s, actions[s.key])
                 submit(s, actions[s.key] == "resume")
-                display.set(s.key, "queued", "resume" if actions[s.key] == "resume" else "")
+                display.set(s.key, QUEUED, "resume" if actions[s.key] == "resume" else "")
             with display:
                 try:
                     while refs:
@@ -251,18 +251,18 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
                         for ref in ready:
                             spec = refs.pop(ref)
                             outcome = _outcome(ref, spec)
-                            if outcome["status"] == "completed":
+                            if outcome["status"] == RunStatus.COMPLETED:
                                 result.completed.append(spec.key)
-                                display.set(spec.key, "done")
+                                display.set(spec.key, DONE)
                             elif outcome["retriable"] and attempts[spec.key] <= study.retries:
-                                display.set(spec.key, "retrying", outcome["error"] or "")
+                                display.set(spec.key, RETRYING, outcome["error"] or "")
                                 resume = latest_checkpoint(spec.run_dir) is not None
                                 if not resume:
                                     clear_engine_outputs(spec.run_dir)
                                 submit(spec, resume)
                             else:
                                 result.failed[spec.key] = outcome["error"] or "failed"
-                                display.set(spec.key, "failed", outcome["error"] or "")
+                                display.set(spec.key, RunStatus.FAILED, outcome["error"] or "")
                         display.refresh()
                 except KeyboardInterrupt:
                     result.interrupted = True
@@ -279,10 +279,10 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
 
 def _mark_running(refs: Dict, attempts: Dict[str, int], display: StudyDisplay) -> None:
     for spec in refs.values():
-        if display.status.get(spec.key) in ("queued", "retrying"):
+        if display.status.get(spec.key) in (QUEUED, RETRYING):
             entry = last_attempt(spec.run_dir)
             if entry.get("attempt") == attempts[spec.key] and entry.get("end") is None:
-                display.set(spec.key, "running")
+                display.set(spec.key, RunStatus.RUNNING)
 
 
 def _outcome(ref, spec: RunSpec) -> dict:
@@ -302,7 +302,7 @@ def _outcome(ref, spec: RunSpec) -> dict:
         if record and record.get("attempts") and record["attempts"][-1].get("end") is None:
             record["attempts"][-1].update(end=now(), exit_code=-1, error=error)
             write_record(spec.run_dir, {**record, "spec": spec.to_json()})
-        return {"key": spec.key, "exit_code": -1, "error": error, "status": "failed", "retriable": True}
+        return {"key": spec.key, "exit_code": -1, "error": error, "status": RunStatus.FAILED, "retriable": True}
 
 
 def _first_line(err: BaseException) -> str:
@@ -322,4 +322,4 @@ def _cancel(refs: Dict, display: StudyDisplay, grace_s: float = 20.0) -> None:
     for ref in pending:
         ray.cancel(ref, force=True)
     for spec in refs.values():
-        display.set(spec.key, "interrupted")
+        display.set(spec.key, RunStatus.INTERRUPTED)

@@ -25,3 +25,11 @@ def portable(path: str | Path, base: Optional[str | Path] = None) -> str:
     except (OSError, ValueError):
         return str(path)
     return os.path.relpath(target, root) if target.is_relative_to(root) else str(path)
+
+
+def spec_record(spec: dict) -> dict:
+    """A run spec (`plan.RunSpec.to_json`) as files record it (plan.json, run.json): the run dir
+    relative to its study's results dir, the recipe relative to the working directory. What the
+    files hold is then the same in every checkout; `collect.load_plan` resolves them again."""
+    run_dir = Path(spec["run_dir"])
+    return {**spec, "run_dir": portable(run_dir, run_dir.parent.parent.parent), "recipe": portable(spec["recipe"])}

@@ -6,6 +6,10 @@ engine's code and the task data. A rerun skips a run whose hash matches a finish
 reruns only what changed. The code version hashes the engine's files (`rlhf/`), committed or
 not, so a commit that touches only docs or the manager does not invalidate finished runs; the
 git SHA and dirty flag are recorded for provenance.
+
+What a run starts from (`study.resume_from`) is resolved by experiments/resume_from.py, and
+whether each run fits its GPU is checked by experiments/gpu_fit.py; this module turns their answers
+into specs and hashes.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from rlhf.checkpoint import latest_checkpoint as engine_latest_checkpoint
 from rlhf.config import ConfigError, flat_dict
 from rlhf.configurable import resolve
 from rlhf.data import dataset_hash, load_task
@@ -24,9 +27,11 @@ from rlhf.provenance import run_git  # the engine's one git runner (its provenan
 from rlhf.provenance import hash_directory
 from rlhf.train import without_placement
 
-from experiments.paths import portable
-from experiments.results import StudyAggregate
-from experiments.study import BASELINE, Study, StudyError, split_binding
+from experiments.errors import StudyError
+from experiments.gpu_fit import check_gpu_memory, check_gpu_share
+from experiments.paths import spec_record
+from experiments.resume_from import resume_checkpoints, resumed_setting
+from experiments.study import BASELINE, Study, split_binding
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PATHS = ("rlhf",)
@@ -73,14 +78,6 @@ class RunSpec:
         return spec_record(self.to_json())
 
 
-def spec_record(spec: dict) -> dict:
-    """A spec (`RunSpec.to_json`) as files record it: the run dir relative to its study's results
-    dir, the recipe relative to the working directory (experiments/paths.py). What the files hold
-    is then the same in every checkout; `load_plan` resolves them again."""
-    run_dir = Path(spec["run_dir"])
-    return {**spec, "run_dir": portable(run_dir, run_dir.parent.parent.parent), "recipe": portable(spec["recipe"])}
-
-
 def _engine_files() -> List[Path]:
     listed = run_git("ls-files", "-co", "--exclude-standard", "--", *ENGINE_PATHS)
     if listed is not None:
@@ -115,165 +112,10 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
-    """The newest intact `run_dir/checkpoints/step_N`, or None: the engine's rule
-    (rlhf.checkpoint.latest_checkpoint, sizes checked against each checkpoint's manifest), so a
-    damaged checkpoint is never what a study resumes from or starts the next round with."""
-    return engine_latest_checkpoint(Path(run_dir) / "checkpoints", full=False)
-
-
-def resume_checkpoints(study: Study) -> Dict[int, str]:
-    """{seed: checkpoint dir} that starts each run, from `study.resume_from`; {} when unset.
-
-    `resume_from` is a checkpoint dir (every seed starts from it) or a previous study's results
-    dir: the variant it chose (or `study.resume_variant`) gives each seed the latest checkpoint
-    of the same seed, or of its first seed when the previous study lacked that seed.
-    """
-    if not study.resume_from:
-        return {}
-    root = Path(study.resume_from)
-    if not root.is_dir():
-        raise StudyError(f"study.resume_from = {study.resume_from!r} does not exist: run the previous study "
-                         f"first, or give a checkpoint dir")
-    if is_checkpoint_dir(root):
-        return {s: portable(root) for s in study.seeds}
-    previous = _previous_aggregate(study)
-    variant = _resumed_variant(study, previous)
-    by_seed = {}
-    for run in previous.variants[variant].runs:
-        ckpt = latest_checkpoint(root / run.run_dir) if run.status == "completed" else None
-        if ckpt is not None:
-            by_seed[run.seed] = portable(ckpt)  # the engine's `ppo.init_from`: the same in every checkout
-    if not by_seed:
-        raise StudyError(f"study.resume_from: variant {variant!r} of {study.resume_from} has no completed "
-                         f"run with a checkpoint")
-    first = by_seed[min(by_seed)]
-    return {s: by_seed.get(s, first) for s in study.seeds}
-
-
-def resumed_setting(study: Study) -> tuple:
-    """The bindings of the variant `study.resume_from` chose (or `resume_variant`), when the study
-    sets `resume_setting`; () otherwise. The baseline's own bindings come after them and win."""
-    root = Path(study.resume_from) if study.resume_from else None
-    if not study.resume_setting or root is None or not (root / "aggregate.json").is_file():
-        return ()
-    previous = _previous_aggregate(study)
-    return tuple(previous.variants[_resumed_variant(study, previous)].bindings)
-
-
-def is_checkpoint_dir(root: Path) -> bool:
-    """A checkpoint dir (`.../checkpoints/step_N`, or a model dir) rather than a study's results dir."""
-    return (root / "model.safetensors").exists() or root.name.startswith("step_")
-
-
-def previous_aggregate(root: Path, binding: str, otherwise: str = "") -> StudyAggregate:
-    """The aggregate of the finished study whose results dir is `root`, named by `binding` (e.g.
-    "study.resume_from = '...'"), or a StudyError saying what to do (`otherwise`: the alternative)."""
-    path = Path(root) / "aggregate.json"
-    if not path.is_file():
-        raise StudyError(f"{binding}: no aggregate.json there; run `python -m experiments report` on that "
-                         f"study first{otherwise}")
-    try:
-        return StudyAggregate.load(path)
-    except ValueError as err:
-        raise StudyError(f"{binding.partition(' = ')[0]}: {err}") from None
-
-
-def _previous_aggregate(study: Study) -> StudyAggregate:
-    """The aggregate of the study `study.resume_from` names, or a StudyError saying what to do."""
-    return previous_aggregate(Path(study.resume_from), f"study.resume_from = {study.resume_from!r}",
-                              ", or give a checkpoint dir")
-
-
-def _resumed_variant(study: Study, previous: StudyAggregate) -> str:
-    variant = study.resume_variant or previous.decision.chosen
-    if variant is None:
-        raise StudyError(f"study.resume_from = {study.resume_from!r}: that study decided nothing "
-                         f"({previous.decision.reason}); set study.resume_variant or rerun it")
-    if variant not in previous.variants:
-        raise StudyError(f"study.resume_variant = {variant!r} is not a variant of {study.resume_from}; "
-                         f"allowed: {', '.join(previous.variants)}")
-    return variant
-
-
 def resolve_config(recipe: str, bindings: Sequence[str], where: str):
     """The engine's resolve(), its one-line ConfigError reported as a StudyError saying where."""
     try:
         return resolve(recipe, list(bindings))
-    except ConfigError as err:
-        raise StudyError(f"{where}: {err}") from None
-
-
-def _weights_gib(model_path: str) -> Optional[float]:
-    """The size of a local checkpoint's weight files (what vLLM loads), None when unknown."""
-    root = Path(model_path)
-    if not root.is_dir():
-        return None
-    files = list(root.glob("*.safetensors")) or list(root.glob("*.bin"))
-    return sum(f.stat().st_size for f in files) / 2**30 if files else None
-
-
-def _gpu_memory_gib() -> Optional[float]:
-    try:
-        import torch
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_properties(0).total_memory / 2**30
-    except Exception:  # noqa: BLE001 - no GPU here: the share check alone applies
-        pass
-    return None
-
-
-VLLM_SHARED_BUDGET = 0.9
-"""The fraction of a GPU's memory the vLLM engines of the runs sharing it may reserve together."""
-
-
-def check_gpu_share(study: Study, cfg, where: str) -> None:
-    """Runs that share a GPU (study.gpus_per_run < 1) with vLLM rollouts must fit their vLLM
-    engine in their share: vLLM takes `ppo.vllm_gpu_memory_utilization` of the whole GPU's
-    memory per engine, so k runs on one GPU need k times that (at most `VLLM_SHARED_BUDGET`),
-    plus their trainers' memory. Refused at planning with the numbers, rather than one run losing
-    the race for memory."""
-    share = study.gpus_per_run
-    if not 0 < share < 1 or cfg.ppo.rollout_backend != "vllm":
-        return
-    runs_per_gpu = int(1 // share)
-    util = cfg.ppo.vllm_gpu_memory_utilization
-    if util >= share or runs_per_gpu * util > VLLM_SHARED_BUDGET:
-        most = min(VLLM_SHARED_BUDGET / runs_per_gpu, share)
-        raise StudyError(
-            f"{where}: ppo.vllm_gpu_memory_utilization = {util:g} does not fit study.gpus_per_run = {share:g}: "
-            f"{runs_per_gpu} runs share each GPU and each vLLM engine reserves {util:g} of the GPU's memory "
-            f"({runs_per_gpu} x {util:g} = {runs_per_gpu * util:.2f}; the engines of one GPU may take "
-            f"{VLLM_SHARED_BUDGET:g} together, the trainers need the rest of their share); set "
-            f"ppo.vllm_gpu_memory_utilization {'below' if most == share else 'at most'} {most:.3g} or "
-            f"raise study.gpus_per_run")
-    weights, memory = _weights_gib(cfg.model.name_or_path), _gpu_memory_gib()
-    if weights is not None and memory is not None and util * memory < 1.2 * weights:
-        raise StudyError(
-            f"{where}: each run's vLLM budget, ppo.vllm_gpu_memory_utilization = {util:g} of {memory:.0f} GiB "
-            f"= {util * memory:.1f} GiB, cannot hold the model's weights ({weights:.1f} GiB) and a KV cache; "
-            f"raise study.gpus_per_run and ppo.vllm_gpu_memory_utilization together")
-
-
-def check_gpu_memory(study: Study, cfg, where: str, memory_gib: Optional[float] = None) -> None:
-    """A run whose predicted memory (rlhf/placement/memory.py: every role's weights, gradients,
-    optimizer states, activations and the vLLM engine) cannot fit in its GPU, or its share of one
-    (study.gpus_per_run < 1), is refused at planning with the bindings that would make it fit.
-    Checked when this machine has a GPU (taken as the runs' kind) and the run computes on one; the
-    engine checks again when the run starts."""
-    memory_gib = _gpu_memory_gib() if memory_gib is None else memory_gib
-    on_gpu = study.gpus_per_run > 0 or cfg.ppo.resolved_placement != "local"  # Ray ranks hold their own GPUs
-    if memory_gib is None or cfg.ppo.device == "cpu" or not on_gpu:
-        return
-    from rlhf.placement import memory
-    try:
-        policy, reward_model = memory.run_shapes(cfg)
-    except (ConfigError, ValueError):  # an unreadable model is the run's own one-line error
-        return
-    total = int(memory_gib * memory.GIB)
-    share = study.gpus_per_run if 0 < study.gpus_per_run < 1 else 1.0
-    try:
-        memory.check(cfg, policy, reward_model, available=int(share * total), device_total=total)
     except ConfigError as err:
         raise StudyError(f"{where}: {err}") from None
 
@@ -363,3 +205,8 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
 
 def study_dir(study: Study, results_dir: str | Path) -> Path:
     return Path(results_dir).resolve() / study.name
+
+
+def plan_path(study_dir: str | Path) -> Path:
+    """The plan a study last launched (written by `launch`, read by `collect.load_plan`)."""
+    return Path(study_dir) / "plan.json"

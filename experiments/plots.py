@@ -14,7 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from experiments.collect import RunResult, band, curves  # noqa: E402
+from experiments.collect import band, curves  # noqa: E402
+from experiments.results import RunOutcome, RunStatus  # noqa: E402
 from rlhf.atomic import write_atomic  # noqa: E402
 
 FIGURES = {
@@ -27,13 +28,13 @@ FIGURES = {
 """{file stem: metrics drawn side by side in that figure}."""
 
 
-def plot_study(study_name: str, results: Sequence[RunResult], out_dir: Path) -> Dict[str, str]:
+def plot_study(study_name: str, results: Sequence[RunOutcome], out_dir: Path) -> Dict[str, str]:
     """Writes the figures; returns {file stem: path relative to the study dir} of those drawn."""
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics = sorted({m for ms in FIGURES.values() for m in ms})
     variants: Dict[str, List[dict]] = {}
     for r in results:
-        if r.status in ("completed", "failed", "interrupted"):
+        if r.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.INTERRUPTED):
             variants.setdefault(r.variant, []).append(curves(r.run_dir, metrics))
     written = {}
     for stem, names in FIGURES.items():

@@ -12,16 +12,16 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from experiments.aggregate import aggregate
-from experiments.collect import RunResult, collect, load_plan, load_seed_plan
+from experiments.collect import collect, load_plan, load_seed_plan
 from experiments.paths import portable
 from experiments.plan import RunSpec, git_commit
 from experiments.plots import plot_study
-from experiments.results import (EQUIVALENT, PAIRED, WELCH, AdaptiveRecord, CheckpointScore, SeedPlan, StudyAggregate,
-                                 VariantResult)
-from rlhf.atomic import write_json, write_text
+from experiments.results import (EQUIVALENT, PAIRED, WELCH, AdaptiveRecord, CheckpointScore, RunOutcome, SeedPlan,
+                                 StudyAggregate, VariantResult, aggregate_path)
 from experiments.rundir import read_json
 from experiments.seed_plan import find_pilot, pilot_correlation, plan_line, shortfall
 from experiments.study import Study
+from rlhf.atomic import write_json, write_text
 from rlhf.provenance import hardware_fingerprint
 
 
@@ -39,6 +39,8 @@ def _ci(pair) -> str:
     return f"[{_fmt(pair[0])}, {_fmt(pair[1])}]"
 
 
+REPORT = "report.md"
+"""The report for people, beside the aggregate in a study's results dir."""
 MACHINE_PROVENANCE = "provenance.json"
 """A study's machine record beside its aggregate (rlhf/run_dir.py's MACHINE_RECORDS): the git
 commit, library versions, hardware and command line the runs ran with."""
@@ -299,14 +301,14 @@ def write_report(study: Study, study_dir: Path, specs: Optional[List[RunSpec]] =
     The seed plan, when not given, is the one plan.json recorded at launch."""
     specs = specs if specs is not None else load_plan(study_dir)
     seed_plan = seed_plan if seed_plan is not None else load_seed_plan(study_dir)
-    results: List[RunResult] = collect(specs, study)
+    results: List[RunOutcome] = collect(specs, study)
     plots = plot_study(study.name, results, study_dir / "plots")
     provenance, machine = provenance_summary(specs)
     agg = aggregate(study, results, provenance, plots=plots, adaptive=adaptive, seed_plan=seed_plan,
                     pilot_correlation=pilot_correlation(find_pilot(study, study_dir.parent)))
     write_json(study_dir / MACHINE_PROVENANCE, machine)
-    agg.save(study_dir / "aggregate.json")
-    write_text(study_dir / "report.md", render(agg))
+    agg.save(aggregate_path(study_dir))
+    write_text(study_dir / REPORT, render(agg))
     return agg
 
 
@@ -325,7 +327,7 @@ def render_summary(rounds: Sequence[tuple], results_dir: Path) -> str:
     for study, agg in rounds:
         decision = agg.decision
         lines += [f"## {study.name}: {agg.description}", ""]
-        if study.resume_from and (Path(study.resume_from) / "aggregate.json").is_file():
+        if study.resume_from and aggregate_path(study.resume_from).is_file():
             lines += advice_lines(Path(study.resume_from), agg)
         if start is None:
             start = heldout_start(agg, Path(results_dir) / study.name, agg.metric)

@@ -44,15 +44,43 @@ The file (`RESULTS/<study>/aggregate.json`), one JSON object:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Annotated, Any, Dict, List, Optional, Tuple, TypeVar
 
-from pydantic import TypeAdapter
+from pydantic import Field, TypeAdapter
 
+from experiments.errors import StudyError
+
+AGGREGATE = "aggregate.json"
+"""A study's aggregate, in its results dir (`aggregate_path`)."""
 BASELINE = "baseline"
-# Verdicts.
-BETTER, WORSE, EQUIVALENT, NO_DIFFERENCE, INSUFFICIENT, FAILED, UNDECIDABLE = (
+
+
+class RunStatus(str, enum.Enum):
+    """A run's state, as its run dir says it (`rundir.state`); the strings the files hold
+    (run.json's readers, aggregate.json's `runs`), which the members compare equal to."""
+
+    COMPLETED = "completed"
+    """summary.json says so, under the plan's hash."""
+    FAILED = "failed"
+    """The last attempt exited nonzero and no later attempt started."""
+    INTERRUPTED = "interrupted"
+    """Stopped with a checkpoint to resume from."""
+    PENDING = "pending"
+    """Not started, or stopped before its first checkpoint."""
+    STALE = "stale"
+    """The run dir holds a run of another hash (the config, code, data or start changed)."""
+    RUNNING = "running"
+    """A manager is running its attempt now (what `status` shows while the study's lock is held)."""
+
+    __str__ = str.__str__  # the string itself, in f-strings and tables alike
+    __format__ = str.__format__
+
+
+# Verdicts. VARIANT_FAILED: no run of the variant completed (the same word as RunStatus.FAILED in files).
+BETTER, WORSE, EQUIVALENT, NO_DIFFERENCE, INSUFFICIENT, VARIANT_FAILED, UNDECIDABLE = (
     "better", "worse", "equivalent", "no detectable difference", "insufficient data", "failed", "undecidable")
 DECIDED = (BETTER, WORSE, EQUIVALENT)
 """The verdicts that settle a comparison (leave-one-seed-out checks that they survive)."""
@@ -130,20 +158,46 @@ class Comparison:
         return self.paired if self.analysis == PAIRED and self.paired is not None else self
 
 
+T = TypeVar("T")
+NotInFile = Annotated[T, Field(exclude=True)]
+"""A field aggregate.json does not hold (it loads with the default)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RunOutcome:
-    """One seed of one variant."""
+    """One seed of one variant: the one run record. `collect.read_run` reads it from the run dir;
+    aggregate.json keeps it under its variant, without the fields marked NotInFile (the variant is
+    its key there; the final evaluation and the best checkpoint are summarised beside it)."""
 
     seed: int
-    status: str
-    """completed | failed | interrupted | pending | stale."""
+    status: RunStatus
     value: Optional[float] = None
     """The decision metric; None when the run did not complete or did not log it."""
     error: Optional[str] = None
     steps: Optional[int] = None
     run_dir: str = ""
-    """Relative to the study's results dir (so a results dir can move)."""
+    """The run dir as collect reads it; in aggregate.json relative to the study's results dir (so a
+    results dir can move)."""
     guardrails: Dict[str, Optional[float]] = dataclasses.field(default_factory=dict)
+    """Each guardrail metric's final-window value."""
+    variant: NotInFile[str] = ""
+    final: NotInFile[Optional[dict]] = None
+    """summary.json's final held-out evaluation, when the run completed."""
+    best_checkpoint: NotInFile[Optional[Tuple[int, float]]] = None
+    """(step, gold accuracy) of the run's best evaluated checkpoint (`rundir.best_checkpoint`)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", RunStatus(self.status))  # a status written as its string
+
+    @property
+    def key(self) -> str:
+        return f"{self.variant}/seed{self.seed}"
+
+    def as_filed(self, run_dir: str) -> "RunOutcome":
+        """The record as aggregate.json keeps it: `run_dir` (relative to the study's results dir)
+        and the NotInFile fields at their defaults, as reading the file gives it back."""
+        return dataclasses.replace(self, run_dir=run_dir, **{f.name: f.default for f in dataclasses.fields(self)
+                                                             if str(f.type).startswith("NotInFile")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +246,7 @@ class VariantResult:
     @property
     def values(self) -> List[float]:
         """The decision metric of every completed seed that logged it."""
-        return [r.value for r in self.runs if r.status == "completed" and r.value is not None]
+        return [r.value for r in self.runs if r.status == RunStatus.COMPLETED and r.value is not None]
 
     @property
     def fragile(self) -> bool:
@@ -373,10 +427,24 @@ _SEED_PLAN = TypeAdapter(SeedPlan)
 
 
 def aggregate_path(study_dir: str | Path) -> Path:
-    return Path(study_dir) / "aggregate.json"
+    return Path(study_dir) / AGGREGATE
 
 
 def load_aggregate(study_dir: str | Path) -> Optional[StudyAggregate]:
     """The study dir's aggregate, or None when it has none yet."""
     path = aggregate_path(study_dir)
     return StudyAggregate.load(path) if path.is_file() else None
+
+
+def read_aggregate(study_dir: str | Path, missing: str, error: type = StudyError, where: str = "") -> StudyAggregate:
+    """The aggregate of the finished study in `study_dir`, or `error` (a StudyError, or a subclass)
+    in one line: `missing` when the study has none yet (the caller says what to do, which depends
+    on why it reads the study), the file and what is wrong with it (after `where: `, when given)
+    when it is not a study aggregate."""
+    try:
+        agg = load_aggregate(study_dir)
+    except ValueError as err:
+        raise error(f"{where}: {err}" if where else str(err)) from None
+    if agg is None:
+        raise error(missing)
+    return agg

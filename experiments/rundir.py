@@ -15,24 +15,20 @@ import time
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, Optional, Tuple
 
-from experiments.plan import RunSpec, latest_checkpoint, spec_record
-
 from rlhf.atomic import write_json
+from rlhf.checkpoint import latest_checkpoint as engine_latest_checkpoint  # the engine's checkpoint layout
+from rlhf.checkpoint import list_checkpoints, verify_checkpoint
 from rlhf.metrics import last_record, read_metrics
+from rlhf.run_dir import COMPLETED as ENGINE_COMPLETED  # summary.json's status of a finished run
+from rlhf.run_dir import remove_outputs  # the engine owns its run dir's layout
 
-from rlhf.checkpoint import list_checkpoints, verify_checkpoint  # noqa: E402  (the engine's checkpoint layout)
-from rlhf.run_dir import remove_outputs  # noqa: E402  (the engine owns its run dir's layout)
-from rlhf.train import EXIT_CONFIG, EXIT_DIVERGED  # noqa: E402  (the engine owns its exit codes)
+from experiments.paths import spec_record
+from experiments.results import RunStatus
 
 RECORD, ATTEMPTS = "run.json", "attempts.json"
 """The manager's record of a run, in two files: `run.json` (the run's hash and spec: what it is,
 the same in every checkout) and `attempts.json` (one entry per attempt: command, host, pid,
 start and end, exit: a machine record, rlhf/run_dir.py's MACHINE_RECORDS)."""
-DETERMINISTIC_FAILURES = (EXIT_CONFIG, EXIT_DIVERGED)
-"""Exit codes that a retry would only repeat: a bad configuration and a diverged loss."""
-
-# Run states, as `state()` reports them.
-COMPLETED, FAILED, INTERRUPTED, PENDING, STALE = "completed", "failed", "interrupted", "pending", "stale"
 
 
 def read_json(path: Path) -> Optional[dict]:
@@ -68,11 +64,19 @@ def summary(run_dir: str | Path) -> Optional[dict]:
 
 def is_completed(run_dir: str | Path) -> bool:
     s = summary(run_dir)
-    return bool(s) and s.get("status") == "completed"
+    return bool(s) and s.get("status") == ENGINE_COMPLETED
 
 
-def state(spec: RunSpec) -> str:
-    """completed | failed | interrupted | pending | stale, for this spec's run dir.
+def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
+    """The newest intact `run_dir/checkpoints/step_N`, or None: the engine's rule
+    (rlhf.checkpoint.latest_checkpoint, sizes checked against each checkpoint's manifest), so a
+    damaged checkpoint is never what a study resumes from or starts the next round with."""
+    return engine_latest_checkpoint(Path(run_dir) / "checkpoints", full=False)
+
+
+def state(spec) -> RunStatus:
+    """completed | failed | interrupted | pending | stale, for the run dir of `spec` (a
+    `plan.RunSpec`: its run_dir and run_hash).
 
     `stale`: the dir holds a run of another hash (the config, code, data or start changed).
     `failed`: the last attempt exited nonzero and no later attempt started.
@@ -80,15 +84,15 @@ def state(spec: RunSpec) -> str:
     run_dir = Path(spec.run_dir)
     record = read_record(run_dir)
     if record is None:
-        return STALE if run_dir.exists() and any(run_dir.iterdir()) else PENDING
+        return RunStatus.STALE if run_dir.exists() and any(run_dir.iterdir()) else RunStatus.PENDING
     if record.get("run_hash") != spec.run_hash:
-        return STALE
+        return RunStatus.STALE
     if is_completed(run_dir):
-        return COMPLETED
+        return RunStatus.COMPLETED
     attempts = record.get("attempts", [])
     if attempts and attempts[-1].get("exit_code") not in (None, 0):
-        return FAILED
-    return INTERRUPTED if latest_checkpoint(run_dir) is not None else PENDING
+        return RunStatus.FAILED
+    return RunStatus.INTERRUPTED if latest_checkpoint(run_dir) is not None else RunStatus.PENDING
 
 
 def last_attempt(run_dir: str | Path) -> dict:

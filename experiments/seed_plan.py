@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from experiments import stats
-from experiments.plan import is_checkpoint_dir, previous_aggregate
+from experiments.errors import StudyError
 from experiments.results import SeedPlan, StudyAggregate
-from experiments.study import AUTO, PAIRED, WELCH, Study, StudyError
+from experiments.resume_from import is_checkpoint_dir, previous_aggregate
+from experiments.study import AUTO, PAIRED, WELCH, Study
 
 PILOT_SEEDS = 3
 """The seeds of the pilot round proposed when there is no spread to plan from (the guide's three)."""
@@ -99,7 +100,7 @@ def make_plan(pilot: Optional[StudyAggregate], *, target_effect: float, power: f
 
 def find_pilot(study: Study, results_dir: str | Path) -> Optional[StudyAggregate]:
     """The pilot's aggregate: `study.pilot` (a name under `results_dir`, or a results dir), else the
-    study `study.resume_from` names (its reader: plan.previous_aggregate); None when neither names
+    study `study.resume_from` names (its reader: resume_from.previous_aggregate); None when neither names
     a study. A bound pilot that is missing is a StudyError naming it."""
     if study.pilot:
         root = Path(study.pilot) if Path(study.pilot).is_absolute() else Path(results_dir) / study.pilot

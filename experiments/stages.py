@@ -24,7 +24,7 @@ from typing import Dict, List
 import yaml
 
 from experiments.paths import portable
-from experiments.results import StudyAggregate
+from experiments.results import StudyAggregate, aggregate_path, read_aggregate
 from rlhf.atomic import write_text
 
 
@@ -184,14 +184,8 @@ def cmd_export(args) -> int:
 
 
 def _load(study_dir: Path) -> StudyAggregate:
-    from experiments.study import StudyError
-    path = study_dir / "aggregate.json"
-    if not path.is_file():
-        raise StudyError(f"{path} not found: run `python -m experiments run` on the study first")
-    try:
-        return StudyAggregate.load(path)
-    except ValueError as err:
-        raise StudyError(str(err)) from None
+    return read_aggregate(study_dir, f"{aggregate_path(study_dir)} not found: run `python -m experiments run` on "
+                                     f"the study first")
 
 
 def cmd_summary(args) -> int:

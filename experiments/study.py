@@ -30,16 +30,13 @@ from rlhf.config import ConfigError, why_not_a_file
 from rlhf.configurable import RECIPES_DIR, SCOPES, find_recipe, iter_statements, statements
 from rlhf.metrics import EVAL_METRICS, METRICS, NAMESPACES, is_known_metric
 
-EVAL_PREFIX = "eval/"
-
+from experiments import stats
 from experiments.adaptive import AdaptiveSeeds, parse_adaptive_seeds
+from experiments.errors import StudyError
+from experiments.results import BASELINE, PAIRED, WELCH  # one definition: the results name them
 from experiments.stats import POWER
 
-
-class StudyError(ValueError):
-    """A study declaration is invalid; the message names the binding and what is allowed."""
-
-
+EVAL_PREFIX = "eval/"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=+-]*$")
 BINDING_RE = re.compile(r"^\s*([A-Za-z_][\w]*)\.([A-Za-z_]\w*)\s*=\s*(.+?)\s*$", re.S)
 ENGINE_SCOPES = tuple(SCOPES)
@@ -50,8 +47,6 @@ START_GAP_S = 60.0
 """Default `study.start_gap_s`: a vLLM engine's start-up (load, memory profile, CUDA graphs) takes about a minute."""
 METRIC_SOURCES = ("final", "final_window")
 DIRECTIONS = ("higher", "lower")
-from experiments import stats  # noqa: E402
-from experiments.results import BASELINE, PAIRED, WELCH  # noqa: E402  (one definition: the results name them)
 AUTO = "auto"
 ANALYSES = (AUTO, PAIRED, WELCH)
 

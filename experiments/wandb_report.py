@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import List, Optional
 
-from experiments.results import StudyAggregate
+from experiments.results import StudyAggregate, aggregate_path
 
 DEFINITION = "wandb_report.json"
 SIGNALS = ("reward_mean", "kl_divergence", "clip_fraction", "clip_fraction_lower", "clip_fraction_upper",
@@ -35,7 +35,7 @@ def _advisor_markdown(agg: StudyAggregate, study_dir: Path, resume_from: str = "
     from experiments.advisor.window import AdviceError, load_window
 
     lines: List[str] = []
-    if resume_from and (Path(resume_from) / "aggregate.json").is_file():
+    if resume_from and aggregate_path(resume_from).is_file():
         lines += ["**Why these variants** (the advisor on the previous round):", ""]
         lines += advice_lines(Path(resume_from), agg)
     try:

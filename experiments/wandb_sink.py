@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
-from experiments.results import StudyAggregate
+from experiments.results import StudyAggregate, aggregate_path
 from rlhf.atomic import write_json
 from rlhf.metrics import METRICS_FILE, PERF_SUMMARY, read_metrics
 
@@ -285,7 +285,7 @@ def log_aggregate_dir(study_dir: str | Path, project: str, run_hashes: Iterable[
     import hashlib
 
     study_dir = Path(study_dir)
-    aggregate = StudyAggregate.load(study_dir / "aggregate.json")
+    aggregate = StudyAggregate.load(aggregate_path(study_dir))
     study_hash = hashlib.sha256("".join(sorted(run_hashes)).encode()).hexdigest()
     summary = {f"{name}.mean": v.summary.mean for name, v in aggregate.variants.items()}
     summary.update({f"{name}.verdict": v.verdict for name, v in aggregate.variants.items() if v.comparison})

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 from experiments.advisor.advise import advise
 from experiments.advisor.window import AdviceError, load_window
 from experiments.results import BASELINE, StudyAggregate
-from experiments.rundir import read_json, scalar
+from experiments.rundir import scalar, summary
 
 
 def _fmt(evidence: Dict) -> str:
@@ -66,7 +66,7 @@ def heldout_start(aggregate: StudyAggregate, study_dir: Path, metric: str) -> Op
     values = []
     base = aggregate.variants.get(BASELINE)
     for run in base.runs if base else ():
-        s = read_json(study_dir / run.run_dir / "summary.json") or {}
+        s = summary(study_dir / run.run_dir) or {}
         v = scalar((s.get("initial") or {}).get(metric))
         if v is not None:
             values.append(v)

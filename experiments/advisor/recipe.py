@@ -26,7 +26,8 @@ from rlhf.configurable import RECIPES_DIR
 from experiments.advisor.advise import Advice
 from experiments.advisor.window import AdviceError
 from experiments.paths import portable
-from experiments.results import StudyAggregate, load_aggregate
+from experiments.plan import plan_path
+from experiments.results import StudyAggregate, aggregate_path, read_aggregate
 from experiments.rundir import read_json
 from experiments.seed_plan import make_plan, plan_line
 from experiments.study import BASELINE, MANAGED_BINDINGS, split_binding
@@ -38,10 +39,10 @@ def _key(binding: str) -> str:
 
 def baseline_of_next(study_dir: Path, chosen: str) -> tuple:
     """(engine recipe, baseline bindings) of the next round: what was run plus the chosen change."""
-    plan = read_json(study_dir / "plan.json")
+    plan = read_json(plan_path(study_dir))
     agg = _aggregate(study_dir)
     if plan is None or not plan.get("runs"):
-        raise AdviceError(f"{study_dir}/plan.json not found: the advisor reads the bindings that were run")
+        raise AdviceError(f"{plan_path(study_dir)} not found: the advisor reads the bindings that were run")
     base = next((r for r in plan["runs"] if r["variant"] == BASELINE), plan["runs"][0])
     bindings = [b for b in base["bindings"] if _key(b) not in MANAGED_BINDINGS]
     change = list(agg.variants[chosen].bindings) if chosen != BASELINE and chosen in agg.variants else []
@@ -56,13 +57,8 @@ def _gin_list(items: Sequence[str], indent: str = "    ") -> str:
 
 
 def _aggregate(study_dir: Path) -> StudyAggregate:
-    try:
-        agg = load_aggregate(study_dir)
-    except ValueError as err:
-        raise AdviceError(str(err)) from None
-    if agg is None:
-        raise AdviceError(f"{study_dir}/aggregate.json not found: run or report the study first")
-    return agg
+    return read_aggregate(study_dir, f"{aggregate_path(study_dir)} not found: run or report the study first",
+                          AdviceError)
 
 
 def _guardrails(agg: StudyAggregate) -> dict:
@@ -88,7 +84,7 @@ def next_study_text(study_dir: str | Path, advice: Advice, name: Optional[str] =
     else:
         recipe = portable(recipe, cwd)
     kept = advice.variants(max_variants)
-    plan = read_json(study_dir / "plan.json") or {}
+    plan = read_json(plan_path(study_dir)) or {}
     cpus = (plan.get("runs") or [{}])[0].get("cpus", 1)
     name = name or f"{agg.study}_next"
     lines: List[str] = [

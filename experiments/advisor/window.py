@@ -26,9 +26,10 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from experiments.results import EQUIVALENT, WORSE, StudyAggregate, load_aggregate
+from experiments.results import EQUIVALENT, WORSE, RunStatus, StudyAggregate, aggregate_path, read_aggregate
 from experiments.rundir import iter_metrics, read_json, scalar
-from experiments.study import StudyError, split_binding
+from experiments.errors import StudyError
+from experiments.study import split_binding
 
 DEFAULT_WINDOW = 50
 """Steps read by default: the guide judges trends "for long", more than summary.json's window."""
@@ -162,13 +163,8 @@ def load_window(study_dir: str | Path, variant: Optional[str] = None, window: in
                 device_memory_gb: Optional[float] = None) -> Window:
     """The last `window` steps of `variant` (default: the study's chosen one), every completed seed."""
     study_dir = Path(study_dir)
-    try:
-        agg = load_aggregate(study_dir)
-    except ValueError as err:
-        raise AdviceError(str(err)) from None
-    if agg is None:
-        raise AdviceError(f"{study_dir}/aggregate.json not found: run `python -m experiments run` (or "
-                          f"`report`) on the study first")
+    agg = read_aggregate(study_dir, f"{aggregate_path(study_dir)} not found: run `python -m experiments run` (or "
+                                    f"`report`) on the study first", AdviceError)
     variant = variant or agg.decision.chosen
     if variant is None:
         raise AdviceError(f"{study_dir}: the study decided nothing ({agg.decision.reason}); name a variant "
@@ -177,7 +173,7 @@ def load_window(study_dir: str | Path, variant: Optional[str] = None, window: in
         raise AdviceError(f"variant {variant!r} is not in {study_dir}; allowed: {', '.join(agg.variants)}")
     if not isinstance(window, int) or window < 2:
         raise AdviceError(f"window = {window!r} is invalid: must be an integer >= 2 (steps)")
-    runs = [r for r in agg.variants[variant].runs if r.status == "completed"]
+    runs = [r for r in agg.variants[variant].runs if r.status == RunStatus.COMPLETED]
     if not runs:
         raise AdviceError(f"variant {variant!r} of {study_dir} has no completed run to read")
     rows_by_seed, evals_by_seed = {}, {}

@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from experiments.adaptive import AdaptiveSeeds, decide_look, extra_seeds, simulate
-from experiments.study import StudyError, load_study
+from experiments.adaptive import AdaptiveSeeds, decide_look, extra_seeds, run_looks, simulate
+from experiments.errors import StudyError
+from experiments.study import load_study
 
 CFG = AdaptiveSeeds(max_seeds=8, min_seeds=3)
 
@@ -36,6 +37,30 @@ def test_a_null_variant_goes_to_the_maximum_and_the_baseline_with_it():
     assert out["variants"]["null"]["n"] == 8 and not out["variants"]["null"]["decided"]
     assert out["variants"]["better"]["n"] == 3 and out["baseline_seeds"] == 8
     assert out["runs_used"] == 8 + 8 + 3 < out["runs_fixed"]
+
+
+def test_the_one_look_loop_measures_only_the_undecided_and_stops_when_measuring_stops():
+    """`run_looks` is the loop of both `simulate` and a real adaptive study: each look measures the
+    variants still undecided at `step` more seeds, records the look, and ends where a variant is
+    decided or at max_seeds; a measurement that stops (an interrupted launch) ends it with None."""
+    cfg = AdaptiveSeeds(max_seeds=7, min_seeds=3, step=2)
+    baseline = lambda n: [0.01 * (-1) ** s for s in range(n)]  # noqa: E731
+    curves = {"clear": lambda n: [1.0 + 0.01 * s for s in range(n)], "null": baseline}
+    asked, heard = [], []
+
+    def measure(n, active):
+        asked.append((n, list(active)))
+        return {v: curves[v](n) for v in active}, baseline(n)
+
+    ended = run_looks(cfg, ["clear", "null"], 0.95, measure,
+                      lambda look, n, decisions: heard.append((look, n, sorted(decisions))))
+    assert asked == [(3, ["clear", "null"]), (5, ["null"]), (7, ["null"])]  # only the undecided, step 2
+    assert heard == [(1, 3, ["clear", "null"]), (2, 5, ["null"]), (3, 7, ["null"])]
+    assert {k: (d["decided"], d["n"], look) for k, (d, look) in ended.stopped.items()} == {
+        "clear": (True, 3, 1), "null": (False, 7, 3)}
+    assert [look["seeds"] for look in ended.looks] == [3, 5, 7] and ended.looks[1]["active"] == ["null"]
+    assert ended.seeds == 7
+    assert run_looks(cfg, ["clear"], 0.95, lambda n, active: None) is None
 
 
 def test_interval_and_alpha_spending():

@@ -12,7 +12,8 @@ import pytest
 from experiments.cli import main
 from experiments.plan import expand
 from experiments.results import Decision, GuardrailCheck, RunOutcome, StudyAggregate, VariantResult
-from experiments.study import StudyError, load_study
+from experiments.errors import StudyError
+from experiments.study import load_study
 from tests.experiments.conftest import fake_checkpoint
 from rlhf.configurable import RECIPES_DIR
 

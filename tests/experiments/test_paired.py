@@ -10,10 +10,10 @@ from scipy import stats as sps
 
 from experiments import stats
 from experiments.aggregate import aggregate, decide, leave_one_seed_out, verdicts
-from experiments.collect import RunResult
+from experiments.errors import StudyError
 from experiments.report import render
-from experiments.results import (BETTER, EQUIVALENT, NO_DIFFERENCE, PAIRED, WELCH, StudyAggregate)
-from experiments.study import StudyError, load_study, resolve_analysis
+from experiments.results import BETTER, EQUIVALENT, NO_DIFFERENCE, PAIRED, WELCH, RunOutcome, StudyAggregate
+from experiments.study import load_study, resolve_analysis
 
 # Five seeds whose luck both arms share: the seed-to-seed spread (0.05) dwarfs the variant's
 # effect on each seed (a few thousandths).
@@ -144,7 +144,7 @@ study.equivalence_margin = 0.02
 
 
 def results(values):
-    return [RunResult(variant=v, seed=s, run_dir=f"/r/eq/runs/{v}/seed{s}", status="completed", value=x, guardrails={}, steps=5)
+    return [RunOutcome(variant=v, seed=s, run_dir=f"/r/eq/runs/{v}/seed{s}", status="completed", value=x, guardrails={}, steps=5)
             for v, xs in values.items() for s, x in enumerate(xs)]
 
 

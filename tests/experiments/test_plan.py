@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from experiments.errors import StudyError
 from experiments.plan import expand
+from experiments.study import BASELINE, load_study
 from tests.experiments.conftest import fake_checkpoint, previous_study_aggregate
-from experiments.study import BASELINE, StudyError, load_study
 from rlhf.provenance import hash_directory
 
 REPO = Path(__file__).resolve().parents[2]
@@ -185,7 +186,7 @@ def test_plan_refuses_a_run_that_cannot_fit_its_gpu(write_study, tmp_path, monke
     fit its GPU (or share), else exit 2 with one line naming the bindings that would make it fit."""
     import json
 
-    import experiments.plan as plan_module
+    import experiments.gpu_fit as gpu_fit
     from experiments.cli import main
     from rlhf.placement.memory import KNOWN_SHAPES
     shape = KNOWN_SHAPES["qwen2.5-7b"]
@@ -203,7 +204,7 @@ def test_plan_refuses_a_run_that_cannot_fit_its_gpu(write_study, tmp_path, monke
         study.seeds = 1
         study.gpus_per_run = 1
         """)
-    monkeypatch.setattr(plan_module, "_gpu_memory_gib", lambda: 139.0)
+    monkeypatch.setattr(gpu_fit, "_gpu_memory_gib", lambda: 139.0)
     assert main(["plan", str(path), "--results", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "study.variants['baseline']" in err
@@ -211,7 +212,7 @@ def test_plan_refuses_a_run_that_cannot_fit_its_gpu(write_study, tmp_path, monke
     fitted = load_study(path, ["study.baseline_bindings = [\"model.name_or_path = '%s'\", 'ppo.lora_rank = 64']" % model,
                                "study.variants = {'ckpt': 'ppo.gradient_checkpointing = True'}"])
     assert len(expand(fitted, tmp_path / "r")) == 2
-    monkeypatch.setattr(plan_module, "_gpu_memory_gib", lambda: None)  # no GPU here: nothing to check against
+    monkeypatch.setattr(gpu_fit, "_gpu_memory_gib", lambda: None)  # no GPU here: nothing to check against
     assert len(expand(load_study(path), tmp_path / "r")) == 2
 
 

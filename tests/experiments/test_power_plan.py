@@ -19,7 +19,8 @@ from experiments.plan import expand
 from experiments.results import (Comparison, Decision, RunOutcome, SeedPlan, StudyAggregate, VariantResult,
                                  load_aggregate)
 from experiments.seed_plan import make_plan, plan_line, seed_plan, with_planned_max_seeds
-from experiments.study import StudyError, load_study
+from experiments.errors import StudyError
+from experiments.study import load_study
 from tests.experiments.conftest import fake_run
 from tests.experiments.test_advise_recipe import synthetic_study
 from tests.experiments.test_bad_input import one_line_error

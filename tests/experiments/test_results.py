@@ -6,8 +6,7 @@ import json
 import pytest
 
 from experiments.aggregate import aggregate, leave_one_seed_out
-from experiments.collect import RunResult
-from experiments.results import BETTER, NO_DIFFERENCE, UNDECIDABLE, StudyAggregate
+from experiments.results import BETTER, NO_DIFFERENCE, UNDECIDABLE, RunOutcome, StudyAggregate
 from experiments.study import load_study
 
 STUDY = """
@@ -26,8 +25,8 @@ VALUES = {
 
 
 def results(values, status="completed", guard=0.1):
-    return [RunResult(variant=v, seed=s, run_dir=f"/r/crafted/runs/{v}/seed{s}", status=status,
-                      value=x, guardrails={"kl_divergence": guard}, steps=5)
+    return [RunOutcome(variant=v, seed=s, run_dir=f"/r/crafted/runs/{v}/seed{s}", status=status,
+                       value=x, guardrails={"kl_divergence": guard}, steps=5)
             for v, xs in values.items() for s, x in enumerate(xs)]
 
 

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.study import BASELINE, StudyError, load_study, split_cli_bindings
+from experiments.errors import StudyError
+from experiments.study import BASELINE, load_study, split_cli_bindings
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,78 +9,13 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from tests.import_graph import cycles, import_graph
 
 RLHF = REPO / "rlhf"
 
 
-def module_name(path):
-    rel = path.relative_to(REPO).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join(parts)
-
-
-def imports(path, modules, importer):
-    """rlhf modules a module imports, at the top or deferred inside a function (a deferred import
-    that closes a circle is still a circle), less its own parent packages (always loaded first)."""
-    tree = ast.parse(path.read_text())
-    found = set()
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        for imported in names:
-            if not imported.startswith("rlhf"):
-                continue
-            parts = imported.split(".")
-            for i in range(1, len(parts) + 1):  # importing a.b.c runs a and a.b first
-                prefix = ".".join(parts[:i])
-                if prefix in modules and not importer.startswith(prefix + "."):
-                    found.add(prefix)
-    return found
-
-
-def import_graph():
-    files = {module_name(p): p for p in RLHF.rglob("*.py")}
-    return {name: imports(path, files, name) - {name} for name, path in files.items()}
-
-
-def cycles(graph):
-    """Strongly connected components with more than one module (Tarjan)."""
-    index, low, stack, on_stack, out = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
-
-
 def test_engine_has_no_import_cycles():
-    graph = import_graph()
+    graph = import_graph("rlhf")
     assert "rlhf.placement.ray_roles" in graph and "rlhf.rollout.vllm" in graph
     assert cycles(graph) == []
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]  # the check itself finds one
