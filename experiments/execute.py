@@ -228,6 +228,34 @@ def _logged_since(run_dir: Optional[str], since: float) -> bool:
         return False
 
 
+def _supervise(child: subprocess.Popen, streamer) -> tuple:
+    """(exit code, False) once the engine `child` has ended, its new metrics streamed to W&B
+    meanwhile; (None, True) when a cancellation (or any exception) came first: the engine is
+    stopped (terminated, killed after 10 s), then W&B closed."""
+    try:
+        # Poll rather than block in wait(): Ray delivers a cancellation between bytecodes,
+        # which a blocking wait() would postpone until the run ends by itself. The same
+        # loop streams new metrics to W&B.
+        last_stream = 0.0
+        while child.poll() is None:
+            time.sleep(0.2)
+            if time.monotonic() - last_stream > WANDB_POLL_S:
+                streamer.poll()
+                last_stream = time.monotonic()
+        exit_code = child.returncode
+        streamer.close(exit_code)
+        return exit_code, False
+    except BaseException:
+        child.terminate()  # first: the engine must stop now, not after W&B has flushed
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        streamer.close(1)
+        return None, True
+
+
 def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: str) -> dict:
     """Runs one attempt and returns its outcome: {key, exit_code, error, status, seconds}.
 
@@ -251,7 +279,6 @@ def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: st
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     banner = f"=== attempt {attempt} {'(resume) ' if resume else ''}{entry['start']} ===\n"
     start = time.monotonic()
-    interrupted = False
     with open(run_dir / "stdout.log", "a") as out, open(run_dir / "stderr.log", "a") as err:
         out.write(banner)
         err.write(banner)
@@ -264,29 +291,7 @@ def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: st
         child = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=manager.get("cwd"),
                                  start_new_session=True,
                                  preexec_fn=_die_with_parent if platform.system() == "Linux" else None)
-        streamer = _wandb_streamer(spec, manager)
-        try:
-            # Poll rather than block in wait(): Ray delivers a cancellation between bytecodes,
-            # which a blocking wait() would postpone until the run ends by itself. The same
-            # loop streams new metrics to W&B.
-            last_stream = 0.0
-            while child.poll() is None:
-                time.sleep(0.2)
-                if time.monotonic() - last_stream > WANDB_POLL_S:
-                    streamer.poll()
-                    last_stream = time.monotonic()
-            exit_code = child.returncode
-            streamer.close(exit_code)
-        except BaseException:
-            interrupted = True
-            child.terminate()  # first: the engine must stop now, not after W&B has flushed
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-            exit_code = None
-            streamer.close(1)
+        exit_code, interrupted = _supervise(child, _wandb_streamer(spec, manager))
     seconds = time.monotonic() - start
     stderr_tail = _tail(run_dir / "stderr.log", CAUSE_SEARCH)
     new_stderr = stderr_tail if stderr_start == 0 else stderr_tail.split(banner.strip())[-1].strip()

@@ -11,6 +11,7 @@ are retried up to `study.retries` times, divergences and configuration errors ar
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -183,98 +184,143 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
     Ctrl-C (or SIGTERM turned into KeyboardInterrupt by the CLI) cancels the Ray tasks, whose
     children are stopped and recorded as interrupted; the next `run` resumes them.
     """
-    import ray
-
     study_path = Path(results_dir).resolve() / study.name
     cache_dir = cache_dir or os.environ.get("RLHF_CACHE") or str(REPO_ROOT / ".cache" / "rlhf")
     result = LaunchResult()
     display = display or StudyDisplay(study.name, specs)
     check_writable(study_path, specs)
     with StudyLock(study_path):
-        write_json(plan_path(study_path), {"study": study.name, "study_file": portable(study.path),
-                                               "runs": [s.record() for s in (recorded or specs)],
-                                               "seed_plan": seed_plan.to_json() if seed_plan else None})
+        write_plan(study_path, study, recorded or specs, seed_plan)
         actions = {s.key: decide(s, rerun_failed) for s in specs}
         todo = [s for s in specs if actions[s.key] != "skip"]
         for s in specs:
             if actions[s.key] == "skip":
-                st = state(s)
-                display.set(s.key, DONE_BEFORE if st == RunStatus.COMPLETED else RunStatus.FAILED,
-                            "" if st == RunStatus.COMPLETED else f"not rerun: {last_attempt(s.run_dir).get('error')}")
-                if st == RunStatus.COMPLETED:
-                    result.skipped.append(s.key)
-                else:
-                    result.failed[s.key] = last_attempt(s.run_dir).get("error") or "failed"
+                _skip(s, display, result)
         if not todo:
             return result
         wandb_dir = str(Path(results_dir).resolve() / "wandb")
-        wandb_mode = wandb_fallback(display, wandb_dir)
-        if wandb_mode == "offline":  # a local Ray's workers inherit it; remote ones get it per task
-            os.environ["WANDB_MODE"] = "offline"
-        ray_was_up = ray.is_initialized()
-        watchdog = _init_ray(ray_address, num_cpus, num_gpus)
-        try:
+        wandb_mode = _runs_wandb_mode(display, wandb_dir)
+        with ray_cluster(ray_address, num_cpus, num_gpus) as gcs_address:
             _check_resources(study)
-            manager = manager_fields(study_path.parent, argv)
-            manager["ray_address"] = ray.get_runtime_context().gcs_address
-            manager["wandb_project"] = study.wandb_project or study.name
-            manager["wandb_dir"] = wandb_dir
-            manager["wandb_mode"] = wandb_mode
-            manager["start_gap_s"] = study.start_gap_s
-            task = ray.remote(execute)
-            numerics_env = numerics.forwarded_env()
-            attempts = {s.key: 0 for s in todo}
-            refs: Dict[object, RunSpec] = {}
-
-            def submit(spec: RunSpec, resume: bool) -> None:
-                attempts[spec.key] += 1
-                # A one-process run holds its resources in its task; a distributed run's task holds
-                # none: the engine reserves a placement group for its ranks on the same cluster.
-                local = spec.placement == "local"
-                options = dict(num_cpus=spec.cpus if local else 0, num_gpus=spec.gpus if local else 0,
-                               max_retries=0, name=f"{study.name}:{spec.key}")
-                if numerics_env:  # the user's CPU numerics settings reach workers on any node
-                    options["runtime_env"] = {"env_vars": numerics_env}
-                ref = task.options(**options).remote(spec.to_json(), resume, attempts[spec.key],
-                                                     manager, cache_dir)
-                refs[ref] = spec
-
+            manager = {**manager_fields(study_path.parent, argv), "ray_address": gcs_address,
+                       "wandb_project": study.wandb_project or study.name, "wandb_dir": wandb_dir,
+                       "wandb_mode": wandb_mode, "start_gap_s": study.start_gap_s}
+            runs = RayRuns(study.name, manager, cache_dir, todo)
             for s in todo:
                 prepare(s, actions[s.key])
-                submit(s, actions[s.key] == "resume")
+                runs.submit(s, actions[s.key] == "resume")
                 display.set(s.key, QUEUED, "resume" if actions[s.key] == "resume" else "")
-            with display:
-                try:
-                    while refs:
-                        ready, _ = ray.wait(list(refs), num_returns=1, timeout=1.0)
-                        _mark_running(refs, attempts, display)
-                        for ref in ready:
-                            spec = refs.pop(ref)
-                            outcome = _outcome(ref, spec)
-                            if outcome["status"] == RunStatus.COMPLETED:
-                                result.completed.append(spec.key)
-                                display.set(spec.key, DONE)
-                            elif outcome["retriable"] and attempts[spec.key] <= study.retries:
-                                display.set(spec.key, RETRYING, outcome["error"] or "")
-                                resume = latest_checkpoint(spec.run_dir) is not None
-                                if not resume:
-                                    clear_engine_outputs(spec.run_dir)
-                                submit(spec, resume)
-                            else:
-                                result.failed[spec.key] = outcome["error"] or "failed"
-                                display.set(spec.key, RunStatus.FAILED, outcome["error"] or "")
-                        display.refresh()
-                except KeyboardInterrupt:
-                    result.interrupted = True
-                    _cancel(refs, display)
-                except OSError as err:  # a full disk: the running engines stop in order, then one line
-                    if is_disk_full(err):
-                        _cancel(refs, display)
-                    raise
-        finally:
-            if not ray_was_up:
-                _stop_ray(watchdog)
+            _wait_for(runs, display, result, study.retries)
     return result
+
+
+def write_plan(study_path: Path, study: Study, specs: List[RunSpec], seed_plan: Optional[SeedPlan]) -> None:
+    """plan.json: the study, its runs (as files record a spec) and the seed plan, or null."""
+    write_json(plan_path(study_path), {"study": study.name, "study_file": portable(study.path),
+                                       "runs": [s.record() for s in specs],
+                                       "seed_plan": seed_plan.to_json() if seed_plan else None})
+
+
+def _skip(spec: RunSpec, display: StudyDisplay, result: LaunchResult) -> None:
+    """A run not run again: done before (same hash), or failed for good (a divergence or a
+    configuration error, which a rerun would only repeat, without --rerun-failed)."""
+    st = state(spec)
+    display.set(spec.key, DONE_BEFORE if st == RunStatus.COMPLETED else RunStatus.FAILED,
+                "" if st == RunStatus.COMPLETED else f"not rerun: {last_attempt(spec.run_dir).get('error')}")
+    if st == RunStatus.COMPLETED:
+        result.skipped.append(spec.key)
+    else:
+        result.failed[spec.key] = last_attempt(spec.run_dir).get("error") or "failed"
+
+
+def _runs_wandb_mode(display: StudyDisplay, wandb_dir: str) -> Optional[str]:
+    """The W&B mode of this launch's runs (`wandb_fallback`), offline also set for a local Ray's
+    workers, which inherit this process's environment (remote ones get it per task)."""
+    mode = wandb_fallback(display, wandb_dir)
+    if mode == "offline":
+        os.environ["WANDB_MODE"] = "offline"
+    return mode
+
+
+@contextlib.contextmanager
+def ray_cluster(address: Optional[str], num_cpus: Optional[int], num_gpus: Optional[float]):
+    """Ray for one launch: joins `address` (or RAY_ADDRESS) or starts a local instance
+    (`_init_ray`); yields the cluster's address; afterwards stops what this launch started (Ray
+    already up stays up)."""
+    import ray
+    ray_was_up = ray.is_initialized()
+    watchdog = _init_ray(address, num_cpus, num_gpus)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        if not ray_was_up:
+            _stop_ray(watchdog)
+
+
+class RayRuns:
+    """A launch's runs as Ray tasks (`execute` in a task): each submitted with the resources its
+    placement holds and its attempt number; `refs` maps every task in flight to its run."""
+
+    def __init__(self, study_name: str, manager: dict, cache_dir: str, todo: List[RunSpec]):
+        import ray
+        self.study_name, self.manager, self.cache_dir = study_name, manager, cache_dir
+        self.task = ray.remote(execute)
+        self.numerics_env = numerics.forwarded_env()
+        self.attempts = {s.key: 0 for s in todo}
+        self.refs: Dict[object, RunSpec] = {}
+
+    def submit(self, spec: RunSpec, resume: bool) -> None:
+        self.attempts[spec.key] += 1
+        # A one-process run holds its resources in its task; a distributed run's task holds
+        # none: the engine reserves a placement group for its ranks on the same cluster.
+        local = spec.placement == "local"
+        options = dict(num_cpus=spec.cpus if local else 0, num_gpus=spec.gpus if local else 0,
+                       max_retries=0, name=f"{self.study_name}:{spec.key}")
+        if self.numerics_env:  # the user's CPU numerics settings reach workers on any node
+            options["runtime_env"] = {"env_vars": self.numerics_env}
+        ref = self.task.options(**options).remote(spec.to_json(), resume, self.attempts[spec.key],
+                                                  self.manager, self.cache_dir)
+        self.refs[ref] = spec
+
+
+def _wait_for(runs: RayRuns, display: StudyDisplay, result: LaunchResult, retries: int) -> None:
+    """Waits for every task in flight, settling each as it ends (`_settle`). Ctrl-C cancels the
+    tasks, whose engines stop and record it; a full disk cancels them too, then is raised."""
+    import ray
+    with display:
+        try:
+            while runs.refs:
+                ready, _ = ray.wait(list(runs.refs), num_returns=1, timeout=1.0)
+                _mark_running(runs.refs, runs.attempts, display)
+                for ref in ready:
+                    _settle(runs, ref, display, result, retries)
+                display.refresh()
+        except KeyboardInterrupt:
+            result.interrupted = True
+            _cancel(runs.refs, display)
+        except OSError as err:  # a full disk: the running engines stop in order, then one line
+            if is_disk_full(err):
+                _cancel(runs.refs, display)
+            raise
+
+
+def _settle(runs: RayRuns, ref, display: StudyDisplay, result: LaunchResult, retries: int) -> None:
+    """A finished task's run: completed; or submitted again when it crashed or was killed and has
+    retries left (resumed from its latest checkpoint, else started over); or failed."""
+    spec = runs.refs.pop(ref)
+    outcome = _outcome(ref, spec)
+    if outcome["status"] == RunStatus.COMPLETED:
+        result.completed.append(spec.key)
+        display.set(spec.key, DONE)
+    elif outcome["retriable"] and runs.attempts[spec.key] <= retries:
+        display.set(spec.key, RETRYING, outcome["error"] or "")
+        resume = latest_checkpoint(spec.run_dir) is not None
+        if not resume:
+            clear_engine_outputs(spec.run_dir)
+        runs.submit(spec, resume)
+    else:
+        result.failed[spec.key] = outcome["error"] or "failed"
+        display.set(spec.key, RunStatus.FAILED, outcome["error"] or "")
 
 
 def _mark_running(refs: Dict, attempts: Dict[str, int], display: StudyDisplay) -> None:

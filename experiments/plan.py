@@ -31,7 +31,7 @@ from experiments.errors import StudyError
 from experiments.gpu_fit import check_gpu_memory, check_gpu_share
 from experiments.paths import spec_record
 from experiments.resume_from import resume_checkpoints, resumed_setting
-from experiments.study import BASELINE, Study, split_binding
+from experiments.study import BASELINE, Study, Variant, split_binding
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PATHS = ("rlhf",)
@@ -130,63 +130,37 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
     Pure apart from reading the engine's files and data to hash them; runs nothing. Raises
     StudyError when a binding is invalid or a single-binding variant changes no parameter.
     """
-    study_dir = Path(results_dir).resolve() / study.name
+    root = study_dir(study, results_dir)
     code = code_version()
     starts = resume_checkpoints(study)
     inherited = resumed_setting(study)
     if inherited:
         study = dataclasses.replace(study, baseline_bindings=(*inherited, *study.baseline_bindings))
     start_hashes = {p: hash_directory(p) for p in set(starts.values())}
-    checkpoint_hashes: dict = {}
-
-    def checkpoints_of(cfg) -> dict:
-        """Hashes of the local checkpoints a run reads besides its start (the policy, the reward
-        model): retraining one of them reruns the runs that use it."""
-        paths = {"model": cfg.model.name_or_path if cfg.model.name_or_path != "tiny" else "",
-                 "reward_model": cfg.reward.model_path if cfg.reward.uses_model else ""}
-        for path in paths.values():
-            if path and path not in checkpoint_hashes:
-                checkpoint_hashes[path] = hash_directory(path)
-        return {k: checkpoint_hashes[p] for k, p in paths.items() if p}
+    data_hashes: Dict[str, str] = {}
+    checkpoint_hashes: Dict[str, str] = {}
     base_cfg, _ = resolve_config(study.baseline_recipe, study.baseline_bindings, "study.baseline_bindings")
     base_flat = flat_dict(base_cfg)
-    train, held_out = load_task(base_cfg.task)
-    data_hashes = {json.dumps(dataclasses.asdict(base_cfg.task), sort_keys=True):
-                   dataset_hash(train + held_out)}
+    _data_hash(base_cfg.task, data_hashes)
     specs = []
     variant_of_hash: Dict[str, str] = {}
     for variant in study.all_variants:
         where = f"study.variants[{variant.name!r}]"
-        var_cfg, _ = resolve_config(study.baseline_recipe, [*study.baseline_bindings, *variant.bindings], where)
-        changes = config_changes(base_flat, flat_dict(var_cfg))
-        if variant.name != BASELINE:
-            if not changes:
-                raise StudyError(f"{where} = {list(variant.bindings)}: changes nothing from the baseline")
-            if not variant.coupled:
-                key, _ = split_binding(variant.bindings[0], where)
-                if set(changes) != {key}:
-                    raise StudyError(f"{where} changes {sorted(changes)}; a single-binding variant must "
-                                     f"change only {key}")
+        var_cfg, changes = _variant_changes(study, variant, base_flat, where)
         check_gpu_share(study, var_cfg, where)
         check_gpu_memory(study, var_cfg, where)
-        task_key = json.dumps(dataclasses.asdict(var_cfg.task), sort_keys=True)
-        if task_key not in data_hashes:
-            tr, ho = load_task(var_cfg.task)
-            data_hashes[task_key] = dataset_hash(tr + ho)
+        data_hash = _data_hash(var_cfg.task, data_hashes)
         for seed in study.seeds:
             init_from = starts.get(seed, "")
-            managed = [f"ppo.seed = {seed}", f"ppo.torch_threads = {study.cpus_per_run}"]
-            if init_from:
-                managed.append(f"ppo.init_from = {init_from!r}")
-            bindings = (*study.baseline_bindings, *variant.bindings, *managed)
+            bindings = _run_bindings(study, variant, seed, init_from)
             cfg, operative = resolve_config(study.baseline_recipe, bindings, where)
             # Less the bindings that say where a run executes (the engine guarantees they do not
             # change results): moving a study to more ranks does not rerun it.
             config_hash = _sha(without_placement(operative))
             init_hash = start_hashes.get(init_from) if init_from else None
-            run_hash = _sha(json.dumps({"config": config_hash, "code": code["engine_sha256"],
-                                        "data": data_hashes[task_key], "init_from": init_hash,
-                                        **checkpoints_of(cfg)}, sort_keys=True))
+            run_hash = _sha(json.dumps({"config": config_hash, "code": code["engine_sha256"], "data": data_hash,
+                                        "init_from": init_hash, **_checkpoint_hashes(cfg, checkpoint_hashes)},
+                                       sort_keys=True))
             twin = variant_of_hash.setdefault(run_hash, variant.name)
             if twin != variant.name:
                 raise StudyError(f"{where} and study.variants[{twin!r}] run the same configuration "
@@ -194,13 +168,58 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
                                  f"remove one of them or make them differ")
             specs.append(RunSpec(
                 study=study.name, variant=variant.name, seed=seed, recipe=study.baseline_recipe,
-                bindings=bindings, changes=changes, run_dir=str(study_dir / "runs" / variant.name / f"seed{seed}"),
+                bindings=bindings, changes=changes, run_dir=str(root / "runs" / variant.name / f"seed{seed}"),
                 run_hash=run_hash, config_hash=config_hash, code_version=code,
-                data_hash=data_hashes[task_key], init_from=init_from, init_from_hash=init_hash,
+                data_hash=data_hash, init_from=init_from, init_from_hash=init_hash,
                 cpus=study.cpus_per_run, gpus=study.gpus_per_run, placement=cfg.ppo.resolved_placement,
                 total_steps=cfg.ppo.total_steps, operative_config=operative,
                 final_window=cfg.ppo.final_window))
     return specs
+
+
+def _variant_changes(study: Study, variant: Variant, base: dict, where: str) -> tuple:
+    """(the variant's config, {binding: value} where it differs from the baseline `base`); a
+    variant must change something, and a single-binding one only its own parameter."""
+    cfg, _ = resolve_config(study.baseline_recipe, [*study.baseline_bindings, *variant.bindings], where)
+    changes = config_changes(base, flat_dict(cfg))
+    if variant.name != BASELINE:
+        if not changes:
+            raise StudyError(f"{where} = {list(variant.bindings)}: changes nothing from the baseline")
+        if not variant.coupled:
+            key, _ = split_binding(variant.bindings[0], where)
+            if set(changes) != {key}:
+                raise StudyError(f"{where} changes {sorted(changes)}; a single-binding variant must "
+                                 f"change only {key}")
+    return cfg, changes
+
+
+def _run_bindings(study: Study, variant: Variant, seed: int, init_from: str) -> tuple:
+    """A run's engine bindings: the baseline's, the variant's, then the managed ones (its seed, its
+    threads, where it starts)."""
+    managed = [f"ppo.seed = {seed}", f"ppo.torch_threads = {study.cpus_per_run}"]
+    if init_from:
+        managed.append(f"ppo.init_from = {init_from!r}")
+    return (*study.baseline_bindings, *variant.bindings, *managed)
+
+
+def _data_hash(task, known: Dict[str, str]) -> str:
+    """The hash of a task config's data (train and held-out), read once per distinct config."""
+    key = json.dumps(dataclasses.asdict(task), sort_keys=True)
+    if key not in known:
+        train, held_out = load_task(task)
+        known[key] = dataset_hash(train + held_out)
+    return known[key]
+
+
+def _checkpoint_hashes(cfg, known: Dict[str, str]) -> dict:
+    """Hashes of the local checkpoints a run reads besides its start (the policy, the reward
+    model), each read once: retraining one of them reruns the runs that use it."""
+    paths = {"model": cfg.model.name_or_path if cfg.model.name_or_path != "tiny" else "",
+             "reward_model": cfg.reward.model_path if cfg.reward.uses_model else ""}
+    for path in paths.values():
+        if path and path not in known:
+            known[path] = hash_directory(path)
+    return {k: known[p] for k, p in paths.items() if p}
 
 
 def study_dir(study: Study, results_dir: str | Path) -> Path:

@@ -437,10 +437,10 @@ def load_aggregate(study_dir: str | Path) -> Optional[StudyAggregate]:
 
 
 def read_aggregate(study_dir: str | Path, missing: str, error: type = StudyError, where: str = "") -> StudyAggregate:
-    """The aggregate of the finished study in `study_dir`, or `error` (a StudyError, or a subclass)
-    in one line: `missing` when the study has none yet (the caller says what to do, which depends
-    on why it reads the study), the file and what is wrong with it (after `where: `, when given)
-    when it is not a study aggregate."""
+    """The aggregate of the finished study in `study_dir`; else `error` (StudyError or a subclass)
+    in one line: `missing` when the study has no aggregate yet (each caller says what to do, which
+    depends on why it reads the study), or what is wrong with the file when it is not a study
+    aggregate (after `where: `, when given)."""
     try:
         agg = load_aggregate(study_dir)
     except ValueError as err:
