@@ -1,7 +1,6 @@
 """Micro-batch x gradient-accumulation equivalence for the actor and critic updates."""
 
 import copy
-import dataclasses
 
 import pytest
 import torch
