@@ -38,17 +38,31 @@ class Batch:
         return key in self.tensors or key in self.meta
 
     def select(self, index: torch.Tensor | Sequence[int]) -> "Batch":
-        idx = torch.as_tensor(index, dtype=torch.long)
-        rows = idx.tolist()
-        return Batch({k: v[idx] for k, v in self.tensors.items()},
-                     {k: [v[i] for i in rows] for k, v in self.meta.items()})
+        """The rows `index`, in its order. An index tensor on the device the tensors live on
+        selects there without a host synchronisation (when the batch holds no per-sample values,
+        whose selection needs the rows on the host)."""
+        idx = index if isinstance(index, torch.Tensor) else torch.as_tensor(index, dtype=torch.long)
+        meta = {}
+        if self.meta:
+            rows = idx.tolist()
+            meta = {k: [v[i] for i in rows] for k, v in self.meta.items()}
+        return Batch({k: v[idx] for k, v in self.tensors.items()}, meta)
+
+    def slice(self, start: int, stop: int) -> "Batch":
+        """Rows start..stop-1 as views: no copy and, on a GPU, no host synchronisation."""
+        return Batch({k: v[start:stop] for k, v in self.tensors.items()},
+                     {k: v[start:stop] for k, v in self.meta.items()})
 
     def split(self, size: int) -> Iterator["Batch"]:
         for start in range(0, len(self), size):
-            yield self.select(range(start, min(start + size, len(self))))
+            yield self.slice(start, min(start + size, len(self)))
 
-    def to(self, device) -> "Batch":
-        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.meta)
+    def to(self, device, keys: Sequence[str] | None = None) -> "Batch":
+        """The batch with its tensors on `device`; with `keys`, only those tensors (and no
+        per-sample values): what a role's phase reads, moved in one go rather than per micro-batch."""
+        if keys is None:
+            return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.meta)
+        return Batch({k: self.tensors[k].to(device) for k in keys if k in self.tensors})
 
     @staticmethod
     def concat(parts: List["Batch"], pad_values: Dict[str, int] | None = None,

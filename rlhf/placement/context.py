@@ -48,7 +48,8 @@ class ProcessGroupRanks:
         self.device = device  # where collectives run (NCCL needs CUDA tensors)
 
     def share(self, batch: Batch) -> Batch:
-        return batch.select(even_shares(len(batch), self.world_size, "a mini-batch")[self.rank])
+        rows = even_shares(len(batch), self.world_size, "a mini-batch")[self.rank]
+        return batch.slice(rows.start, rows.stop)
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.detach().to(self.device, copy=True)

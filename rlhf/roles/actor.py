@@ -32,7 +32,7 @@ from rlhf.config import ConfigError
 from rlhf.models import (ADAPTER_CONFIG, add_lora, adapter_files, frozen_base_dtype, load_policy,
                          load_tokenizer, lora_scaling, merged_weights, read_adapter_rank)
 from rlhf.packing import micro_batches
-from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, response_logprobs
+from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, on_device, response_logprobs
 from rlhf.roles.dispatch import ALL, CALLS, ROWS, dispatch
 from rlhf.rollout import SamplingParams, backend_class
 
@@ -102,13 +102,16 @@ class Actor(TrainedRole):
 
     def _logprobs(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.model.eval()
+        max_tokens = self.cfg.max_tokens_per_micro_batch
         logps, ents = [], []
-        for micro in micro_batches(batch, self.cfg.forward_batch_size, self.cfg.max_tokens_per_micro_batch, self.ranks):
+        for micro in micro_batches(on_device(batch, self.device, max_tokens), self.cfg.forward_batch_size, max_tokens,
+                                   self.ranks):
             logprobs, entropy = response_logprobs(self.model, micro, self.device, self.cfg.temperature,
                                                   self.autocast_dtype, with_entropy=with_entropy, fused=self.fused)
-            logps.append(logprobs.cpu())
-            ents.append(entropy.cpu() if with_entropy else None)
-        return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+            logps.append(logprobs)
+            ents.append(entropy)
+        # One transfer to the host for the whole phase, after the last micro-batch.
+        return torch.cat(logps).cpu(), (torch.cat(ents).cpu() if with_entropy else None)
 
     @dispatch(ROWS)
     @torch.no_grad()
@@ -132,7 +135,8 @@ class Actor(TrainedRole):
         cfg, ranks = self.cfg, self.ranks
         self.replica_fresh = False
         stats = StatAccumulator()
-        ratio_counts = torch.zeros(len(RATIO_BIN_EDGES) - 1, dtype=torch.long)
+        bins = len(RATIO_BIN_EDGES) - 1
+        ratio_counts = torch.zeros(bins, dtype=torch.float32, device=self.device)  # read once, after the loop
 
         def micro_step(micro: Batch, normalizer: float) -> None:
             mask = micro["response_mask"].to(self.device).float()
@@ -152,12 +156,13 @@ class Actor(TrainedRole):
                 ratio = torch.exp(logprobs.detach() - old_logprobs)
                 pg_stats["entropy"] = algos.masked_mean(entropy.detach(), mask)
                 pg_stats["pg_loss"] = algos.masked_mean(-advantages * ratio, mask)
-                ratio_counts.add_(torch.histc(ratio[mask.bool()].clamp(0, 2).cpu().float(),
-                                              bins=len(RATIO_BIN_EDGES) - 1, min=0, max=2).long())
-            stats.add({k: float(v) for k, v in pg_stats.items()}, float(mask.sum()))
+                # Padding goes to -1, which histc leaves out: no boolean selection (a host wait).
+                ratio_counts.add_(torch.histc(torch.where(mask.bool(), ratio.clamp(0, 2), -1.0).float(),
+                                              bins=bins, min=0, max=2))
+            stats.add(pg_stats, mask.sum())
 
         grad_norm = self.optimize(batch, shuffle_seed, micro_step)
-        ratio_counts = ranks.sum(ratio_counts)
+        ratio_counts = ranks.sum(ratio_counts.cpu().long())
         out = {f"actor/{k}": v for k, v in global_stats(stats, ranks).items()}
         out["actor/grad_norm"] = grad_norm
         out["actor/lr"] = self.scheduler.get_last_lr()[0]

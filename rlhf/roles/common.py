@@ -38,6 +38,23 @@ class Role:
         return [], []
 
 
+FORWARD_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+"""What a forward pass over prompt + response reads from a batch."""
+
+
+def on_device(batch: Batch, device, max_tokens: int, keys=FORWARD_KEYS) -> Batch:
+    """The fields `keys` of `batch` (None: every tensor) on `device`, moved once for a whole phase.
+    Moving each micro-batch's inputs as it comes would stall the GPU: a copy from pageable host
+    memory waits for every kernel queued before it, so the device would drain before each
+    micro-batch and again while the host launches the next. Slices of these tensors are views,
+    so micro-batches then cost no copy and no synchronisation. A token budget (`max_tokens`)
+    packs micro-batches on the host (rlhf/packing.py) and keeps the batch there. On a CPU this
+    changes no value: the tensors are the same ones."""
+    if max_tokens:
+        return batch
+    return batch.to(device, keys=list(batch.tensors) if keys is None else keys)
+
+
 def sequence_inputs(batch: Batch, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """prompt + response ids and mask on `device`, and the prompt width P."""
     ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1).to(device)
@@ -132,17 +149,26 @@ class TrainedRole(Role):
         cfg = self.cfg
         self.model.train()
         grad_norms = []
+        # Every tensor of the buffer on the device once; the mini-batches are selected there by a
+        # device index, so the loop below never waits for the GPU (the statistics stay on the
+        # device until the callers read them once, after the loop).
+        resident = on_device(batch, self.device, cfg.max_tokens_per_micro_batch, keys=None)
         for epoch in range(cfg.ppo_epochs):
-            for mb_index in minibatch_indices(len(batch), cfg.mini_batch_size, shuffle_seed + epoch):
-                mini = self.ranks.share(batch.select(mb_index))
-                normalizer = loss_normalizer(mini, cfg.loss_aggregation, self.ranks)
+            indices = minibatch_indices(len(batch), cfg.mini_batch_size, shuffle_seed + epoch)
+            placed = torch.cat(indices).to(resident["response_mask"].device).split([len(i) for i in indices])
+            for mb_index, mb_placed in zip(indices, placed):
+                mini = self.ranks.share(resident.select(mb_placed))
+                # The normalizer from the host copy of the mask: a number the host needs now.
+                normalizer = loss_normalizer(self.ranks.share(Batch({"response_mask": batch["response_mask"][mb_index]})),
+                                             cfg.loss_aggregation, self.ranks)
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in micro_batches(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, self.ranks):
                     micro_step(micro, normalizer)
                 grad_norms.append(clip_grad(self.model.parameters(), cfg.max_grad_norm))
                 self.optimizer.step()
                 self.scheduler.step()
-        return sum(grad_norms) / max(len(grad_norms), 1)
+        norms = [float(n) for n in grad_norms]  # one wait for the GPU, after the last step
+        return sum(norms) / max(len(norms), 1)
 
     # ------------------------------------------------ checkpoint state (every rank calls these)
     @dispatch(ALL)
@@ -196,20 +222,52 @@ def minibatch_indices(n: int, mini_batch_size: int, seed: int) -> List[torch.Ten
 
 
 class StatAccumulator:
-    """Token-weighted means of per-micro-batch statistics."""
+    """Token-weighted means of per-micro-batch statistics. Values and weights may be tensors on
+    the device: they are kept as they are and read in one transfer when the sums are first
+    needed (reading each as it comes would make the host wait for the GPU every micro-batch).
+    The sums are then formed on the host in float64, in the order the values were added."""
 
     def __init__(self):
-        self.sums: Dict[str, float] = {}
-        self.weights: Dict[str, float] = {}
+        self._pending: List[tuple] = []
+        self._sums: Dict[str, float] = {}
+        self._weights: Dict[str, float] = {}
 
-    def add(self, stats: Dict[str, float], weight: float) -> None:
-        for k, v in stats.items():
-            v = float(v)
-            self.sums[k] = self.sums.get(k, 0.0) + v * weight
-            self.weights[k] = self.weights.get(k, 0.0) + weight
+    def add(self, stats: Dict[str, object], weight) -> None:
+        keep = (lambda v: v.detach() if isinstance(v, torch.Tensor) else v)  # never an autograd graph
+        self._pending.append(({k: keep(v) for k, v in stats.items()}, keep(weight)))
+
+    def _settle(self) -> None:
+        if not self._pending:
+            return
+        tensors = [v for stats, w in self._pending for v in (*stats.values(), w) if isinstance(v, torch.Tensor)]
+        by_device: Dict[torch.device, list] = {}
+        for t in tensors:
+            by_device.setdefault(t.device, []).append(t)
+        host = {}
+        for group in by_device.values():  # one transfer per device
+            values = torch.stack([t.reshape(()).double() for t in group]).tolist()
+            host.update({id(t): v for t, v in zip(group, values)})
+        read = (lambda v: host[id(v)] if isinstance(v, torch.Tensor) else float(v))
+        for stats, weight in self._pending:
+            weight = read(weight)
+            for k, v in stats.items():
+                self._sums[k] = self._sums.get(k, 0.0) + read(v) * weight
+                self._weights[k] = self._weights.get(k, 0.0) + weight
+        self._pending = []
+
+    @property
+    def sums(self) -> Dict[str, float]:
+        self._settle()
+        return self._sums
+
+    @property
+    def weights(self) -> Dict[str, float]:
+        self._settle()
+        return self._weights
 
     def means(self) -> Dict[str, float]:
-        return {k: self.sums[k] / self.weights[k] if self.weights[k] else math.nan for k in self.sums}
+        sums, weights = self.sums, self.weights
+        return {k: sums[k] / weights[k] if weights[k] else math.nan for k in sums}
 
 
 def global_stats(stats: StatAccumulator, ranks) -> Dict[str, float]:
@@ -222,16 +280,18 @@ def global_stats(stats: StatAccumulator, ranks) -> Dict[str, float]:
     return {k: float(packed[0, i] / packed[1, i]) if packed[1, i] else math.nan for i, k in enumerate(keys)}
 
 
-def clip_grad(params, max_norm: float) -> float:
-    """Clips to `max_norm` (0: no clipping) and returns the gradient norm before clipping. With
-    FSDP2 the gradients are DTensor shards and the norm is the global one over every rank."""
+def clip_grad(params, max_norm: float) -> torch.Tensor:
+    """Clips to `max_norm` (0: no clipping) and returns the gradient norm before clipping, a 0-d
+    tensor on the gradients' device (read it with float() when the value is needed: reading it
+    makes the host wait for the GPU). With FSDP2 the gradients are DTensor shards and the norm is
+    the global one over every rank."""
     params = [p for p in params if p.grad is not None]
     if not params:
-        return 0.0
+        return torch.zeros(())
     if max_norm > 0:
         total = torch.nn.utils.clip_grad_norm_(params, max_norm)
     else:
         total = torch.norm(torch.stack([p.grad.detach().norm() for p in params]))
     if isinstance(total, DTensor):  # sharded gradients: reduce the partial norms over the ranks
         total = total.full_tensor()
-    return float(total)
+    return total.detach()

@@ -13,7 +13,7 @@ from rlhf.config import PPOConfig
 from rlhf.config import ConfigError
 from rlhf.models import ValueModel, adapter_files, frozen_base_dtype, is_lora
 from rlhf.packing import micro_batches, packed_row
-from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, sequence_inputs
+from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, on_device, sequence_inputs
 from rlhf.roles.dispatch import ALL, ROWS, dispatch
 from rlhf.rollout import derive_seed
 
@@ -79,8 +79,9 @@ class Critic(TrainedRole):
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """V(prompt + response[:t]) for every response position t, [B, R]."""
         self.model.eval()
-        return torch.cat([self._values(m).cpu() for m in micro_batches(
-            batch, self.cfg.forward_batch_size, self.cfg.max_tokens_per_micro_batch, self.ranks)])
+        max_tokens = self.cfg.max_tokens_per_micro_batch
+        return torch.cat([self._values(m) for m in micro_batches(
+            on_device(batch, self.device, max_tokens), self.cfg.forward_batch_size, max_tokens, self.ranks)]).cpu()
 
     @dispatch(ALL)
     def update(self, batch: Batch, shuffle_seed: int) -> Dict[str, float]:
@@ -97,7 +98,7 @@ class Critic(TrainedRole):
                                             cfg.value_clip_range, cfg.loss_aggregation, normalizer)
             loss.backward()
             vstats["value_loss"] = algos.masked_mean(0.5 * (values.detach() - returns).square(), mask)
-            stats.add({k: float(v) for k, v in vstats.items()}, float(mask.sum()))
+            stats.add(vstats, mask.sum())
 
         grad_norm = self.optimize(batch, shuffle_seed, micro_step)
         out = {f"critic/{k}": v for k, v in global_stats(stats, self.ranks).items()}

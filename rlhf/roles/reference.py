@@ -9,7 +9,7 @@ from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.models import load_policy
 from rlhf.packing import micro_batches
-from rlhf.roles.common import Role, response_logprobs
+from rlhf.roles.common import Role, on_device, response_logprobs
 from rlhf.roles.compiled import compile_layers
 from rlhf.roles.dispatch import ROWS, dispatch
 
@@ -35,11 +35,12 @@ class Reference(Role):
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         out = []
-        for micro in micro_batches(batch, self.micro_batch_size, self.max_tokens, self.ranks):
+        for micro in micro_batches(on_device(batch, self.device, self.max_tokens), self.micro_batch_size,
+                                   self.max_tokens, self.ranks):
             logprobs, _ = response_logprobs(self.model, micro, self.device, self.temperature, self.autocast_dtype,
                                             with_entropy=False, fused=self.fused)
-            out.append(logprobs.cpu())
-        return torch.cat(out)
+            out.append(logprobs)
+        return torch.cat(out).cpu()  # one transfer to the host, after the last micro-batch
 
 
 class AdapterOffReference:
