@@ -165,6 +165,9 @@ def main(argv=None) -> int:
                                                        "of the policy's shape, random weights) or a checkpoint dir")
     p.add_argument("--phase-memory", action="store_true", help="peak memory of every phase (presets: on)")
     p.add_argument("--no-eval", action="store_true", help="skip the final evaluation (presets: on)")
+    p.add_argument("--profile", action="store_true", help="one-process variants: one more iteration under "
+                                                               "torch.profiler (bench/ppo_step.py --profile), into "
+                                                               "JSON_DIR/profile_<variant>_<suffix>/")
     p.add_argument("--total-time", type=int, default=0, help="seconds for all the variants together: each gets what "
                                                                "is left divided by the variants still to run")
     p.add_argument("--time-budget", type=float, default=0.0, help=argparse.SUPPRESS)  # set for each variant process
@@ -250,7 +253,7 @@ def main(argv=None) -> int:
         root = Path(tempfile.mkdtemp(prefix="ppo-bench-"))
         assets = build_assets(root, tiny=args.tiny, shape=shape)
         prompts_name = "prompts.jsonl"
-    train_path = write_prompt_file(root / prompts_name, 2048, 256)
+    train_path = write_prompt_file(root / prompts_name, 2048, 16 if args.tiny else 256)  # --tiny: ppo.max_prompt_length 16
     bindings = base_bindings(assets, train_path) + (preset["bindings"] if preset else [])
     if args.tiny:
         bindings += TINY_BINDINGS + (preset["tiny_bindings"] if preset else [])
@@ -260,8 +263,10 @@ def main(argv=None) -> int:
         out = Path(args.json_dir) / f"gpu_ppo_{name}_{args.suffix}.json"
         try:
             parity = args.rollout_parity and not any("placement" in b for b in extra_bindings)
+            profile = (["--profile", str(Path(args.json_dir) / f"profile_{name}_{args.suffix}")]
+                       if args.profile and not any("placement" in b for b in extra_bindings) else [])
             ppo_step.main(["--recipe", str(REPO / "recipes" / "base" / "ppo.gin"), "--steps", str(steps),
-                           "--json", str(out)] + (["--rollout-parity"] if parity else [])
+                           "--json", str(out)] + (["--rollout-parity"] if parity else []) + profile
                           + (["--reward-model", args.reward_model] if args.reward_model else [])
                           + (["--time-budget", str(args.time_budget)] if args.time_budget else [])
                           + (["--phase-memory"] if phase_memory else []) + (["--no-eval"] if no_eval else [])

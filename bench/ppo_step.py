@@ -11,6 +11,10 @@ end more than S seconds after start-up began (at least one timed iteration runs)
 `--phase-memory` (GPU, one process): each phase's peak allocated and reserved memory of this
 process's torch allocator, and the device's peak memory in use (every allocator and process,
 sampled every 0.1 s), per iteration and as the maximum over the timed ones.
+`--profile DIR` (one process): one more iteration after the timed ones, under torch.profiler
+(host and GPU), each phase a named range; writes DIR/trace.json.gz and the per-phase summary of
+`bench/profile_phases.py` (GPU busy and idle time, idle gaps, host waits, kernel time by kind)
+into DIR/profile.json and the result's `profile`. Its timings are not among the timed ones.
 `--reward-model` trains against a reward model (reward.kind = 'model'): a checkpoint dir, or
 'random', a one-output classifier with the policy's own architecture, shape and tokenizer and
 random weights (built locally); its phase is `reward_model`, with its tokens/s.
@@ -29,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 
 def rollout_parity(trainer, repeats: int = 3) -> dict:
@@ -161,6 +166,52 @@ class PhaseMemory:
         self._stop.set()
 
 
+def profiled_step(trainer, out_dir: Path) -> dict:
+    """One iteration under torch.profiler with every phase as a named range (and the whole as
+    'iteration'); the trace goes to out_dir/trace.json.gz, its summary to out_dir/profile.json."""
+    import contextlib
+    import gzip
+    import shutil
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import profile_phases
+    import rlhf.trainer as trainer_module
+
+    orig = trainer_module.PhaseTimer.__call__
+
+    @contextlib.contextmanager
+    def named(timer, name):
+        with orig(timer, name), record_function(name):
+            yield
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trainer_module.PhaseTimer.__call__ = named
+    try:
+        with profile(activities=activities) as prof:
+            trainer.step += 1
+            with record_function("iteration"):
+                record = trainer.train_step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+    finally:
+        trainer_module.PhaseTimer.__call__ = orig
+    raw = out_dir / "trace.json"
+    prof.export_chrome_trace(str(raw))
+    phases = [k.split("/", 1)[1] for k in record if k.startswith("timing_s/") and k != "timing_s/step"]
+    summary = profile_phases.summarize(profile_phases.load_trace(raw), phases)
+    with open(raw, "rb") as src, gzip.open(out_dir / "trace.json.gz", "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    summary["step_timings_s"] = {k.split("/", 1)[1]: v for k, v in record.items() if k.startswith("timing_s/")}
+    summary["placement"] = trainer.placement.get("placement")
+    (out_dir / "profile.json").write_text(json.dumps(summary, indent=1))
+    print(profile_phases.format_table(summary), file=sys.stderr)
+    return summary
+
+
 def summarize(records: list, args, argv, cfg, device, torch, setup_s: float, eval_s, placement, parity,
               phase_memory: list, partial: bool) -> dict:
     phases = sorted({k for r in records for k in r if k.startswith("timing_s/")})
@@ -229,6 +280,8 @@ def main(argv=None) -> int:
                    help="seconds from start-up: start no timed iteration predicted to end past it (0: no limit)")
     p.add_argument("--phase-memory", action="store_true", help="GPU, one process: peak memory of every phase")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation after the timed iterations")
+    p.add_argument("--profile", default="", help="DIR: one more iteration under torch.profiler; trace and "
+                                                 "per-phase summary into DIR")
     args = p.parse_args(argv)
     started = time.perf_counter()
 
@@ -251,6 +304,8 @@ def main(argv=None) -> int:
             memory = PhaseMemory()
         records, phase_memory, warmup = [], [], []
 
+        profiled = None
+
         def write(partial: bool, eval_s=None, parity=None):
             # Until a timed iteration ends, the warm-up's figures stand in (flagged): a run cut short still says something.
             use = records or [w[0] for w in warmup]
@@ -261,6 +316,8 @@ def main(argv=None) -> int:
                 result["warmup_only"] = True
             if warmup:
                 result["warmup_step_s"] = warmup[0][0]["timing_s/step"]
+            if profiled is not None:
+                result["profile"] = profiled
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(result, indent=1))
             return result
@@ -287,6 +344,13 @@ def main(argv=None) -> int:
             else:
                 warmup.append((record, phases if memory is not None else None))
             write(partial=True)
+        if args.profile and records:
+            predicted = time.perf_counter() - started + 2 * records[-1]["timing_s/step"]  # the profiler's overhead too
+            if args.time_budget and predicted > args.time_budget:
+                print(f"no profiled iteration: it would end at ~{predicted:.0f} s (budget {args.time_budget:.0f} s)",
+                      file=sys.stderr)
+            else:
+                profiled = profiled_step(trainer, Path(args.profile))
         parity = rollout_parity(trainer) if args.rollout_parity else None
         eval_s = None
         if not args.no_eval:

@@ -12,6 +12,10 @@
 #   bash bench/run_h200.sh long2k_mb4      # (b, optional) a fixed micro-batch of 4
 #   bash bench/run_h200.sh setup threads   # carry1: the default 0.5B workload at 16, 8, 4, 2 torch threads
 #   bash bench/run_h200.sh setup threads_compiled   # the same compiled at micro-batch 32: 16, 8, 4 threads
+#   bash bench/run_h200.sh floor_local     # the default 0.5B PPO workload compiled at micro-batch 32 (forward
+#                                          # 64, 4 torch threads), one process: 3 timed iterations, one more
+#                                          # under torch.profiler (bench/profile_phases.py), the rollout parity
+#   bash bench/run_h200.sh floor_colocated # the same on Ray, colocated (needs the Ray carry); `floor` runs both
 #
 # `setup` copies what .carry/vllm and .carry/gin hold into /tmp/vc and installs once all of vLLM
 # is there, so the split carries carry1a then carry1b (`setup`, then `setup lora7b`) work too.
@@ -51,7 +55,7 @@ collect() {  # this call's JSON/markdown files and one archive of its logs into 
   for m in "${dirs[@]}"; do
     find "$WORK/$m" -maxdepth 2 -type f \( -name '*.json' -o -name '*.md' \) -exec cp {} "$OUT/" \;
   done
-  (cd "$WORK" && find "${dirs[@]}" -maxdepth 2 -type f \( -name '*.log' -o -name '*.txt' \) -print0 \
+  (cd "$WORK" && find "${dirs[@]}" -maxdepth 2 -type f \( -name '*.log' -o -name '*.txt' -o -name '*.gz' \) -print0 \
      | tar --null -czf "$OUT/logs-$(IFS=_; echo "${dirs[*]}").tar.gz" -T -) 2>/dev/null
   echo "[h200] back in \$OUT ($(ls "$OUT" | wc -l) files): $(ls "$OUT" | tr '\n' ' ')"
 }
@@ -123,6 +127,24 @@ for MODE in "${MODES[@]}"; do
         > "$W/$MODE.log" 2>&1
       log "$MODE: rc=$?"
       grep -E "^(PPO iteration|  [a-z_]+ +[0-9.]+ ms|  [a-z_]+ +peak|variant |stopping|iteration )" "$W/$MODE.log" | tail -60
+      ;;
+    floor|floor_local|floor_colocated)
+      need vllm gin
+      [ "$MODE" = floor_local ] || need ray
+      B="ppo.torch_compile = True; ppo.micro_batch_size = 32; ppo.forward_micro_batch_size = 64; ppo.torch_threads = 4"
+      [ ${#TINY[@]} -gt 0 ] && B="ppo.micro_batch_size = 8; ppo.forward_micro_batch_size = 16; ppo.torch_threads = 1"
+      B="$B${FLOOR_EXTRA:+; $FLOOR_EXTRA}"
+      VARIANTS=()
+      [ "$MODE" = floor_colocated ] || VARIANTS+=(--variant "floor_local=$B")
+      [ "$MODE" = floor_local ] || VARIANTS+=(--variant "floor_colocated=$B; ppo.placement = 'colocated'")
+      machine "$W"
+      L=$(left)
+      if [ "$L" -lt 150 ]; then log "$MODE: only ${L}s left in the call, not started"; continue; fi
+      log "$MODE: gpu_ppo, ${L}s for $(( ${#VARIANTS[@]} / 2 )) variant(s)"
+      python3 bench/gpu_ppo.py --steps "${FLOOR_STEPS:-3}" --suffix "${FLOOR_SUFFIX:-h200}" --rollout-parity --profile \
+        --assets "$A05" --json-dir "$W" --total-time "$L" "${VARIANTS[@]}" "${TINY[@]}" > "$W/$MODE.log" 2>&1
+      log "$MODE: rc=$?"
+      grep -E "^(PPO iteration|  [a-z_]+ +[0-9.]+ ms|variant |stopping|iteration |phase |[a-z_]+ +[0-9.]+ +[0-9.]+ +[0-9]+%)" "$W/$MODE.log" | tail -70
       ;;
     peers)
       need vllm gin peft trl datasets
