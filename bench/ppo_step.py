@@ -94,6 +94,10 @@ def random_reward_model(cfg, out_dir: Path) -> Path:
     return out_dir
 
 
+STEP_RESULTS = ("step", "reward_mean", "kl_divergence", "response_length_mean", "actor/pg_loss", "actor/grad_norm",
+                "actor/entropy_old", "critic/value_loss", "critic/grad_norm", "critic/values_mean")
+
+
 class PhaseMemory:
     """Per-phase peak memory, by wrapping the trainer's phase timer (one process on a GPU).
 
@@ -261,6 +265,9 @@ def summarize(records: list, args, argv, cfg, device, torch, setup_s: float, eva
         result["device_memory_used_peak_gb"] = max(v["device_used_peak_gb"]
                                                    for v in result["phase_memory_gb"].values())
     result["step_s"] = [r["timing_s/step"] for r in records]
+    # Each iteration's results beside its time: two variants that should compute the same numbers
+    # (ppo.overlap_rollout on and off, one seed) can be compared step by step.
+    result["step_results"] = [{k: r[k] for k in STEP_RESULTS if k in r} for r in records]
     if partial:
         result["partial"] = True
     return result
@@ -290,7 +297,9 @@ def main(argv=None) -> int:
     from rlhf import configurable
     from rlhf.trainer import PPOTrainer
 
-    bindings = args.binding + [f"ppo.total_steps = {args.steps + 1}"]
+    # With --profile the profiled iteration is not the run's last, so that a rollout runs ahead
+    # into it and out of it as in every middle iteration (ppo.overlap_rollout); it is drained after.
+    bindings = args.binding + [f"ppo.total_steps = {args.steps + (3 if args.profile else 1)}"]
     cfg, _ = configurable.resolve(args.recipe, bindings)
     with tempfile.TemporaryDirectory() as out:
         if args.reward_model:
@@ -330,7 +339,7 @@ def main(argv=None) -> int:
                           f"(budget {args.time_budget:.0f} s)", file=sys.stderr)
                     break
             trainer.step += 1
-            record = trainer.train_step()
+            record = {"step": trainer.step, **trainer.train_step()}
             if memory is not None:
                 phases = memory.take()
                 if phases:
@@ -351,7 +360,8 @@ def main(argv=None) -> int:
                       file=sys.stderr)
             else:
                 profiled = profiled_step(trainer, Path(args.profile))
-        parity = rollout_parity(trainer) if args.rollout_parity else None
+        trainer.drain()
+        parity = rollout_parity(trainer) if args.rollout_parity and cfg.ppo.rollout_backend == "vllm" else None
         eval_s = None
         if not args.no_eval:
             t0 = time.perf_counter()

@@ -15,7 +15,8 @@
 #   bash bench/run_h200.sh floor_local     # the default 0.5B PPO workload compiled at micro-batch 32 (forward
 #                                          # 64, 4 torch threads), one process: 3 timed iterations, one more
 #                                          # under torch.profiler (bench/profile_phases.py), the rollout parity
-#   bash bench/run_h200.sh floor_colocated # the same on Ray, colocated (needs the Ray carry); `floor` runs both
+#   bash bench/run_h200.sh floor_colocated # the same on Ray, colocated (needs the Ray carry); `floor` runs both,
+#                                          # then the one-process one again with ppo.overlap_rollout = False
 #
 # `setup` copies what .carry/vllm and .carry/gin hold into /tmp/vc and installs once all of vLLM
 # is there, so the split carries carry1a then carry1b (`setup`, then `setup lora7b`) work too.
@@ -55,7 +56,10 @@ collect() {  # this call's JSON/markdown files and one archive of its logs into 
   for m in "${dirs[@]}"; do
     find "$WORK/$m" -maxdepth 2 -type f \( -name '*.json' -o -name '*.md' \) -exec cp {} "$OUT/" \;
   done
-  (cd "$WORK" && find "${dirs[@]}" -maxdepth 2 -type f \( -name '*.log' -o -name '*.txt' -o -name '*.gz' \) -print0 \
+  for m in "${dirs[@]}"; do  # profiler traces, one file each (named by their variant's folder)
+    for t in "$WORK/$m"/profile_*/trace.json.gz; do [ -f "$t" ] && cp "$t" "$OUT/$(basename "$(dirname "$t")").trace.json.gz"; done
+  done
+  (cd "$WORK" && find "${dirs[@]}" -maxdepth 2 -type f \( -name '*.log' -o -name '*.txt' \) -print0 \
      | tar --null -czf "$OUT/logs-$(IFS=_; echo "${dirs[*]}").tar.gz" -T -) 2>/dev/null
   echo "[h200] back in \$OUT ($(ls "$OUT" | wc -l) files): $(ls "$OUT" | tr '\n' ' ')"
 }
@@ -137,6 +141,9 @@ for MODE in "${MODES[@]}"; do
       VARIANTS=()
       [ "$MODE" = floor_colocated ] || VARIANTS+=(--variant "floor_local=$B")
       [ "$MODE" = floor_local ] || VARIANTS+=(--variant "floor_colocated=$B; ppo.placement = 'colocated'")
+      # The same one-process work with every phase in turn: what ppo.overlap_rollout gains, and the
+      # same numbers step by step (step_results in the JSON).
+      [ "$MODE" = floor_colocated ] || VARIANTS+=(--variant "floor_local_sequential=$B; ppo.overlap_rollout = False")
       machine "$W"
       L=$(left)
       if [ "$L" -lt 150 ]; then log "$MODE: only ${L}s left in the call, not started"; continue; fi

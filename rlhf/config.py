@@ -254,6 +254,15 @@ class PPOConfig:
     ('local' at world_size 1, 'colocated' above)."""
     cpus_per_rank: float = 1.0
     """Logical Ray CPUs in each placement-group bundle (one bundle per rank; on GPU it also holds one GPU)."""
+    overlap_rollout: object = "auto"
+    """Generate the next iteration's rollout while the critic trains on this one: the rollout needs
+    only the updated actor, the critic's update only this iteration's buffer, so the two run at once
+    (on Ray in their own processes, in one process on two threads with the critic on a CUDA stream of
+    its own) and the GPU fills the gaps vLLM's host-bound decoding leaves. The computed numbers are
+    those of the sequential loop. 'auto': on a GPU with the vLLM backend and a critic, when the
+    memory plan keeps the engine awake and every model resident, and never before an iteration that
+    evaluates or saves (a checkpoint holds no rollout in flight); True: the same, but a plan that
+    sleeps or offloads is an error; False: never."""
     offload_idle_models: object = "auto"
     """Colocated placement on GPU: True moves the models (and optimizer states) of the roles not at
     work to pinned CPU memory between phases, so one role at a time holds GPU memory; False keeps
@@ -304,7 +313,7 @@ class PPOConfig:
         _positive_int(s, "world_size", self.world_size)
         _choice(s, "placement", self.placement, ("auto", "local", "colocated", "split"))
         _number(s, "cpus_per_rank", self.cpus_per_rank, 0.0, 1024.0, lo_open=True)
-        for name in ("offload_idle_models", "vllm_sleep"):
+        for name in ("offload_idle_models", "vllm_sleep", "overlap_rollout"):
             value = getattr(self, name)
             _check(isinstance(value, bool) or value == "auto", f"ppo.{name}", value, "must be 'auto', True or False")
         _number(s, "vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, 0.0, 1.0,
@@ -328,6 +337,10 @@ class PPOConfig:
         if self.rollout_logprobs:
             _check(self.rollout_backend == "vllm", "ppo.rollout_logprobs", self.rollout_logprobs,
                    "needs ppo.rollout_backend = 'vllm' (the HF backend returns no sampling log-probs)")
+        if self.overlap_rollout is True:
+            _check(self.rollout_backend == "vllm" and self.adv_estimator == "gae", "ppo.overlap_rollout",
+                   self.overlap_rollout, "needs ppo.rollout_backend = 'vllm' and a critic (ppo.adv_estimator = "
+                   "'gae'): the next rollout overlaps the critic's update; use 'auto' or False")
         if self.adv_estimator == "grpo":
             _check(self.samples_per_prompt >= 2, "ppo.samples_per_prompt", self.samples_per_prompt,
                    "must be >= 2 when ppo.adv_estimator = 'grpo' (the group baseline needs a group)")
@@ -388,7 +401,8 @@ class PPOConfig:
 
 
 # Bindings that say where a run executes, not what it computes: a run may resume under other values.
-PLACEMENT_BINDINGS = ("ppo.world_size", "ppo.placement", "ppo.cpus_per_rank", "ppo.offload_idle_models")
+PLACEMENT_BINDINGS = ("ppo.world_size", "ppo.placement", "ppo.cpus_per_rank", "ppo.offload_idle_models",
+                      "ppo.overlap_rollout")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,8 @@ from rlhf.data import Example, PromptSampler, check_prompt_lengths, dataset_hash
 from rlhf.metrics import PERF_SUMMARY, MetricLogger, is_machine_metric, read_metrics, window_means
 from rlhf.models import check_policy_dir, check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles, memory
+from rlhf.placement.context import deterministic_algorithms
+from rlhf.placement.proxy import submit
 from rlhf.rollout import SamplingParams, decode_responses, derive_seed, rollout_logprob_gap
 from rlhf.tiny import prepare_tiny
 
@@ -80,7 +82,7 @@ class PPOTrainer:
         self.device = resolve_device(self.ppo.device) if local else torch.device("cpu")
         if self.ppo.host_threads(self.device.type):  # on a GPU, kernel launches: more threads take cores from vLLM
             torch.set_num_threads(self.ppo.host_threads(self.device.type))
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        deterministic_algorithms(self.device.type)
         self.autocast_dtype = torch.bfloat16 if self.ppo.bf16_autocast and self.device.type == "cuda" else None
 
         self.model_dir, self.tokenizer_dir = resolve_model_paths(cfg, log)
@@ -121,6 +123,8 @@ class PPOTrainer:
                                        top_p=self.ppo.top_p, top_k=self.ppo.top_k,
                                        max_prompt_length=self.ppo.max_prompt_length, truncation=self.truncation_side)
         self.step = 0
+        self.overlap = self._overlap_mode(log)
+        self._ahead = None  # (prompts, calls, pending generation) of the next iteration, when it runs ahead
 
     def _check_prompts(self, log) -> Dict[str, float]:
         """Every train and evaluation prompt rendered once before any compute (a row its chat
@@ -148,6 +152,11 @@ class PPOTrainer:
     def generate(self, examples: List[Example], sampling: SamplingParams, seed_parts: tuple,
                  samples_per_prompt: int, calls: int) -> Batch:
         """Samples `samples_per_prompt` responses per prompt in `calls` generation calls."""
+        requests, calls_made = self._requests(examples, seed_parts, samples_per_prompt, calls)
+        return self._assemble(self.actor.generate(requests, sampling), calls_made, samples_per_prompt)
+
+    def _requests(self, examples: List[Example], seed_parts: tuple, samples_per_prompt: int, calls: int):
+        """The generation calls' (prompt ids, seed) and the examples each call samples for."""
         per_call = math.ceil(len(examples) / calls)
         calls_made, requests = [], []
         for call in range(calls):
@@ -155,7 +164,10 @@ class PPOTrainer:
             if repeated:
                 calls_made.append(repeated)
                 requests.append(([self.prompts.ids(ex.prompt) for ex in repeated], derive_seed(*seed_parts, call)))
-        parts = self.actor.generate(requests, sampling)
+        return requests, calls_made
+
+    def _assemble(self, parts: List[Batch], calls_made: list, samples_per_prompt: int) -> Batch:
+        """One rollout `Batch` from the generation calls' results."""
         for out, repeated in zip(parts, calls_made):
             out["prompts"] = [ex.prompt for ex in repeated]
             out["answers"] = [ex.answer for ex in repeated]
@@ -193,16 +205,68 @@ class PPOTrainer:
             out["critic/explained_variance"] = float(algos.explained_variance(batch["values"], batch["returns"], mask))
         return out
 
+    # ----------------------------------------------------------------- the next rollout, ahead
+    def _overlap_mode(self, log) -> bool:
+        """Whether the next rollout may run during the critic's update (`ppo.overlap_rollout`):
+        on a GPU, with vLLM and a critic, while the memory plan keeps the engine awake and every
+        model resident (an offloaded critic or a sleeping engine would fight for that memory)."""
+        ppo = self.ppo
+        memory_plan = self.placement.get("memory") or {}
+        why_not = None
+        if ppo.rollout_backend != "vllm" or self.critic is None:
+            why_not = "it needs the vLLM backend and a critic"
+        elif memory_plan.get("rollout_sleep") or memory_plan.get("offload"):
+            why_not = "the memory plan puts the engine to sleep or offloads models between phases"
+        elif self.placement.get("device") != "cuda":
+            why_not = "it runs on a GPU only"
+        if why_not and ppo.overlap_rollout is True:
+            from rlhf.config import ConfigError
+            raise ConfigError(f"ppo.overlap_rollout = True is invalid here: {why_not}; use 'auto' or False")
+        on = ppo.overlap_rollout is not False and why_not is None
+        if ppo.overlap_rollout is not False:
+            log("the next rollout overlaps the critic's update" if on else f"rollouts run in turn ({why_not})")
+        return on
+
+    def _start_next_rollout(self) -> None:
+        """Submits the next iteration's generation (prompts drawn now, in order) and returns at once."""
+        ppo = self.ppo
+        prompts = self.sampler.next(ppo.rollout_micro_batch_size * ppo.num_rollout_batches)
+        requests, calls_made = self._requests(prompts, (ppo.seed, self.step + 1), ppo.samples_per_prompt,
+                                              ppo.num_rollout_batches)
+        self._ahead = (prompts, calls_made, submit(self.actor, "generate", requests, self.sampling))
+
+    def drain(self) -> None:
+        """Waits for a rollout running ahead and drops it (its prompts are spent): for a caller
+        that drives `train_step` itself and stops before the iteration that would take it."""
+        if self._ahead is not None:
+            self._ahead[2].result()
+            self._ahead = None
+
+    def _may_run_ahead(self) -> bool:
+        """No rollout runs ahead of an iteration that ends the run, evaluates or saves: a checkpoint
+        then holds the sampler exactly where the sequential loop leaves it, and evaluation (which
+        uses the same engine) never runs beside a rollout."""
+        ppo, step = self.ppo, self.step
+        return (self.overlap and step < ppo.total_steps and step % ppo.eval_every != 0
+                and step % ppo.save_every != 0)
+
     # ----------------------------------------------------------------- loop
     def train_step(self) -> Dict:
         """One PPO iteration."""
         ppo, step = self.ppo, self.step
         timer = PhaseTimer()
         start = time.perf_counter()
+        ahead_s = 0.0
         with timer("generate"):
-            prompts = self.sampler.next(ppo.rollout_micro_batch_size * ppo.num_rollout_batches)
-            batch = self.generate(prompts, self.sampling, (ppo.seed, step), ppo.samples_per_prompt,
-                                  ppo.num_rollout_batches)
+            if self._ahead is not None:  # submitted during the previous iteration's critic update
+                prompts, calls_made, pending = self._ahead
+                self._ahead = None
+                ahead_s = time.perf_counter() - pending.submitted  # what ran beside the previous iteration
+                batch = self._assemble(pending.result(), calls_made, ppo.samples_per_prompt)
+            else:
+                prompts = self.sampler.next(ppo.rollout_micro_batch_size * ppo.num_rollout_batches)
+                batch = self.generate(prompts, self.sampling, (ppo.seed, step), ppo.samples_per_prompt,
+                                      ppo.num_rollout_batches)
         with timer("rollout_release"):  # vLLM sleep mode: frees its KV cache and weights until the next sync
             self.actor.release_memory()
         if self.roles.reward_model is not None:
@@ -223,14 +287,20 @@ class PPOTrainer:
             record = self.compute_advantages(batch)
         if logprob_gap is not None:
             record["rollout/logprob_gap"] = logprob_gap
+        # The actor first: the next rollout needs only its new weights, so with overlap it runs
+        # while the critic trains (the two updates read the same buffer and touch nothing of each
+        # other's, so their order changes no number).
+        with timer("update_actor"):
+            actor_stats = self.actor.update(batch, shuffle_seed=derive_seed(ppo.seed, step, 3),
+                                            kl_coef=self.kl_ctl.value)
+        with timer("sync_weights"):
+            self.actor.sync_weights()
+        if self._may_run_ahead():
+            self._start_next_rollout()
         if self.critic is not None:
             with timer("update_critic"):
                 record.update(self.critic.update(batch, shuffle_seed=derive_seed(ppo.seed, step, 2)))
-        with timer("update_actor"):
-            record.update(self.actor.update(batch, shuffle_seed=derive_seed(ppo.seed, step, 3),
-                                            kl_coef=self.kl_ctl.value))
-        with timer("sync_weights"):
-            self.actor.sync_weights()
+        record.update(actor_stats)  # after the critic's, as the record has always listed them
         self.kl_ctl.update(record["kl_divergence"], len(batch))
 
         mask = batch["response_mask"].float()
@@ -257,7 +327,9 @@ class PPOTrainer:
         record.update({f"timing_s/{k}": v for k, v in timer.times.items()})
         record["timing_s/step"] = step_time
         record["perf/tokens_per_s"] = tokens / step_time
-        record["perf/generated_tokens_per_s"] = float(mask.sum()) / max(timer.times["generate"], 1e-9)
+        if ahead_s:  # the part of this rollout's generation that ran during the previous iteration
+            record["timing_s/generate_ahead"] = ahead_s
+        record["perf/generated_tokens_per_s"] = float(mask.sum()) / max(timer.times["generate"] + ahead_s, 1e-9)
         record["perf/max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         record.update(self.roles.device_report())  # on every placement: the processes holding the roles
         self._check_finite(record)

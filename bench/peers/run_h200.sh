@@ -19,6 +19,7 @@
 # PEERS_BUDGET_<PART>=..., e.g. PEERS_BUDGET_VERL_PPO=300), cut to what is left of PEERS_TOTAL_S
 # (default 575) for the whole call; a part with under 30 s left is skipped and says so. The last
 # part of each mode (the Ray placement) has the largest budget: it takes whatever the others left.
+# PEERS_SKIP="name name ..." leaves those parts out (e.g. PEERS_SKIP="trl_grpo_no_gc engine_grpo_local").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODE=${1:?usage: run_h200.sh grpo|ppo|smoke|lora7b}
@@ -80,6 +81,7 @@ part() {  # part NAME BUDGET_S [ENV=VAL ...] -- COMMAND...
   local name=$1 budget=$2; shift 2
   local envs=()
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  case " ${PEERS_SKIP:-} " in *" $name "*) log "$name: skipped (PEERS_SKIP)"; return ;; esac
   local var="PEERS_BUDGET_${name^^}"; budget=${!var:-$budget}
   local left=$(( TOTAL - ($(date +%s) - START) - 5 ))
   if [ "$left" -lt 30 ]; then log "$name: skipped (no time left)"; echo "{\"part\": \"$name\", \"skipped\": \"no time left in the call\"}" > "$R/$name.skipped.json"; return; fi

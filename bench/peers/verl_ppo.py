@@ -19,7 +19,11 @@ Choices forced by the GPU machine (recorded in the JSON as `handicaps`): no flas
 there, so `attn_implementation=sdpa` and `use_remove_padding=False` (verl's padding-free path
 needs flash_attn's varlen kernels); gradient checkpointing off (this engine does not checkpoint).
 verl 0.9.1 pins transformers < 5.11 (its vllm extra: 5.9.0) and transformers 5.9 checks for
-tokenizers <= 0.23.0, so both travel in the verl site (`run_h200.sh` puts it first on PYTHONPATH).
+tokenizers <= 0.23.0, so both travel in the verl site (`run_h200.sh` puts it first on PYTHONPATH),
+with TRL 1.12 (verl imports `AutoModelForCausalLMWithValueHead`, gone from TRL 1.13). verl's critic
+loader hard-codes `attn_implementation="flash_attention_2"`; `install_carry.sh` patches it to take
+the model config's, which `+critic.model.override_config.attn_implementation=sdpa` sets (verl's
+HFModelConfig passes it to `AutoConfig.from_pretrained`, so `hf_config._attn_implementation` is sdpa).
 """
 
 from __future__ import annotations
@@ -164,8 +168,10 @@ def main(argv=None) -> int:
         "verl_command": " ".join(shlex.quote(c.replace(root, "$ASSETS")) for c in cmd[1:]),
         "work": WORK,
         "handicaps": ["attn_implementation=sdpa, use_remove_padding=False (no flash-attn on the device)",
-                      "gradient checkpointing off (as this engine)"],
-        "versions": common.versions("verl", "tensordict", "hydra-core", "transferqueue", "tokenizers"),
+                      "gradient checkpointing off (as this engine)",
+                      "verl's critic loader hard-codes flash_attention_2: patched at install "
+                      "(bench/peers/install_carry.sh) to take the critic config's attention (sdpa)"],
+        "versions": common.versions("verl", "tensordict", "hydra-core", "transferqueue", "tokenizers", "trl"),
         "env": {k: os.environ.get(k) for k in ("PYTHONPATH", "VLLM_USE_FLASHINFER_SAMPLER")},
     }
     Path(files["log"]).unlink(missing_ok=True)

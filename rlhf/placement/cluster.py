@@ -119,12 +119,16 @@ def start_hosts(pg, bundles: List[int], ppo: PPOConfig, device: str) -> list:
     from rlhf.placement.host import RankHost
     remote = ray.remote(RankHost)
     threads = ppo.torch_threads or max(1, int(ppo.cpus_per_rank))
+    # On a GPU a host takes two calls at once: the next rollout beside the critic's update
+    # (ppo.overlap_rollout; colocated, both roles live in this one process). The controller starts
+    # no other call while one runs, so calls still run in the order they are made.
+    concurrency = 2 if device == "cuda" else 1
     hosts = []
     for rank, bundle in enumerate(bundles):
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
         hosts.append(remote.options(
             num_cpus=ppo.cpus_per_rank, num_gpus=1 if device == "cuda" else 0, scheduling_strategy=strategy,
-            runtime_env={"env_vars": rank_env()}, max_concurrency=1,
+            runtime_env={"env_vars": rank_env()}, max_concurrency=concurrency,
         ).remote(rank, ppo.world_size, device, threads, ppo.bf16_autocast))
     where = ray.get([h.where.remote() for h in hosts])
     master = where[0]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.placement import memory
-from rlhf.placement.context import ProcessGroupRanks, context_for
+from rlhf.placement.context import ProcessGroupRanks, context_for, deterministic_algorithms
 
 
 def free_port() -> int:
@@ -36,7 +36,7 @@ class RankHost:
                        else torch.device("cpu"))
         if threads:
             torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        deterministic_algorithms(device_type)
         import transformers
         transformers.utils.logging.disable_progress_bar()
         self.autocast_dtype = torch.bfloat16 if bf16 and device_type == "cuda" else None

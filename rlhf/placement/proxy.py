@@ -14,6 +14,8 @@ how a share runs differs:
 from __future__ import annotations
 
 import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, List, Sequence
 
 import torch
@@ -22,14 +24,30 @@ from rlhf.batch import Batch
 from rlhf.roles.dispatch import ALL, Spread, dispatched_methods, spread
 
 
+class Pending:
+    """A role call under way (`RoleProxy.submit`): `result()` waits for it and returns what the
+    call returns; `submitted` is when it started (time.perf_counter())."""
+
+    def __init__(self, wait: Callable[[], Any]):
+        self.submitted = time.perf_counter()
+        self._wait = wait
+
+    def result(self) -> Any:
+        return self._wait()
+
+
 class RoleProxy:
-    def __init__(self, name: str, role_cls: type, world_size: int, run: Callable[[str, Spread], List[Any]],
-                 local_roles: Sequence[object] = ()):
-        """`run(method, spread)` runs each of `spread.calls` and returns their results in that order.
-        `local_roles`: the role objects of the ranks when they live in this process (none on Ray)."""
+    def __init__(self, name: str, role_cls: type, world_size: int,
+                 start: Callable[[str, Spread], Callable[[], List[Any]]] | None = None,
+                 local_roles: Sequence[object] = (), run: Callable[[str, Spread], List[Any]] | None = None):
+        """`start(method, spread)` sets each of `spread.calls` going and returns a function that
+        waits for their results, in that order; `run(method, spread)` runs them and returns the
+        results (default: start, then wait). `local_roles`: the role objects of the ranks when they
+        live in this process (none on Ray)."""
         self.name = name
         self.world_size = world_size
-        self.run = run
+        self.start = start
+        self.run = run or (lambda method, shares: start(method, shares)())
         self.local_roles = list(local_roles)
         self.methods = dispatched_methods(role_cls)
         for method, mode in self.methods.items():
@@ -39,8 +57,22 @@ class RoleProxy:
         shares = spread(mode, self.world_size, args, kwargs, f"{self.name}.{method}")
         return shares.collect(self.run(method, shares))
 
+    def submit(self, method: str, *args, **kwargs) -> Pending:
+        """Starts the call `method(*args, **kwargs)` and returns at once: the caller goes on with
+        other roles while it runs (on Ray in the ranks' processes, in this process on a thread of
+        the proxy's own). Calls of one proxy run one at a time, in the order given."""
+        shares = spread(self.methods[method], self.world_size, args, kwargs, f"{self.name}.{method}")
+        wait = self.start(method, shares)
+        return Pending(lambda: shares.collect(wait()))
+
     def __repr__(self) -> str:
         return f"RoleProxy({self.name}, {self.world_size} ranks)"
+
+
+def submit(proxy: RoleProxy, method: str, *args, **kwargs) -> Pending:
+    """Starts `method` on the role behind `proxy` and returns at once (`RoleProxy.submit`): a
+    placement's way to run two roles at once, not a method of any role."""
+    return proxy.submit(method, *args, **kwargs)
 
 
 def _shared(value: Any) -> Any:
@@ -53,22 +85,31 @@ def _shared(value: Any) -> Any:
 
 def ray_proxy(name: str, role_cls: type, hosts: list) -> RoleProxy:
     """The role `name` on Ray ranks: rank r is `hosts[r]`, which holds the role built from its spec."""
-    def run(method: str, shares: Spread) -> List[Any]:
+    def start(method: str, shares: Spread) -> Callable[[], List[Any]]:
         import ray
         calls = shares.calls
         if shares.mode is ALL and len(hosts) > 1:
             args = tuple(_shared(a) for a in calls[0][1])
             kwargs = {k: _shared(v) for k, v in calls[0][2].items()}
             calls = tuple((rank, args, kwargs) for rank, _, _ in calls)
-        return ray.get([hosts[rank].call.remote(name, method, *args, **kwargs) for rank, args, kwargs in calls])
+        refs = [hosts[rank].call.remote(name, method, *args, **kwargs) for rank, args, kwargs in calls]
+        return lambda: ray.get(refs)
 
-    return RoleProxy(name, role_cls, len(hosts), run)
+    return RoleProxy(name, role_cls, len(hosts), start)
 
 
 def local_proxy(name: str, roles: Sequence[object]) -> RoleProxy:
     """The role `name` in this process: rank r is the object `roles[r]` (the local placement builds
-    one). Each rank's share is a call of its object, in rank order."""
+    one). Each rank's share is a call of its object, in rank order; a submitted call runs on the
+    proxy's one worker thread."""
     def run(method: str, shares: Spread) -> List[Any]:
         return [getattr(roles[rank], method)(*args, **kwargs) for rank, args, kwargs in shares.calls]
 
-    return RoleProxy(name, type(roles[0]), len(roles), run, local_roles=roles)
+    worker: List[ThreadPoolExecutor] = []
+
+    def start(method: str, shares: Spread) -> Callable[[], List[Any]]:
+        if not worker:
+            worker.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-calls"))
+        return worker[0].submit(run, method, shares).result
+
+    return RoleProxy(name, type(roles[0]), len(roles), start, local_roles=roles, run=run)

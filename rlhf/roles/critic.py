@@ -86,7 +86,21 @@ class Critic(TrainedRole):
     @dispatch(ALL)
     def update(self, batch: Batch, shuffle_seed: int) -> Dict[str, float]:
         """Value regression on the rollout buffer (epochs, mini-batches and rank shares as in
-        TrainedRole.optimize)."""
+        TrainedRole.optimize). On a GPU it runs on a CUDA stream of its own, so that in one process
+        it overlaps the next rollout (`ppo.overlap_rollout`), whose engine works and waits on the
+        default stream. Each stream waits for the other's earlier work (weights moved back from
+        an offload, the new weights read by the next value pass)."""
+        if self.device.type != "cuda":
+            return self._update(batch, shuffle_seed)
+        if getattr(self, "_stream", None) is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            out = self._update(batch, shuffle_seed)
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        return out
+
+    def _update(self, batch: Batch, shuffle_seed: int) -> Dict[str, float]:
         cfg = self.cfg
         stats = StatAccumulator()
 

@@ -126,9 +126,8 @@ class VLLMRollout:
         has_tok_dir = bool(tok_dir) and Path(tok_dir).is_dir()
         t0 = time.perf_counter()
         # The trainer asks for deterministic algorithms (warn only); that also puts Inductor in a
-        # deterministic mode which refuses the kernel benchmarking vLLM's start-up compilation does,
-        # and routes the sampler's eager ops to slower kernels. The flag is lifted while the engine
-        # is built and while it generates (the seeded sampler repeats its tokens either way).
+        # deterministic mode which refuses the kernel benchmarking vLLM's start-up compilation does.
+        # The flag is lifted while the engine is built (not while it generates: see `generate`).
         with without_deterministic_algorithms():
             self.llm = vllm.LLM(
                 model=str(model_dir), tokenizer=tok_dir if has_tok_dir else None, skip_tokenizer_init=not has_tok_dir,
@@ -200,15 +199,19 @@ class VLLMRollout:
             requests.append({"prompt_token_ids": tokens})
         # A fresh prefix cache per call: the schedule, hence the tokens, depend on this call alone.
         self.llm.reset_prefix_cache()
-        with without_deterministic_algorithms():
-            if self.per_request_seeds and not sampling.greedy:
-                params = [self._sampling_params(sampling, derive_seed(seed, i)) for i in range(len(requests))]
+        # The deterministic-algorithms flag stays as the trainer set it: it is process-wide, and a
+        # rollout may run beside the critic's update (ppo.overlap_rollout), whose compiled layers
+        # guard on it. Nothing vLLM runs per step depends on it (its model runs the graphs compiled
+        # at start-up; sampling is elementwise maths and argmax); its cost was the NaN fill of every
+        # new tensor, which every engine process turns off on a GPU (`placement.context.deterministic_algorithms`).
+        if self.per_request_seeds and not sampling.greedy:
+            params = [self._sampling_params(sampling, derive_seed(seed, i)) for i in range(len(requests))]
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        else:
+            params = self._sampling_params(sampling, None)
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.manual_seed(seed)  # also seeds this process's CUDA generator, which the engine samples with
                 outputs = self.llm.generate(requests, params, use_tqdm=False)
-            else:
-                params = self._sampling_params(sampling, None)
-                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                    torch.manual_seed(seed)  # also seeds this process's CUDA generator, which the engine samples with
-                    outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions = [out.outputs[0] for out in outputs]
         responses = [list(c.token_ids) for c in completions]
         logprobs = ([sampled_logprobs(r, c.logprobs) for r, c in zip(responses, completions)]
