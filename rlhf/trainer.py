@@ -223,8 +223,10 @@ class PPOTrainer:
             from rlhf.config import ConfigError
             raise ConfigError(f"ppo.overlap_rollout = True is invalid here: {why_not}; use 'auto' or False")
         on = ppo.overlap_rollout is not False and why_not is None
-        if ppo.overlap_rollout is not False:
-            log("the next rollout overlaps the critic's update" if on else f"rollouts run in turn ({why_not})")
+        if on:
+            log("the next rollout overlaps the critic's update (ppo.overlap_rollout)")
+        elif ppo.overlap_rollout is not False and memory_plan.get("rollout_sleep") is not None:
+            log(f"rollouts run in turn: {why_not}")  # a GPU run that could have overlapped says why not
         return on
 
     def _start_next_rollout(self) -> None:

@@ -59,6 +59,7 @@ class Critic(TrainedRole):
             if ppo.init_from and checkpoint.has_critic(ppo.init_from):
                 model = load_critic_start(model, ppo.init_from)
         super().__init__(ctx, model, ppo, total_updates)
+        self._stream = None  # the CUDA stream the update runs on (see `update`)
 
     def _values(self, micro: Batch) -> torch.Tensor:
         row = packed_row(micro, self.device)
@@ -92,7 +93,7 @@ class Critic(TrainedRole):
         an offload, the new weights read by the next value pass)."""
         if self.device.type != "cuda":
             return self._update(batch, shuffle_seed)
-        if getattr(self, "_stream", None) is None:
+        if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
