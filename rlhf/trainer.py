@@ -1,7 +1,10 @@
 """The PPO loop: one iteration is a sequence of named, timed phases.
 
     generate -> reward -> reference logprobs -> old logprobs -> values -> advantages
-             -> update critic -> update actor -> sync weights -> log (-> evaluate, save)
+             -> update actor -> sync weights -> update critic -> log (-> evaluate, save)
+
+With `ppo.overlap_rollout` (a GPU with vLLM and a critic) the next iteration's generate runs
+beside this one's critic update: it needs only the actor's synced weights.
 """
 
 from __future__ import annotations
