@@ -159,8 +159,8 @@ class TrainedRole(Role):
             for mb_index, mb_placed in zip(indices, placed):
                 mini = self.ranks.share(resident.select(mb_placed))
                 # The normalizer from the host copy of the mask: a number the host needs now.
-                normalizer = loss_normalizer(self.ranks.share(Batch({"response_mask": batch["response_mask"][mb_index]})),
-                                             cfg.loss_aggregation, self.ranks)
+                host_mask = Batch({"response_mask": batch["response_mask"][mb_index]})
+                normalizer = loss_normalizer(self.ranks.share(host_mask), cfg.loss_aggregation, self.ranks)
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in micro_batches(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, self.ranks):
                     micro_step(micro, normalizer)
