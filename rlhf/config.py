@@ -370,6 +370,17 @@ class PPOConfig:
         return self.rollout_micro_batch_size * self.num_rollout_batches * self.samples_per_prompt
 
     @property
+    def on_policy_update(self) -> bool:
+        """Whether the update is on-policy: one epoch over one mini-batch on one process, with no KL
+        in the reward. Its first forward is then the very policy that sampled, so the old log-prob
+        pass is skipped and the update's own log-probs stand in for them (as TRL and verl do); the
+        record is the same. With the KL in the reward (kl_coef > 0) the advantages need the old
+        log-probs before the update."""
+        kl_in_reward = self.kl_mode == "reward" and (self.kl_coef > 0 or self.adaptive_kl)
+        return (self.ppo_epochs == 1 and self.rollout_batch_size <= self.mini_batch_size and not kl_in_reward
+                and self.world_size == 1)
+
+    @property
     def forward_batch_size(self) -> int:
         """Sequences per forward-only pass (`forward_micro_batch_size`, default micro_batch_size)."""
         return self.forward_micro_batch_size or self.micro_batch_size

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf.attention import use_packed_attention
 from rlhf.config import ConfigError
 
 
@@ -130,7 +131,7 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: to
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
                                                  **({"device_map": str(torch.device(device))} if on_gpu else {}))
     model.config.use_cache = True
-    return model
+    return use_packed_attention(model)
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
@@ -273,7 +274,7 @@ class ValueModel(nn.Module):
             torch.manual_seed(seed)
             if random_init:
                 config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-                lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
+                lm = use_packed_attention(AutoModelForCausalLM.from_config(config, dtype=dtype))
             else:
                 lm = load_policy(path, dtype, device)
             backbone = lm.base_model
@@ -286,11 +287,11 @@ class ValueModel(nn.Module):
         return model if lora else model.to(dtype)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, **packed) -> torch.Tensor:
         """Padded rows (attention_mask), or packed rows: no mask, position ids restarting at 0 for
-        each sequence (rlhf/packing.py)."""
+        each sequence and the sequences' spans in `packed` (rlhf/packing.py `PackedRow.forward_kwargs`)."""
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids, use_cache=False)
+                            position_ids=position_ids, use_cache=False, **packed)
         return self.value_head(out.last_hidden_state).squeeze(-1).float()

@@ -10,14 +10,15 @@ With a budget, a (mini-)batch's sequences, in their order, are cut into contiguo
 of at most `max_tokens` real tokens each, and each runs as one row: input_ids [1, T] holding every
 sequence's real tokens one after the other, and position_ids [1, T] restarting at 0 for each
 sequence. Called with attention_mask=None and those position ids, transformers detects the
-packing (`masking_utils.find_packed_sequence_indices`) and attends block-diagonally and causally
-under sdpa and eager attention; flash-attention takes the same rows as variable-length sequences.
+each row also carries its sequences' lengths (`PackedRow.forward_kwargs`), with which the engine's
+attention (rlhf/attention.py) runs every sequence causally over itself: torch's variable-length
+flash kernel on a GPU, no [T, T] mask anywhere.
 `PackedRow.index` [N] names the row positions whose outputs belong to response tokens (the token
 before each, as in the padded forward) and `PackedRow.unpack` scatters [1, N] outputs back to
 the padded [B, R] layout, zero where response_mask is 0, so the losses read the same shapes.
 
 Everything here is pure tensor and index logic; the forwards that use it are in
-rlhf/roles/common.py (`response_logits`) and rlhf/roles/critic.py (`Critic._values`).
+rlhf/roles/common.py (`response_logprobs`) and rlhf/roles/critic.py (`Critic._values`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from rlhf.attention import packed_kwargs
 from rlhf.batch import Batch
 
 
@@ -107,7 +109,9 @@ class PackedRow:
 
     input_ids, position_ids: [1, T]; index: [N] row positions whose outputs belong to the
     response tokens (position of the token before each); tokens: [1, N] those response tokens;
-    rows, cols: [N] where each goes in the padded [B, R] layout."""
+    rows, cols: [N] where each goes in the padded [B, R] layout; lengths: each sequence's real
+    tokens (host ints, summing to T); attention: what every attention layer reads
+    (`rlhf.attention.packed_kwargs`)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -116,6 +120,12 @@ class PackedRow:
     rows: torch.Tensor
     cols: torch.Tensor
     shape: tuple
+    lengths: tuple
+    attention: dict
+
+    def forward_kwargs(self) -> dict:
+        """The model inputs of the row: ids, positions and the sequences' spans."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, **self.attention}
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """Per-response-token outputs [1, N] (or [N]) to the padded [B, R], 0 where response_mask
@@ -141,10 +151,12 @@ def pack(batch: Batch, device=None) -> PackedRow:
     if len(rows) and bool((positions[:, P:][response] == 0).any()):
         raise ValueError("a sequence to pack has response tokens but no prompt token")
     index = slot[:, P:][response] - 1
+    lengths = tuple(n for n in keep.sum(-1).tolist() if n)
     to = (lambda t: t.to(device)) if device is not None else (lambda t: t)
     return PackedRow(input_ids=to(ids[keep][None]), position_ids=to(positions[keep][None]), index=to(index),
                      tokens=to(batch["response_ids"][rows, cols][None]), rows=to(rows), cols=to(cols),
-                     shape=tuple(batch["response_ids"].shape))
+                     shape=tuple(batch["response_ids"].shape), lengths=lengths,
+                     attention=packed_kwargs(lengths, device if device is not None else "cpu"))
 
 
 class PackedBatch(Batch):

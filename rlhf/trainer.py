@@ -3,6 +3,9 @@
     generate -> reward -> reference logprobs -> old logprobs -> values -> advantages
              -> update actor -> sync weights -> update critic -> log (-> evaluate, save)
 
+An on-policy update (`ppo.on_policy_update`: one epoch over one mini-batch, no KL in the reward)
+skips the old log-prob pass: the update's first forward is the policy that sampled.
+
 With `ppo.overlap_rollout` (a GPU with vLLM and a critic) the next iteration's generate runs
 beside this one's critic update: it needs only the actor's synced weights.
 """
@@ -61,16 +64,32 @@ def resolve_model_paths(cfg: RunConfig, log=print) -> tuple[Path, Path]:
 
 
 class PhaseTimer:
-    def __init__(self):
+    """Wall time of each phase and, for a GPU in this process, the most memory torch held allocated
+    during it (`torch.cuda.max_memory_allocated`, reset as each phase starts): what the memory plan's
+    phases predict (rlhf/placement/memory.py), recorded as `perf/memory_gb/<phase>`."""
+
+    def __init__(self, device: torch.device | None = None):
         self.times: Dict[str, float] = {}
+        self.memory: Dict[str, float] = {}
+        self.device = device if device is not None and device.type == "cuda" else None
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        if self.device is not None:
+            torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         try:
             yield
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+            if self.device is not None:
+                peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+                self.memory[name] = max(self.memory.get(name, 0.0), peak)
+
+    def record(self) -> Dict[str, float]:
+        out = {f"timing_s/{k}": v for k, v in self.times.items()}
+        out.update({f"perf/memory_gb/{k}": v for k, v in self.memory.items()})
+        return out
 
 
 class PPOTrainer:
@@ -183,9 +202,22 @@ class PPOTrainer:
         batch["group_ids"] = torch.arange(len(batch)) // n
         return batch
 
+    def token_kl(self, batch: Batch) -> torch.Tensor:
+        """KL(actor || reference) per response token [B, R] (0 on padding), from the old log-probs;
+        zeros before an on-policy update has computed them (its KL is not in the reward)."""
+        mask = batch["response_mask"].float()
+        if "old_logprobs" not in batch:
+            return torch.zeros_like(mask)
+        return algos.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], self.ppo.kl_estimator) * mask
+
+    def kl_metrics(self, batch: Batch) -> Dict[str, float]:
+        kl = self.token_kl(batch)
+        return {"kl_divergence": float(algos.masked_mean(kl, batch["response_mask"].float())),
+                "actor/kl_seq_sum": float(kl.sum(-1).mean())}
+
     def compute_advantages(self, batch: Batch) -> Dict[str, float]:
         mask = batch["response_mask"].float()
-        kl = algos.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], self.ppo.kl_estimator) * mask
+        kl = self.token_kl(batch)
         in_reward = self.ppo.kl_mode == "reward"
         rewards = algos.token_rewards(batch["scores"], kl if in_reward else torch.zeros_like(kl), mask,
                                       self.kl_ctl.value)
@@ -198,9 +230,10 @@ class PPOTrainer:
         if self.ppo.whiten_advantages:
             adv = algos.masked_whiten(adv, mask)
         batch["advantages"] = adv
-        out = {"kl_divergence": float(algos.masked_mean(kl, mask)),
+        kl_metrics = self.kl_metrics(batch)
+        out = {"kl_divergence": kl_metrics["kl_divergence"],
                "kl_coef": float(self.kl_ctl.value),
-               "actor/kl_seq_sum": float(kl.sum(-1).mean()),
+               "actor/kl_seq_sum": kl_metrics["actor/kl_seq_sum"],
                "critic/token_reward_mean": float(algos.masked_mean(rewards, mask))}
         if self.critic is not None:
             out["critic/values_mean"] = float(algos.masked_mean(batch["values"], mask))
@@ -259,7 +292,7 @@ class PPOTrainer:
     def train_step(self) -> Dict:
         """One PPO iteration."""
         ppo, step = self.ppo, self.step
-        timer = PhaseTimer()
+        timer = PhaseTimer(self.device)
         start = time.perf_counter()
         ahead_s = 0.0
         with timer("generate"):
@@ -282,22 +315,27 @@ class PPOTrainer:
                 batch[key] = value
         with timer("reference"):
             batch["ref_logprobs"] = self.reference.compute_logprobs(batch)
-        with timer("old_logprobs"):
-            batch["old_logprobs"], entropy = self.actor.compute_logprobs(batch)
-        logprob_gap = rollout_logprob_gap(batch)  # None unless ppo.rollout_logprobs
+        on_policy = ppo.on_policy_update  # the update's own log-probs are the old ones: no pass for them
+        if not on_policy:
+            with timer("old_logprobs"):
+                batch["old_logprobs"], entropy = self.actor.compute_logprobs(batch)
         if self.critic is not None:
             with timer("values"):
                 batch["values"] = self.critic.compute_values(batch)
         with timer("advantages"):
             record = self.compute_advantages(batch)
-        if logprob_gap is not None:
-            record["rollout/logprob_gap"] = logprob_gap
         # The actor first: the next rollout needs only its new weights, so with overlap it runs
         # while the critic trains (the two updates read the same buffer and touch nothing of each
         # other's, so their order changes no number).
         with timer("update_actor"):
             actor_stats = self.actor.update(batch, shuffle_seed=derive_seed(ppo.seed, step, 3),
                                             kl_coef=self.kl_ctl.value)
+        if on_policy:
+            batch["old_logprobs"], entropy = actor_stats.pop("old_logprobs"), actor_stats.pop("entropy_old")
+            record.update(self.kl_metrics(batch))  # the same keys, now from the log-probs the update computed
+        logprob_gap = rollout_logprob_gap(batch)  # None unless ppo.rollout_logprobs
+        if logprob_gap is not None:
+            record["rollout/logprob_gap"] = logprob_gap
         with timer("sync_weights"):
             self.actor.sync_weights()
         if self._may_run_ahead():
@@ -329,7 +367,7 @@ class PPOTrainer:
                                                               for ex in prompts) / len(prompts)
         step_time = time.perf_counter() - start
         tokens = int(batch["prompt_mask"].sum() + mask.sum())
-        record.update({f"timing_s/{k}": v for k, v in timer.times.items()})
+        record.update(timer.record())
         record["timing_s/step"] = step_time
         record["perf/tokens_per_s"] = tokens / step_time
         if ahead_s:  # the part of this rollout's generation that ran during the previous iteration
@@ -337,6 +375,9 @@ class PPOTrainer:
         record["perf/generated_tokens_per_s"] = float(mask.sum()) / max(timer.times["generate"] + ahead_s, 1e-9)
         record["perf/max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         record.update(self.roles.device_report())  # on every placement: the processes holding the roles
+        if timer.memory:  # the peak is reset at each phase: this step's is the largest phase's
+            record["perf/max_memory_allocated_gb"] = max(record.get("perf/max_memory_allocated_gb", 0.0),
+                                                         *timer.memory.values())
         self._check_finite(record)
         return record
 

@@ -309,14 +309,14 @@ def layer_activation_bytes(shape: ModelShape, act: int, lora_rank: int = 0, lora
 
 
 def saved_activation_bytes(shape: ModelShape, tokens: int, act: int, checkpointing: bool, lora_rank: int = 0,
-                           lora: Sequence[str] = ()) -> int:
+                           lora: Sequence[str] = (), residual: int = 4) -> int:
     """Activations kept from the forward to the backward of one micro-batch. Without gradient
     checkpointing every block's (`layer_activation_bytes`) plus the final norm's; with it each
-    block keeps only its input hidden state (fp32, 4 h a token) and one block at a time is
-    recomputed in full during the backward."""
+    block keeps only its input hidden state (`residual` bytes a value: the weights' dtype, 2 for a
+    bf16 LoRA base) and one block at a time is recomputed in full during the backward."""
     layer = layer_activation_bytes(shape, act, lora_rank, lora) * tokens
     if checkpointing:
-        return shape.num_layers * 4 * shape.hidden_size * tokens + layer
+        return shape.num_layers * residual * shape.hidden_size * tokens + layer
     return shape.num_layers * layer + 8 * shape.hidden_size * tokens
 
 
@@ -333,13 +333,16 @@ def forward_working_bytes(shape: ModelShape, tokens: int, act: int) -> int:
 
 
 def lm_head_bytes(shape: ModelShape, positions: int, act: int, train: bool, entropy: bool = True) -> int:
-    """The LM head runs on response positions only (R + 1 a sequence, `logits_to_keep`): its logits
-    [positions, V] in the compute dtype, their fp32 copy, and the log-softmax / entropy temporaries
-    (fp32): for a backward two log-softmax outputs and the entropy's exp are kept and the product is
-    live at the forward's end (a + 20 bytes an element); forward-only with entropy the same passes
-    without saving (a + 16), without entropy (the reference) one log-softmax (a + 8)."""
-    per = act + (20 if train else 16 if entropy else 8)
-    return positions * shape.vocab_size * per
+    """The LM head runs on response positions only (R + 1 a sequence, `logits_to_keep`), LM_HEAD_CHUNK
+    of them at a time (rlhf/roles/common.py `response_logprobs`): one chunk's logits [chunk, V] in the
+    compute dtype, their fp32 copy and the log-softmax / entropy temporaries (fp32). Forward-only with
+    entropy a + 16 bytes an element, without entropy (the reference) a + 8; for a backward the chunk
+    is recomputed and its logits' gradient (fp32 and the compute dtype) is live beside it (2a + 24).
+    Each position keeps its log-prob and entropy (and their gradients) whole."""
+    from rlhf.roles.common import LM_HEAD_CHUNK
+    chunk = min(positions, LM_HEAD_CHUNK)
+    per = 2 * act + 24 if train else act + (16 if entropy else 8)
+    return chunk * shape.vocab_size * per + positions * 4 * 8
 
 
 def value_head_bytes(rows: int, tokens_per_row: int, train: bool) -> int:
@@ -553,9 +556,16 @@ def _trained_role(name: str, shape: ModelShape, ppo, rank: int, lm_head: bool, g
     ckpt = ppo.gradient_checkpointing
     head = (lm_head_bytes(shape, positions, act, train=True) if lm_head
             else value_head_bytes(rows, tokens // rows, train=True))
-    role.train = (saved_activation_bytes(shape, tokens, act, ckpt, rank, targets)
-                  + backward_working_bytes(shape, tokens, act) + head + copies
-                  + fsdp_gather_bytes(shape, base_bytes, n, train=not rank, lm_head=lm_head))
+    saved = saved_activation_bytes(shape, tokens, act, ckpt, rank, targets, residual=base_bytes)
+    working = backward_working_bytes(shape, tokens, act)
+    if ckpt:
+        # The LM head's chunks run (and are recomputed) before the first block's recompute: the two
+        # working sets follow one another above the checkpointed block inputs.
+        layer = layer_activation_bytes(shape, act, rank, targets) * tokens
+        activations = (saved - layer) + max(layer + working, head)
+    else:
+        activations = saved + working + head
+    role.train = activations + copies + fsdp_gather_bytes(shape, base_bytes, n, train=not rank, lm_head=lm_head)
     rows, tokens, positions = batches["forward"]
     head_fwd = (lm_head_bytes(shape, positions, act, train=False) if lm_head
                 else value_head_bytes(rows, tokens // rows, train=False))
@@ -659,8 +669,8 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
 # ====================================================================== predicted: suggestions and the check
 def _options(cfg: RunConfig) -> List[List[dict]]:
     """For each binding the suggestions may change, in the order they are tried, its values (each a
-    {field: value} of `ppo`), best first: LoRA (the critic follows), gradient checkpointing, a token
-    budget (the largest that fits), a smaller micro-batch, more GPUs (FSDP2)."""
+    {field: value} of `ppo`), best first: LoRA (the critic follows), a packed token budget (the largest
+    that fits: no padding, no recompute), gradient checkpointing, a smaller micro-batch, more GPUs (FSDP2)."""
     ppo = cfg.ppo
     seq = ppo.max_prompt_length + ppo.max_response_length
     options = []
@@ -669,14 +679,14 @@ def _options(cfg: RunConfig) -> List[List[dict]]:
         if ppo.adv_estimator == "gae" and ppo.critic_lora_rank == 0:
             change["critic_lora_rank"] = -1
         options.append([change])
-    if not ppo.gradient_checkpointing:
-        options.append([{"gradient_checkpointing": True}])
     rows = min(ppo.micro_batch_size, ppo.mini_batch_size // ppo.world_size)
     current = ppo.max_tokens_per_micro_batch or rows * seq
     budgets = sorted({2 ** k for k in range(10, 20) if seq <= 2 ** k < current} |
                      ({-(-seq // 256) * 256} if -(-seq // 256) * 256 < current else set()), reverse=True)
     if budgets:
         options.append([{"max_tokens_per_micro_batch": b} for b in budgets])
+    if not ppo.gradient_checkpointing:  # after a budget: recomputing every block costs a third more compute
+        options.append([{"gradient_checkpointing": True}])
     if not ppo.max_tokens_per_micro_batch:
         smaller = [d for d in range(ppo.micro_batch_size - 1, 0, -1) if ppo.mini_batch_size % d == 0]
         if smaller:

@@ -32,7 +32,8 @@ from rlhf.config import ConfigError
 from rlhf.models import (ADAPTER_CONFIG, add_lora, adapter_files, frozen_base_dtype, load_policy,
                          load_tokenizer, lora_scaling, merged_weights, read_adapter_rank)
 from rlhf.packing import micro_batches
-from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, on_device, response_logprobs
+from rlhf.roles.common import (StatAccumulator, TrainedRole, global_stats, minibatch_indices, on_device,
+                               response_logprobs)
 from rlhf.roles.dispatch import ALL, CALLS, ROWS, dispatch
 from rlhf.rollout import SamplingParams, backend_class
 
@@ -131,18 +132,28 @@ class Actor(TrainedRole):
     def update(self, batch: Batch, shuffle_seed: int, kl_coef: float) -> Dict[str, object]:
         """PPO update on the rollout buffer (epochs, mini-batches and rank shares as in
         TrainedRole.optimize). `batch` carries old_logprobs, advantages, response_mask and, when
-        the KL is a loss term, ref_logprobs."""
+        the KL is a loss term, ref_logprobs. Without old_logprobs the update is on-policy
+        (`ppo.on_policy_update`): each micro-batch's own log-probs are the old ones, and the
+        result adds them and the entropy, [B, R] in the buffer's row order (`old_logprobs`,
+        `entropy_old`), for the record."""
         cfg, ranks = self.cfg, self.ranks
+        on_policy = "old_logprobs" not in batch
+        if on_policy and not cfg.on_policy_update:
+            raise ValueError("an update without old_logprobs must be on-policy (ppo.on_policy_update)")
         self.replica_fresh = False
         stats = StatAccumulator()
         bins = len(RATIO_BIN_EDGES) - 1
         ratio_counts = torch.zeros(bins, dtype=torch.float32, device=self.device)  # read once, after the loop
+        seen: List[tuple] = []  # on-policy: (log-probs, entropy) of each micro-batch, in the order they ran
 
         def micro_step(micro: Batch, normalizer: float) -> None:
             mask = micro["response_mask"].to(self.device).float()
-            old_logprobs, advantages = micro["old_logprobs"].to(self.device), micro["advantages"].to(self.device)
+            advantages = micro["advantages"].to(self.device)
             logprobs, entropy = response_logprobs(self.model, micro, self.device, cfg.temperature,
                                                   self.autocast_dtype, fused=self.fused)
+            old_logprobs = logprobs.detach() if on_policy else micro["old_logprobs"].to(self.device)
+            if on_policy:
+                seen.append((old_logprobs, entropy.detach()))
             pg_loss, pg_stats = algos.policy_loss(logprobs, old_logprobs, advantages, mask, cfg.clip_range,
                                                   cfg.dual_clip, cfg.loss_aggregation, normalizer)
             entropy_term = algos.aggregate(entropy, mask, cfg.loss_aggregation, normalizer)
@@ -167,14 +178,20 @@ class Actor(TrainedRole):
         out["actor/grad_norm"] = grad_norm
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         out["policy_ratio_hist"] = {"bin_edges": RATIO_BIN_EDGES, "counts": ratio_counts.tolist()}
+        if on_policy:  # one mini-batch: its rows are the buffer's in `minibatch_indices`' order
+            order = minibatch_indices(len(batch), cfg.mini_batch_size, shuffle_seed)[0]
+            for key, column in (("old_logprobs", 0), ("entropy_old", 1)):
+                values = torch.cat([part[column] for part in seen]).cpu()
+                out[key] = torch.empty_like(values).index_copy_(0, order, values)
         return out
 
     # ------------------------------------------------------------ rollouts
     @dispatch(CALLS)
     def generate(self, requests: Sequence[Tuple[List[str], int]], sampling: SamplingParams) -> List[Batch]:
         """One generation call per (prompts, seed): the seed is the call's, not the rank's, so which
-        rank runs a call does not change what it samples."""
-        return [self.rollout.generate(prompts, sampling, seed) for prompts, seed in requests]
+        rank runs a call does not change what it samples. vLLM takes a rank's calls as one continuous
+        batch (rlhf/rollout/vllm.py)."""
+        return self.rollout.generate_calls(requests, sampling)
 
     @dispatch(ALL)
     def release_memory(self) -> None:

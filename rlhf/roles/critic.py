@@ -66,7 +66,7 @@ class Critic(TrainedRole):
         if row is not None:  # one row without padding (rlhf/packing.py), back to the padded [B, R]
             with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype,
                                 enabled=self.autocast_dtype is not None):
-                values = self.model(row.input_ids, position_ids=row.position_ids)
+                values = self.model(**row.forward_kwargs())
             return row.unpack(values[0, row.index].float())
         ids, mask, P = sequence_inputs(micro, self.device)
         R = micro["response_ids"].shape[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhf.attention import use_packed_attention
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.models import load_policy
@@ -20,7 +21,7 @@ class Reference(Role):
     def __init__(self, ctx, ppo: PPOConfig, model_dir: str, model: torch.nn.Module | None = None):
         super().__init__(ctx)
         model = model if model is not None else load_policy(model_dir)
-        self.model = ctx.place(model).eval().requires_grad_(False)
+        self.model = ctx.place(use_packed_attention(model)).eval().requires_grad_(False)
         self.temperature = ppo.temperature
         self.micro_batch_size = ppo.forward_batch_size
         self.max_tokens = ppo.max_tokens_per_micro_batch

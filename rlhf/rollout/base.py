@@ -3,7 +3,9 @@
 `RolloutBackend.generate(prompts, sampling, seed)` returns a `Batch` with left-padded
 `prompt_ids`/`prompt_mask` [B, P], right-padded `response_ids`/`response_mask` [B, R]
 (R = max_new_tokens; the mask covers tokens up to and including EOS) and `finished` [B]
-(False when the response hit R without EOS); a backend may add `rollout_logprobs` [B, R] (its
+(False when the response hit R without EOS). `generate_calls(requests, sampling)` runs several
+such calls, one `(prompts, seed)` each, and returns their batches: the HF backend in turn, vLLM as
+one continuous batch (an iteration's prompts together). A backend may add `rollout_logprobs` [B, R] (its
 sampling log-probs, 0 past the mask). `sync_weights(model)` loads the trainer's new weights (an
 HF-named module or state dict); the HF backend shares the actor's module, so it has nothing to
 copy. `release_memory()` lets a backend free what it holds between rollouts (vLLM: sleep mode).
@@ -81,6 +83,8 @@ class RolloutBackend(Protocol):
                     model_dir: str, log=print) -> "RolloutBackend": ...
 
     def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> Batch: ...
+
+    def generate_calls(self, requests: Sequence[tuple], sampling: SamplingParams) -> List[Batch]: ...
 
     def sync_weights(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None: ...
 

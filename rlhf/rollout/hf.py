@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List, Sequence
 
 import torch
 
@@ -37,6 +37,10 @@ class HFRollout:
 
     def set_sleep(self, enabled: bool) -> None:
         return None
+
+    def generate_calls(self, requests: Sequence[tuple], sampling: SamplingParams) -> List[Batch]:
+        """One `generate` per (prompts, seed), in turn."""
+        return [self.generate(prompts, sampling, seed) for prompts, seed in requests]
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> Batch:

@@ -15,6 +15,11 @@ Why these choices (vLLM 0.24.0):
   vLLM then draws each seeded request's noise in a Python loop (one kernel per request per
   token), ~30% of the throughput at 256 requests on an H200, and the tokens still depend on the
   batch in practice (bf16 kernels differ with the batch size).
+- One continuous batch: `generate_calls` hands vLLM every call of an iteration at once (the trainer's
+  `ppo.rollout_micro_batch_size` x `ppo.num_rollout_batches` prompts); vLLM keeps up to 256 sequences
+  in flight (`max_num_seqs`) within the KV cache of `ppo.vllm_gpu_memory_utilization`. On vLLM,
+  `ppo.rollout_micro_batch_size` therefore sets how many prompts an iteration samples (with
+  `ppo.num_rollout_batches`), not how many run at once.
 - Memory: with `sleep=True` the engine offloads its weights to CPU and frees its KV cache between
   rollouts (`LLM.sleep(level=1)`); `sync_weights` and `generate` wake it first.
 
@@ -145,6 +150,9 @@ class VLLMRollout:
 
     def _wake(self) -> None:
         if self.asleep:
+            # The trainer's phases leave free blocks in torch's caching allocator; the engine allocates
+            # its weights and KV cache outside it and would find the GPU full.
+            torch.cuda.empty_cache()
             self.llm.wake_up()
             self.asleep = False
 
@@ -186,17 +194,32 @@ class VLLMRollout:
             seed=seed, ignore_eos=True, stop_token_ids=[self.tokenizer.eos_token_id],
             detokenize=False, logprobs=0 if self.return_logprobs else None)
 
-    @torch.no_grad()
-    def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> Batch:
-        self._wake()
-        tok = self.tokenizer
-        prompt_ids, prompt_mask = encode_prompts(tok, prompts, sampling.max_prompt_length, sampling.truncation)
+    def _encode(self, prompts: Sequence[str], sampling: SamplingParams):
+        """(prompt ids, mask, vLLM requests) of one call's prompts."""
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, sampling.max_prompt_length,
+                                                 sampling.truncation)
         requests = []
         for i, (ids, mask) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
             tokens = [t for t, m in zip(ids, mask) if m]
             if not tokens:
                 raise ValueError(f"prompt {i} ({prompts[i]!r}) encodes to no tokens; vLLM needs at least one")
             requests.append({"prompt_token_ids": tokens})
+        return prompt_ids, prompt_mask, requests
+
+    def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> Batch:
+        return self.generate_calls([(prompts, seed)], sampling)[0]
+
+    @torch.no_grad()
+    def generate_calls(self, calls: Sequence[tuple], sampling: SamplingParams) -> List[Batch]:
+        """Every call's prompts in one `LLM.generate`, so that vLLM's scheduler keeps up to its
+        `max_num_seqs` sequences in flight across calls (the guide's 16-prompt calls one after the
+        other leave the GPU mostly idle); the responses are split back into one Batch per call.
+        Seeds: the first call's seeds this process's CUDA generator for the whole batch, or with
+        `per_request_seeds` each request takes `derive_seed(call seed, index in its call)`."""
+        self._wake()
+        tok = self.tokenizer
+        encoded = [self._encode(prompts, sampling) for prompts, _ in calls]
+        requests = [r for _, _, reqs in encoded for r in reqs]
         # A fresh prefix cache per call: the schedule, hence the tokens, depend on this call alone.
         self.llm.reset_prefix_cache()
         # The deterministic-algorithms flag stays as the trainer set it: it is process-wide, and a
@@ -205,16 +228,21 @@ class VLLMRollout:
         # at start-up; sampling is elementwise maths and argmax); its cost was the NaN fill of every
         # new tensor, which every engine process turns off on a GPU (`placement.context.deterministic_algorithms`).
         if self.per_request_seeds and not sampling.greedy:
-            params = [self._sampling_params(sampling, derive_seed(seed, i)) for i in range(len(requests))]
+            params = [self._sampling_params(sampling, derive_seed(seed, i))
+                      for (_, seed), (_, _, reqs) in zip(calls, encoded) for i in range(len(reqs))]
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         else:
             params = self._sampling_params(sampling, None)
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                torch.manual_seed(seed)  # also seeds this process's CUDA generator, which the engine samples with
+                torch.manual_seed(calls[0][1])  # also seeds this process's CUDA generator, which the engine samples with
                 outputs = self.llm.generate(requests, params, use_tqdm=False)
-        completions = [out.outputs[0] for out in outputs]
-        responses = [list(c.token_ids) for c in completions]
-        logprobs = ([sampled_logprobs(r, c.logprobs) for r, c in zip(responses, completions)]
-                    if self.return_logprobs else None)
-        return batch_from_token_lists(prompt_ids, prompt_mask, responses, sampling.max_new_tokens,
-                                      tok.eos_token_id, tok.pad_token_id, logprobs)
+        batches, start = [], 0
+        for prompt_ids, prompt_mask, reqs in encoded:
+            completions = [out.outputs[0] for out in outputs[start:start + len(reqs)]]
+            start += len(reqs)
+            responses = [list(c.token_ids) for c in completions]
+            logprobs = ([sampled_logprobs(r, c.logprobs) for r, c in zip(responses, completions)]
+                        if self.return_logprobs else None)
+            batches.append(batch_from_token_lists(prompt_ids, prompt_mask, responses, sampling.max_new_tokens,
+                                                  tok.eos_token_id, tok.pad_token_id, logprobs))
+        return batches

@@ -111,3 +111,33 @@ def test_peer_lora_bindings_validate():
         (64, 128.0, True, False)
     lora = trl_grpo.lora_config(type("A", (), {"lora_rank": 64, "lora_alpha": 0.0})())
     assert (lora.r, lora.lora_alpha, lora.target_modules, lora.lora_dropout) == (64, 128, "all-linear", 0.0)
+
+
+def test_recipe_run_times_a_shipped_recipe_through_the_users_command(tmp_path):
+    """bench/recipe_run.py on the CPU (the tiny shape, HF rollouts): the recipe file a user writes, run by
+    `python -m rlhf.train`, resumed on a second call, summarised with the plan beside each phase."""
+    import subprocess
+    script = REPO / "bench" / "recipe_run.py"
+    args = [sys.executable, str(script), "--tiny", "--shape", "0.5b", "--assets", str(tmp_path / "assets"),
+            "--out", str(tmp_path / "run"), "--json", str(tmp_path / "run.json"), "--steps", "2", "--prompts", "32",
+            "-b", "ppo.device = 'cpu'", "-b", "ppo.rollout_backend = 'hf'", "-b", "ppo.max_response_length = 8",
+            "-b", "task.eval_size = 8", "-b", "ppo.save_every = 1"]
+    first = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert first.returncode == 0, first.stderr[-2000:]
+    result = json.loads((tmp_path / "run.json").read_text())
+    assert result["steps_completed"] == 2 and result["exit_code"] == 0
+    assert "include 'models/lora.gin'" in result["recipe_file"] and "task.train_path" in result["recipe_file"]
+    assert result["command"].startswith("python -m rlhf.train run.gin --out run")
+    assert set(result["phase_s_median"]) >= {"generate", "reference", "old_logprobs", "update_actor"}
+    assert result["tokens_per_s"] > 0 and result["iteration_s_median"] > 0
+    again = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert again.returncode == 0 and "--resume" in again.stdout  # a run dir with checkpoints is resumed
+
+
+def test_recipe_run_replans_committed_measurements_with_this_code():
+    import recipe_run
+    result = json.loads((REPO / "bench" / "results" / "lora7b_recipe_h200.json").read_text())
+    replanned = recipe_run.replan(result)
+    assert {k: v["measured_gb"] for k, v in replanned["memory_by_phase"].items()} == \
+        {k: v["measured_gb"] for k, v in result["memory_by_phase"].items()}
+    assert replanned["memory_by_phase"]["update_actor"]["planned_gb"] > 0

@@ -1,0 +1,212 @@
+"""A shipped recipe as a user runs it, timed: `python -m rlhf.train` on a recipe file that includes the
+shipped model recipe and the verl GSM8K task, as a user writes it (not a test).
+
+    python bench/recipe_run.py --recipe models/lora.gin --shape 7b --assets DIR --out RUN_DIR \
+        --json OUT.json [--steps 10] [--prompts 256] [--time-budget S] [-b BINDING]...
+
+Inputs (`bench/peers/common.py`, built once per DIR): the Qwen2.5 shape with random bf16 weights and
+the full-vocabulary tokenizer saved beside them (the user's instruct-model directory), and GSM8K-
+shaped rows in verl's parquet format (`data_source`, `prompt` as chat messages, `reward_model.
+ground_truth`) whose prompts render to exactly 256 tokens. The recipe file written beside the run:
+
+    include 'models/lora.gin'
+    include 'tasks/gsm8k_verl.gin'
+    model.name_or_path = '<DIR>/model'
+    task.train_path = '<DIR>/gsm8k/train.parquet'
+    task.eval_path = '<DIR>/gsm8k/test.parquet'
+    task.eval_size = 64
+    ppo.rollout_micro_batch_size = 32        # 256 prompts an iteration (--prompts)
+    ppo.total_steps = 10
+    ppo.eval_every = 1000                    # evaluated before the first and after the last iteration
+    ppo.save_every = 5                       # --resume continues a run cut by --time-budget
+
+A run dir that holds checkpoints is resumed (`--resume`), so a run longer than one device call
+finishes over several. The JSON (rewritten at the end of every call) holds the command, the steps
+completed, the median iteration and per-phase times over the iterations after the first, tokens/s
+(prompt + response tokens of an iteration over its wall time), and for each phase the memory plan's
+prediction (`python -m rlhf.memory`: resident roles + awake engine + the phase's micro-batch) beside
+the peak torch measured (`perf/memory_gb/<phase>`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(HERE / "peers"))
+
+GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
+
+
+def write_gsm8k_parquet(path: Path, prompts: list[str]) -> str:
+    """verl's GSM8K rows (examples/data_preprocess/gsm8k.py's columns) with the given prompt texts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": p}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": str(i % 100)},
+             "extra_info": {"split": path.stem, "index": i}} for i, p in enumerate(prompts)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+    return str(path)
+
+
+def build(assets: Path, shape: str, tiny: bool) -> dict:
+    import common
+    inputs = common.build_inputs(assets, tiny=tiny, shape=shape)
+    prompts = common.prompt_texts(common.N_PROMPTS, inputs["prompt_tokens"], vocab_size=inputs["vocab_size"])
+    data = assets / "gsm8k"
+    if not (data / "test.parquet").is_file():
+        write_gsm8k_parquet(data / "train.parquet", prompts[:-256])
+        write_gsm8k_parquet(data / "test.parquet", prompts[-256:])
+    return {**inputs, "train": str(data / "train.parquet"), "test": str(data / "test.parquet")}
+
+
+def recipe_text(recipe: str, inputs: dict, steps: int, prompts: int) -> str:
+    return "\n".join([
+        f"include '{recipe}'", "include 'tasks/gsm8k_verl.gin'",
+        f"model.name_or_path = '{inputs['model_dir']}'",
+        f"task.train_path = '{inputs['train']}'", f"task.eval_path = '{inputs['test']}'",
+        "task.eval_size = 64",
+        f"ppo.rollout_micro_batch_size = {prompts // 8}", "ppo.num_rollout_batches = 8",
+        f"ppo.total_steps = {steps}", "ppo.eval_every = 1000", "ppo.save_every = 5", ""])
+
+
+SHAPES = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}
+
+
+def planned_by_phase(recipe_file_text: str, shape: str, available_gib: float, total_gib: float) -> dict:
+    """{phase: GiB} the memory plan of this code predicts torch holds at each phase's peak for the run's
+    recipe file on a GPU of `total_gib` (`available_gib` free at the start): resident roles, the engine
+    when awake and the phase's micro-batch (its reserve is headroom, not an allocation)."""
+    import tempfile
+
+    from rlhf import configurable
+    from rlhf.placement import memory
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = Path(tmp) / "recipe.gin"
+        recipe.write_text(recipe_file_text)
+        cfg, _ = configurable.resolve(recipe, [])
+    plan = memory.predict(cfg, memory.KNOWN_SHAPES[SHAPES[shape]], available=int(available_gib * memory.GIB),
+                          device_total=int(total_gib * memory.GIB))
+    return {p.name: round((p.resident + p.engine + p.transient) / memory.GIB, 2) for p in plan.phases}
+
+
+def memory_by_phase(planned: dict, measured: dict) -> dict:
+    return {name: {"planned_gb": planned.get(name), "measured_gb": measured.get(name),
+                   "planned_over_measured": (round(planned[name] / measured[name], 3)
+                                             if planned.get(name) and measured.get(name) else None)}
+            for name in sorted(set(planned) | set(measured))}
+
+
+def replan(result: dict) -> dict:
+    """The result with `memory_by_phase`'s predictions recomputed by this code (the measurements kept)."""
+    measured = {k: v["measured_gb"] for k, v in result["memory_by_phase"].items() if v["measured_gb"] is not None}
+    planned = planned_by_phase(result["recipe_file"], result["shape"], result["gpu_available_gib"],
+                               result["gpu_total_gib"])
+    return {**result, "memory_by_phase": memory_by_phase(planned, measured)}
+
+
+def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dict:
+    from rlhf.metrics import read_metrics
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("step", 0) > 0] \
+        if (run_dir / "metrics.jsonl").is_file() else []
+    steady = records[1:] or records
+    med = (lambda key: round(statistics.median([r[key] for r in steady if key in r]), 3)
+           if any(key in r for r in steady) else None)
+    phases = sorted({k[len("timing_s/"):] for r in steady for k in r if k.startswith("timing_s/")})
+    provenance = json.loads((run_dir / "provenance.json").read_text()) if (run_dir / "provenance.json").is_file() else {}
+    predicted = (provenance.get("placement") or {}).get("memory_predicted") or {}
+    gpu = {"gpu_available_gib": predicted.get("available_gb"),
+           "gpu_total_gib": (provenance.get("hardware") or {}).get("gpu_memory_gb")}
+    measured = {}
+    for r in records:
+        for k, v in r.items():
+            if k.startswith("perf/memory_gb/"):
+                name = k[len("perf/memory_gb/"):]
+                measured[name] = round(max(measured.get(name, 0.0), v), 2)  # GiB, as the plan's
+    planned = planned_by_phase(recipe_file, extra["shape"], gpu["gpu_available_gib"], gpu["gpu_total_gib"]) \
+        if gpu["gpu_available_gib"] and gpu["gpu_total_gib"] else {}
+    tokens = [r["perf/tokens_per_s"] * r["timing_s/step"] for r in steady if "perf/tokens_per_s" in r]
+    return {
+        "command": command, "recipe_file": recipe_file,
+        "steps_completed": len(records),
+        "iteration_s_median": med("timing_s/step"),
+        "phase_s_median": {p: med(f"timing_s/{p}") for p in phases if p != "step"},
+        "tokens_per_s": med("perf/tokens_per_s"),
+        "tokens_per_iteration_median": round(statistics.median(tokens)) if tokens else None,
+        "generated_tokens_per_s": med("perf/generated_tokens_per_s"),
+        "gpu_utilization_median": med("perf/gpu_utilization"),
+        "max_memory_allocated_gb": max((r.get("perf/max_memory_allocated_gb", 0) for r in records), default=None),
+        "memory_by_phase": memory_by_phase(planned, measured), "memory_plan_verdict": predicted.get("verdict"),
+        **gpu,
+        "reward_mean": [r.get("reward_mean") for r in records], "kl_divergence": [r.get("kl_divergence") for r in records],
+        "steps": [{k: v for k, v in r.items() if k.startswith(("timing_s/", "perf/")) or k == "step"} for r in records],
+        **extra,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--recipe", default="models/lora.gin", help="the shipped model recipe the user's file includes")
+    p.add_argument("--shape", default="7b", choices=("0.5b", "7b"))
+    p.add_argument("--assets", required=True)
+    p.add_argument("--out", required=True, help="the run directory (resumed when it holds checkpoints)")
+    p.add_argument("--json", required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--prompts", type=int, default=256, help="prompts an iteration (8 calls of prompts/8)")
+    p.add_argument("--time-budget", type=float, default=0, help="seconds this call may run rlhf.train (0: no limit)")
+    p.add_argument("--tiny", action="store_true", help="the tiny shape (CPU rehearsal)")
+    p.add_argument("-b", "--binding", action="append", default=[])
+    p.add_argument("--replan", action="store_true", help="only recompute the JSON's predictions with this code")
+    args = p.parse_args(argv)
+    if args.replan:
+        path = Path(args.json)
+        path.write_text(json.dumps(replan(json.loads(path.read_text())), indent=2) + "\n")
+        return 0
+    t0 = time.time()
+    inputs = build(Path(args.assets), args.shape, args.tiny)
+    out = Path(args.out)
+    recipe_file = out.parent / f"{out.name}.gin"
+    recipe_file.parent.mkdir(parents=True, exist_ok=True)
+    recipe_file.write_text(recipe_text(args.recipe, inputs, args.steps, args.prompts))
+    cmd = [sys.executable, "-m", "rlhf.train", str(recipe_file), "--out", str(out), "--quiet"]
+    for b in args.binding:
+        cmd += ["-b", b]
+    if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
+        cmd.append("--resume")
+    print(f"[recipe_run] assets in {time.time() - t0:.0f} s; {shlex.join(cmd)}", flush=True)
+    proc = subprocess.Popen(cmd, cwd=str(REPO), start_new_session=True)
+    try:
+        rc = proc.wait(timeout=args.time_budget or None)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+        print(f"[recipe_run] stopped after --time-budget {args.time_budget:.0f} s; rerun to resume", flush=True)
+    shown = ["python", "-m", "rlhf.train", recipe_file.name, "--out", out.name] + \
+        [x for b in args.binding for x in ("-b", b)]
+    result = summarize(out, shlex.join(shown), recipe_file.read_text(),
+                       {"exit_code": rc, "shape": args.shape, "recipe": args.recipe})
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("steps_completed", "iteration_s_median", "tokens_per_s",
+                                             "phase_s_median", "memory_by_phase")}, indent=1), flush=True)
+    return 0 if rc in (0, None) else rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

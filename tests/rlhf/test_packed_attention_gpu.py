@@ -1,0 +1,39 @@
+"""The packed fast path on a GPU (skipped without one): torch's variable-length flash attention over
+a packed row gives the padded forward's log-probs and gradients in bf16, within bf16's rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_varlen_packed_row_matches_padded_rows_forward_and_backward():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlhf.attention import _varlen, can_use_varlen, use_packed_attention
+    from rlhf.packing import PackedBatch
+    from rlhf.roles.common import response_logprobs
+    from tests.rlhf.test_packing import uneven_batch
+
+    assert _varlen() is not None, "torch.nn.attention.varlen is missing from this torch"
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = use_packed_attention(Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False))).to(device)
+    assert can_use_varlen(torch.zeros(1, 8, 4, 32, device=device, dtype=torch.bfloat16))
+    batch = uneven_batch(300)
+    mask = batch["response_mask"].float().to(device)
+    results = []
+    for micro in (batch, PackedBatch.of(batch)):
+        model.zero_grad(set_to_none=True)
+        lp, ent = response_logprobs(model, micro, device, temperature=0.7, autocast_dtype=torch.bfloat16)
+        ((lp * mask).sum() + (ent * mask).sum()).backward()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        results.append((lp * mask, ent * mask, grads))
+    (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = results
+    torch.testing.assert_close(lp_b, lp_a, rtol=0, atol=0.05)
+    torch.testing.assert_close(ent_b, ent_a, rtol=0, atol=0.05)
+    assert torch.nn.functional.cosine_similarity(g_a, g_b, dim=0) > 0.999
