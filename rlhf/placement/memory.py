@@ -15,10 +15,12 @@ activations must fit beside the awake rollout engine, or idle roles are offloade
 (`ppo.vllm_sleep = 'auto'`). The decision and its figures are logged and recorded in provenance
 (`placement.memory`, beside the prediction in `placement.memory_predicted`).
 
-Checked against measured peaks on one H200 (bench/results/memory_plan_h200.json: the actor's update
-and forward micro-batches at the 0.5B-7B shapes, full fine-tuning and LoRA, with and without
-checkpointing): the prediction is 3-28% above the allocated peak, never below; for the engine's own
-eager actor update at the 0.5B shape (bench/results/gpu_train_h200.json) 34.6 GiB against 34.49.
+Checked against the shipped recipes run through `python -m rlhf.train` on one H200 (bench/recipe_run.py;
+bench/results/lora7b_recipe_h200.json: the 7B shape under models/lora.gin, LoRA, checkpointing, packed;
+bench/results/instruct05b_recipe_h200.json: the 0.5B shape under models/instruct.gin, full fine-tuning,
+packed): in every phase the prediction of what torch holds (resident roles, the awake engine, the
+phase's micro-batch) is 0-9% above the measured peak (`perf/memory_gb/<phase>`), never below
+(tests/rlhf/test_memory_plan.py keeps both runs).
 """
 
 from __future__ import annotations
