@@ -77,7 +77,10 @@ class PPOConfig:
     rollout_micro_batch_size: int = 16
     """Prompts per generation call (responses: this x samples_per_prompt). The guide: 8-64, start at
     16; too small wastes the GPU on launch overhead, too large runs out of memory on long contexts
-    (tune for 85-92% GPU memory)."""
+    (tune for 85-92% GPU memory). With HF generate each call is one padded batch. vLLM takes an
+    iteration's calls together as one continuous batch (up to 256 sequences in flight, its KV cache
+    within `vllm_gpu_memory_utilization`), so there this x num_rollout_batches is what fills it:
+    more prompts an iteration keep more sequences in flight, for throughput and KV-cache memory."""
     num_rollout_batches: int = 4
     """Generation calls per PPO iteration; their union is the rollout buffer. The guide: 4-32 (8 or
     16); too few update on tiny data, too many make the critic stale."""
