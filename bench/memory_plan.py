@@ -10,7 +10,8 @@ micro-batch (the actor's resident state + its update / forward micro-batch; no v
 
     python bench/memory_plan.py [--json OUT.json] [--case NAME]... [--tiny]
 
-Figures measured on an H200: bench/results/memory_plan_h200.json (and the README's table).
+bench/results/memory_plan_h200.json was measured with the LM head's full logits, before the head ran in
+chunks; the plan is now checked against whole runs of the shipped recipes (bench/recipe_run.py).
 """
 
 from __future__ import annotations
