@@ -152,11 +152,10 @@ def _gen(rollout, per_request, prompts, sampling, seed):
 def part_vllm_logprobs(args, assets) -> dict:
     import torch
 
-    from rlhf import algos
     from rlhf.models import load_policy, load_tokenizer
     from rlhf.rollout import SamplingParams
     from rlhf.rollout.vllm import VLLMRollout
-    from rlhf.roles.common import response_logits
+    from rlhf.roles.common import response_logprobs
     from gpu_assets import random_prompts
 
     device = torch.device("cuda")
@@ -178,8 +177,7 @@ def part_vllm_logprobs(args, assets) -> dict:
         gaps = []
         with torch.no_grad():
             for micro in b.split(32):
-                logits = response_logits(model, micro, device, temperature)
-                lp = algos.logprobs_from_logits(logits, micro["response_ids"].to(device)).cpu()
+                lp = response_logprobs(model, micro, device, temperature, with_entropy=False)[0].cpu()
                 mask = micro["response_mask"].float()
                 gaps.append(float(((lp - micro["rollout_logprobs"]).abs() * mask).sum() / mask.sum()))
         del model

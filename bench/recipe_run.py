@@ -46,20 +46,6 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE / "peers"))
 
-GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
-
-
-def write_gsm8k_parquet(path: Path, prompts: list[str]) -> str:
-    """verl's GSM8K rows (examples/data_preprocess/gsm8k.py's columns) with the given prompt texts."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": p}], "ability": "math",
-             "reward_model": {"style": "rule", "ground_truth": str(i % 100)},
-             "extra_info": {"split": path.stem, "index": i}} for i, p in enumerate(prompts)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), str(path))
-    return str(path)
-
 
 def build(assets: Path, shape: str, tiny: bool) -> dict:
     import common
@@ -67,8 +53,10 @@ def build(assets: Path, shape: str, tiny: bool) -> dict:
     prompts = common.prompt_texts(common.N_PROMPTS, inputs["prompt_tokens"], vocab_size=inputs["vocab_size"])
     data = assets / "gsm8k"
     if not (data / "test.parquet").is_file():
-        write_gsm8k_parquet(data / "train.parquet", prompts[:-256])
-        write_gsm8k_parquet(data / "test.parquet", prompts[-256:])
+        answers = [str(i % 100) for i in range(len(prompts))]
+        for name, rows in (("train", slice(None, -256)), ("test", slice(-256, None))):
+            common.write_verl_parquet(data / f"{name}.parquet", prompts[rows], data_source="openai/gsm8k",
+                                      ability="math", answers=answers[rows])
     return {**inputs, "train": str(data / "train.parquet"), "test": str(data / "test.parquet")}
 
 

@@ -9,7 +9,8 @@ the sequences alone) and no flash kernel. Here each sequence attends only to its
   over the row, told where each sequence starts (`cu_seq_lens`), forward and backward;
 - elsewhere (the CPU, fp32): scaled dot-product attention on each sequence's span, causal.
 
-Models are switched to the implementation `PACKED_SDPA` when they are built (`use_packed_attention`).
+The roles that run forwards (actor, critic, reference) switch their models to the implementation
+`PACKED_SDPA` when they take them (`use_packed_attention`).
 A forward without `packed_lengths` is transformers' sdpa exactly (padded rows with their mask,
 generation with a KV cache), so nothing but packed rows changes.
 """

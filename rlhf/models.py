@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.attention import use_packed_attention
 from rlhf.config import ConfigError
 
 
@@ -131,7 +130,7 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: to
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
                                                  **({"device_map": str(torch.device(device))} if on_gpu else {}))
     model.config.use_cache = True
-    return use_packed_attention(model)
+    return model
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
@@ -274,7 +273,7 @@ class ValueModel(nn.Module):
             torch.manual_seed(seed)
             if random_init:
                 config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-                lm = use_packed_attention(AutoModelForCausalLM.from_config(config, dtype=dtype))
+                lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
             else:
                 lm = load_policy(path, dtype, device)
             backbone = lm.base_model

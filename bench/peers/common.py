@@ -124,14 +124,20 @@ def build_inputs(root: str | Path, tiny: bool = False, shape: str = "0.5b") -> d
     return out
 
 
-def write_verl_parquet(path: str | Path, prompts: list[str]) -> str:
-    """verl's RL dataset columns: data_source, prompt (chat messages), reward_model.ground_truth, extra_info."""
-    import pandas as pd
+def write_verl_parquet(path: str | Path, prompts: list[str], data_source: str = "peer_bench",
+                       ability: str = "bench", answers: list[str] | None = None) -> str:
+    """verl's RL dataset columns: data_source, prompt (chat messages), ability, reward_model.ground_truth
+    (`answers`, default 'a'), extra_info. `data_source='openai/gsm8k'`, `ability='math'` and numeric
+    answers make GSM8K rows as verl's examples/data_preprocess/gsm8k.py writes them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    rows = [{"data_source": "peer_bench", "prompt": [{"role": "user", "content": p}], "ability": "bench",
-             "reward_model": {"style": "rule", "ground_truth": "a"}, "extra_info": {"index": i}}
-            for i, p in enumerate(prompts)]
-    pd.DataFrame(rows).to_parquet(str(path))
+    answers = answers if answers is not None else ["a"] * len(prompts)
+    rows = [{"data_source": data_source, "prompt": [{"role": "user", "content": p}], "ability": ability,
+             "reward_model": {"style": "rule", "ground_truth": a}, "extra_info": {"index": i}}
+            for i, (p, a) in enumerate(zip(prompts, answers))]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
     return str(path)
 
 
