@@ -158,6 +158,13 @@ def main(argv=None) -> int:
     p.add_argument("-b", "--binding", action="append", default=[])
     p.add_argument("--replan", action="store_true", help="only recompute the JSON's predictions with this code")
     args = p.parse_args(argv)
+    if args.replan and not Path(args.json).is_file():
+        p.error(f"--json {args.json}: no such result file to replan")
+    if args.steps < 1 or args.prompts < 8 or args.prompts % 8:
+        p.error(f"--steps {args.steps} / --prompts {args.prompts}: steps must be >= 1 and prompts a multiple of 8 "
+                f"(8 generation calls an iteration)")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        p.error(f"--out {args.out} is a file: give the run directory")
     if args.replan:
         path = Path(args.json)
         path.write_text(json.dumps(replan(json.loads(path.read_text())), indent=2) + "\n")
