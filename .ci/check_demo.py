@@ -1,8 +1,9 @@
 """CI: reproduce the demo's first stages (data, sft, rm, round 1) in this clone and compare them
-with what is committed: the content hashes of the stage outputs in dvc.lock and round 1's report
-(its metrics and learning curves), round 1's results included: its run dirs' machine records
-(timings, wall clocks, hosts, logs: rlhf/run_dir.py's MACHINE_RECORDS) are left out of its hash
-by .dvcignore, and everything else in them is the same bits on every machine.
+with what is committed: the content hashes of the stage outputs in dvc.lock, round 1's params and
+its report (metrics, learning curves, report.md and the per-seed values), round 1's results
+included: its run dirs' machine records (timings, wall clocks, hosts, logs: rlhf/run_dir.py's
+MACHINE_RECORDS) are left out of its hash by .dvcignore, and everything else in them is the same
+bits on every machine.
 
     python .ci/check_demo.py          # after `dvc repro round1`
 
@@ -25,7 +26,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 OUTPUTS = ("data/arithmetic", "models/sft", "data/rm_pairs", "models/rm", "results/round1")
-REPORTS = ("reports/round1/metrics.json", "reports/round1/curves.csv")
+REPORTS = ("params/round1.yaml", "reports/round1/metrics.json", "reports/round1/curves.csv",
+           "reports/round1/report.md", "reports/round1/seeds.csv")
 PINNED_TORCH = "2.13.0"  # the README's and .ci/run's pin, with which the committed demo was made
 
 
@@ -62,16 +64,17 @@ def main() -> int:
     problems = [f"{path}: committed {committed.get(path)}, reproduced {now.get(path)}"
                 for path in OUTPUTS if committed.get(path) != now.get(path)]
     for report in REPORTS:
-        committed_text = subprocess.run(["git", "show", f"HEAD:{report}"], cwd=REPO, check=True,
-                                        capture_output=True, text=True).stdout
-        if committed_text != (REPO / report).read_text():
+        shown = subprocess.run(["git", "show", f"HEAD:{report}"], cwd=REPO, capture_output=True, text=True)
+        if shown.returncode != 0:
+            problems.append(f"{report}: not committed")
+        elif shown.stdout != (REPO / report).read_text():
             problems.append(f"{report}: differs from the committed one (git diff HEAD -- {report})")
     here = (json.loads((REPO / "results" / "round1" / "provenance.json").read_text()).get("hardware_fingerprint")
             if (REPO / "results" / "round1" / "provenance.json").exists() else None)
     for line in problems:
         print(f"demo does not reproduce: {line}")
     if not problems:
-        print(f"demo reproduces: {', '.join(OUTPUTS)} and round 1's report equal what is committed "
+        print(f"demo reproduces: {', '.join(OUTPUTS)}, round 1's params and report equal what is committed "
               f"(reproduced on {', '.join(here or ['?'])})")
         return 0
     reason = not_comparable()

@@ -16,21 +16,30 @@ order and sampling streams); `study.analysis` names the one that decides (`study
 - `insufficient data`: fewer than two completed seeds on either side (or, paired, fewer than two
   seeds completed on both); `failed`: no run completed; `undecidable`: runs completed but none
   logged the decision metric.
-Each verdict is checked leaving out one seed at a time (`leave_one_seed_out`): with a handful of
-seeds a verdict can hang on one of them, and the report marks such a verdict fragile.
+Minimum detectable effects and seeds needed are at alpha over the variants compared
+(`per_test_alpha`: Holm's first step, the seed plan's level). A test whose seeds do not spread at
+the metric's resolution (`study.metric_resolution`, `stats.is_flat`) is undefined: `insufficient
+data`, and it stays in Holm's family. Seeds that share a start checkpoint are tested as one unit,
+their mean (`lineage_units`). Each verdict is checked for a seed that carries it
+(`leave_one_seed_out`): the report marks such a verdict fragile and says how many seeds settle it.
 A guardrail is violated by a run whose final-window value is outside its bounds (or missing);
 a variant with any violation, or any failed run, is never chosen.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Dict, List, Mapping, Optional, Sequence, Union
+
+import numpy as np
+from scipy import special
 
 from experiments import stats
 from experiments.paths import portable
 from experiments.results import (BASELINE, BETTER, DECIDED, EQUIVALENT, INSUFFICIENT, NO_DIFFERENCE, PAIRED,
                                  UNDECIDABLE, VARIANT_FAILED, WELCH, WORSE, BestCheckpoints, CheckpointScore,
-                                 Comparison, Decision, GuardrailCheck, PairedComparison, Robustness, RunOutcome,
+                                 Comparison, Decision, GuardrailCheck, Robustness, RunOutcome,
                                  RunStatus, StudyAggregate, Summary, VariantResult)
 from experiments.rundir import GOLD_METRIC
 from experiments.study import Study, resolve_analysis
@@ -48,38 +57,65 @@ def _by_seed(values: Values) -> Dict[int, float]:
     return dict(values) if isinstance(values, Mapping) else dict(enumerate(values))
 
 
-def _verdict(cmp: Dict, n: int, n_base: int, higher: bool, alpha: float, margin: float) -> tuple:
-    """(verdict, underpowered, explanation) for one comparison, read from its deciding analysis."""
-    analysis = cmp["analysis"]
-    own = cmp["paired"] if analysis == PAIRED else cmp  # the deciding analysis's own numbers
-    name = ANALYSIS_NAMES[analysis]
-    diff, p = own["difference"], cmp["p_value_holm"]
-    spread = own["sd_difference"] if analysis == PAIRED else cmp["pooled_std"]
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """One variant judged against the baseline: both analyses (`comparison`, its `analysis` naming
+    the one that decides and its `_holm` fields that one's corrected p-values), the verdict and why."""
+
+    comparison: Comparison
+    verdict: str
+    underpowered: bool
+    explanation: str
+
+    @property
+    def decisive(self):
+        return self.comparison.decisive
+
+
+def per_test_alpha(alpha: float, compared: int) -> float:
+    """The level a single comparison's power is promised at: alpha over the variants compared.
+    Holm's first step tests at exactly this level (the seed plan plans at it), so a minimum
+    detectable effect at it holds whichever variant Holm tests first."""
+    return alpha / max(1, compared)
+
+
+def _verdict(cmp: Comparison, n: int, n_base: int, higher: bool, alpha: float, margin: float) -> Verdict:
+    """The verdict of one comparison, read from its deciding analysis."""
+    own = cmp.decisive
+    name = ANALYSIS_NAMES[cmp.analysis]
+    diff, p = own.difference, cmp.p_value_holm
+
+    def say(verdict, underpowered, why):
+        return Verdict(cmp, verdict, underpowered, why)
+
     if n < 2 or n_base < 2:
-        return INSUFFICIENT, True, f"{n} vs {n_base} completed seeds; at least 2 each are needed"
-    n_used = own["n_pairs"] if analysis == PAIRED else min(n, n_base)
+        return say(INSUFFICIENT, True, f"{n} vs {n_base} completed seeds; at least 2 each are needed")
+    n_used = own.n_pairs if cmp.analysis == PAIRED else min(n, n_base)
     if n_used < 2:
-        return INSUFFICIENT, True, (f"{n_used} seed(s) completed on both sides; the paired analysis needs at "
-                                    f"least 2 (study.analysis = 'welch' compares the groups)")
+        return say(INSUFFICIENT, True, f"{n_used} seed(s) completed on both sides; the paired analysis needs at "
+                                       f"least 2 (study.analysis = 'welch' compares the groups)")
+    if own.flat:
+        tied = ("every seed of both arms ties" if cmp.analysis == WELCH
+                else "every seed pair differs by the same amount")
+        return say(INSUFFICIENT, True, f"{tied} at the metric's resolution (difference {diff:+.4g}): no spread to "
+                                       f"judge chance by; run more seeds, or evaluate on more prompts")
     improves = diff is not None and (diff > 0) == higher and diff != 0
-    if p is None and spread == 0 and diff not in (None, 0):
-        agree = "every seed agrees" if analysis == WELCH else "every seed pair differs by the same amount"
-        return (BETTER if improves else WORSE), False, f"{agree} (zero variance)"
     if p is not None and p < alpha:
-        return (BETTER if improves else WORSE), False, f"Holm-corrected {name} p = {p:.3g} < {alpha:g}"
-    tost = cmp.get("equivalence_p_holm")
+        return say(BETTER if improves else WORSE, False, f"Holm-corrected {name} p = {p:.3g} < {alpha:g}")
+    tost = cmp.equivalence_p_holm
     if margin > 0 and tost is not None and tost < alpha:
-        return EQUIVALENT, False, (f"equivalent within ±{margin:g} (TOST p = {tost:.3g} < {alpha:g}, "
-                                   f"{name}, Holm-corrected)")
-    if margin > 0 and p is None and spread == 0 and diff == 0:
-        return EQUIVALENT, False, f"equivalent within ±{margin:g} (every seed agrees: zero variance, no difference)"
-    needed, mde = own["seeds_needed"], own["min_detectable_effect"]
+        return say(EQUIVALENT, False, f"equivalent within ±{margin:g} (TOST p = {tost:.3g} < {alpha:g}, "
+                                      f"{name}, Holm-corrected)")
+    needed, mde = own.seeds_needed, own.min_detectable_effect
+    level = f"alpha {cmp.alpha_per_test:.3g}" if cmp.alpha_per_test is not None else "alpha"
     underpowered = needed is None or needed > n_used
     if diff in (None, 0) or needed is None:
-        why = "no observed difference"
+        why = "no observed difference" if diff in (None, 0) else (
+            f"more than {stats.MAX_SEEDS} seeds per variant would be needed to detect the observed difference "
+            f"{diff:+.4g}")
     else:
         why = (f"{needed} seeds per variant needed to detect the observed difference {diff:+.4g} at 80% power "
-               f"({name})")
+               f"({name}, {level})")
     if mde is not None:
         why += f"; minimum detectable effect at n={n_used}: {mde:.4g}"
     if diff not in (None, 0) and needed is not None and not underpowered:
@@ -87,63 +123,167 @@ def _verdict(cmp: Dict, n: int, n_base: int, higher: bool, alpha: float, margin:
     if margin > 0:
         why += (f"; not shown equivalent within ±{margin:g}"
                 + (f" (TOST p = {tost:.3g})" if tost is not None else ""))
-    return NO_DIFFERENCE, underpowered and diff not in (None, 0), why
+    return say(NO_DIFFERENCE, underpowered and diff not in (None, 0), why)
 
 
 def verdicts(values: Mapping[str, Values], higher: bool, alpha: float, analysis: str = WELCH,
-             margin: float = 0.0) -> Dict[str, tuple]:
-    """{variant: (comparison dict, verdict, underpowered, explanation)} for every variant but the
-    baseline. `values`: {variant: {seed: value}} (or a list per variant, its positions the seeds).
-    Both analyses are computed against `values['baseline']`; `analysis` ('welch' | 'paired')
-    decides, its p-values (and TOST p-values, with a `margin` > 0) Holm-corrected across the
-    variants. Pure."""
+             margin: float = 0.0, resolution: float = 0.0) -> Dict[str, Verdict]:
+    """{variant: Verdict} for every variant but the baseline. `values`: {variant: {seed: value}}
+    (or a list per variant, its positions the seeds). Both analyses are computed against
+    `values['baseline']`; `analysis` ('welch' | 'paired') decides, its p-values (and TOST
+    p-values, with a `margin` > 0) Holm-corrected across every compared variant (one whose test is
+    undefined stays in the family); minimum detectable effects and seeds needed are at
+    `per_test_alpha`. Pure."""
     by_seed = {n: _by_seed(v) for n, v in values.items()}
     names = [n for n in by_seed if n != BASELINE]
     base = by_seed.get(BASELINE, {})
+    level = per_test_alpha(alpha, len(names))
     comparisons = {}
     for n in names:
-        cmp = stats.compare(list(by_seed[n].values()), list(base.values()), higher, alpha, margin)
-        cmp["paired"] = stats.compare_paired(by_seed[n], base, alpha, margin)
-        cmp["analysis"] = analysis
-        comparisons[n] = cmp
+        welch = stats.compare(list(by_seed[n].values()), list(base.values()), higher, level, margin, resolution)
+        comparisons[n] = dataclasses.replace(
+            welch, analysis=analysis, paired=stats.compare_paired(by_seed[n], base, level, margin, resolution))
 
     def holm(key: str) -> List[Optional[float]]:
-        raw = [(comparisons[n]["paired"] if analysis == PAIRED else comparisons[n])[key] for n in names]
+        raw = [getattr(comparisons[n].decisive, key) for n in names]
         return [None if p != p else p for p in stats.holm([float("nan") if p is None else p for p in raw])]
 
     out = {}
     for n, p, tost in zip(names, holm("p_value"), holm("equivalence_p")):
-        cmp = comparisons[n]
-        cmp["p_value_holm"], cmp["equivalence_p_holm"] = p, tost
-        out[n] = (cmp, *_verdict(cmp, len(by_seed[n]), len(base), higher, alpha, margin))
+        cmp = dataclasses.replace(comparisons[n], p_value_holm=p, equivalence_p_holm=tost)
+        out[n] = _verdict(cmp, len(by_seed[n]), len(base), higher, alpha, margin)
     return out
+
+
+def _difference(analysis: str, variant: Mapping[int, float], baseline: Mapping[int, float],
+                n: Optional[tuple] = None) -> tuple:
+    """(difference, standard error, degrees of freedom) of the deciding test: Welch's (groups) or
+    the paired t (the seeds both sides ran); NaNs when undefined. `n`: the sample sizes the
+    standard error divides by, when not the values' own (`leave_one_seed_out`)."""
+    if analysis == PAIRED:
+        seeds = sorted(set(variant) & set(baseline))
+        d = np.array([variant[s] - baseline[s] for s in seeds], float)
+        if len(d) < 2:
+            return float(d.mean()) if len(d) else math.nan, math.nan, math.nan
+        size = n[0] if n else len(d)
+        return float(d.mean()), float(np.std(d, ddof=1) / math.sqrt(size)), len(d) - 1
+    x, y = np.array(list(variant.values()), float), np.array(list(baseline.values()), float)
+    if len(x) < 1 or len(y) < 1:
+        return math.nan, math.nan, math.nan
+    if len(x) < 2 or len(y) < 2:
+        return float(x.mean() - y.mean()), math.nan, math.nan
+    n1, n2 = n if n else (len(x), len(y))
+    v1, v2 = np.var(x, ddof=1) / n1, np.var(y, ddof=1) / n2
+    df = (v1 + v2) ** 2 / (v1 ** 2 / (len(x) - 1) + v2 ** 2 / (len(y) - 1)) if v1 + v2 > 0 else math.nan
+    return float(x.mean() - y.mean()), float(math.sqrt(v1 + v2)), df
+
+
+def _threshold(p_raw: Optional[float], p_holm: Optional[float], alpha: float, fallback: float) -> float:
+    """The raw p-value this variant needed for its Holm-corrected p to reach alpha: alpha over its
+    Holm multiplier (p_holm / p_raw), or `fallback` (alpha over the variants) when undefined."""
+    if p_raw and p_holm and p_raw > 0 and p_holm < 1:
+        return alpha * p_raw / p_holm
+    return fallback
 
 
 def leave_one_seed_out(values_by_seed: Mapping[str, Mapping[int, float]], higher: bool,
-                       alpha: float, analysis: str = WELCH, margin: float = 0.0) -> Dict[str, Robustness]:
-    """Per variant, its verdict with each seed left out of every variant (the baseline too), and
-    whether the full-data verdict survives: a better/worse/equivalent verdict that some left-out
-    seed undoes, or a 'no detectable difference' that some left-out seed turns into one of them,
-    is fragile. Pure: {variant: {seed: value}} in."""
-    reference = {n: r[1] for n, r in verdicts(values_by_seed, higher, alpha, analysis, margin).items()}
-    seeds = sorted({s for v in values_by_seed.values() for s in v})
-    loo: Dict[str, Dict[str, str]] = {n: {} for n in reference}
-    for seed in seeds:
-        left = {n: {s: x for s, x in v.items() if s != seed} for n, v in values_by_seed.items()}
-        for n, r in verdicts(left, higher, alpha, analysis, margin).items():
-            loo[n][str(seed)] = r[1]
+                       alpha: float, analysis: str = WELCH, margin: float = 0.0,
+                       resolution: float = 0.0) -> Dict[str, Robustness]:
+    """Per variant, whether one seed carries its verdict. Leaving a seed out of a handful and
+    testing again mostly measures the test's lost degrees of freedom: at 3 seeds a true `better`
+    almost never survives it, so such a flag is always on and says nothing. Instead, with each seed
+    left out (of both arms), the deciding test's statistic is recomputed from the remaining seeds'
+    difference and spread but at the full sample size and the full data's threshold (the critical
+    t at the p-value this variant's Holm step needs): what changes is only what that seed
+    contributed. A better/worse statistic that falls below the threshold (or changes sign), an
+    equivalent one that leaves the bound, or an undetected one that rises above it, hangs on that
+    seed. With it, the seeds per variant that detect, at 80% power, the difference remaining
+    without the seed (what settles the question). bench/stats_validation.py measures how often a
+    true effect of the planned size is flagged, and how often a false positive is. Pure."""
+    judged = verdicts(values_by_seed, higher, alpha, analysis, margin, resolution)
+    base = _by_seed(values_by_seed.get(BASELINE, {}))
+    level = per_test_alpha(alpha, len(judged))
     out = {}
-    for n, verdict in reference.items():
-        if verdict in DECIDED:
-            bad = [int(s) for s, v in loo[n].items() if v != verdict]
+    for name, v in judged.items():
+        if v.verdict not in (*DECIDED, NO_DIFFERENCE):
+            continue
+        variant = _by_seed(values_by_seed[name])
+        diff, se, df = _difference(analysis, variant, base)
+        if not (np.isfinite(se) and se > 0 and np.isfinite(df)):
+            continue
+        own, cmp = v.decisive, v.comparison
+        full_n = (own.n_pairs,) if analysis == PAIRED else (len(variant), len(base))
+        without, t_without, se_without = {}, {}, {}
+        for s in sorted(set(variant) | set(base)):
+            d, se_s, _ = _difference(analysis, {k: x for k, x in variant.items() if k != s},
+                                     {k: x for k, x in base.items() if k != s}, full_n)
+            without[s] = d
+            se_s = se_s if np.isfinite(se_s) and se_s > 0 else se  # one seed left: its spread is the data's
+            t_without[s], se_without[s] = (d / se_s if np.isfinite(d) else math.nan), se_s
+        if v.verdict == EQUIVALENT:
+            critical = stats_t_quantile(df, 1 - _threshold(own.equivalence_p, cmp.equivalence_p_holm, alpha, level))
+            bad = [s for s, d in without.items() if not np.isfinite(d) or (margin - abs(d)) / se_without[s] < critical]
         else:
-            bad = [int(s) for s, v in loo[n].items() if v in DECIDED]
-        out[n] = Robustness(leave_one_out=loo[n], fragile=bool(bad), fragile_seeds=tuple(bad))
+            critical = stats_t_quantile(df, 1 - _threshold(own.p_value, cmp.p_value_holm, alpha, level) / 2)
+            if v.verdict in (BETTER, WORSE):
+                bad = [s for s, t in t_without.items() if not np.isfinite(t) or t * diff <= 0 or abs(t) < critical]
+            else:  # undetected: one seed hides a difference, or (with a margin) an equivalence
+                eq = (stats_t_quantile(df, 1 - _threshold(own.equivalence_p, cmp.equivalence_p_holm, alpha, level))
+                      if margin > 0 else math.inf)
+                bad = [s for s, t in t_without.items() if np.isfinite(t)
+                       and (abs(t) >= critical or (margin - abs(without[s])) / se_without[s] >= eq)]
+        settle = None
+        if bad and v.verdict in (BETTER, WORSE):
+            remaining = min((abs(without[s]) for s in bad if without[s] * diff > 0), default=0.0)
+            settle = _seeds_for(remaining, own, cmp, analysis, level) if remaining > 0 else None
+        elif bad and v.verdict == NO_DIFFERENCE:
+            settle = own.seeds_needed
+        out[name] = Robustness(leave_one_out={str(s): _finite(d) for s, d in without.items()},
+                               leave_one_out_t={str(s): _finite(t) for s, t in t_without.items()},
+                               threshold=_finite(critical), fragile=bool(bad), fragile_seeds=tuple(bad),
+                               settle_seeds=settle)
     return out
 
 
-def _summary(values: Sequence[float]) -> Summary:
-    s = stats.summarize(values)
+def _finite(x) -> Optional[float]:
+    return float(x) if x is not None and np.isfinite(x) else None
+
+
+def stats_t_quantile(df: float, q: float) -> float:
+    """The t distribution's q-quantile at (possibly fractional) df."""
+    return float(special.stdtrit(df, q))
+
+
+def _seeds_for(effect: float, own, cmp: Comparison, analysis: str, level: float) -> Optional[int]:
+    """Seeds per variant the deciding test needs to detect `effect` at `level` with 80% power, at
+    the spread this comparison measured."""
+    if analysis == PAIRED:
+        return stats.seeds_needed(effect, math.nan, level, paired=True, sd_difference=own.sd_difference)
+    return stats.seeds_needed(effect, cmp.pooled_std if cmp.pooled_std is not None else math.nan, level)
+
+
+def lineage_units(by_seed: Mapping[str, Mapping[int, float]], starts: Mapping[int, str]) -> tuple:
+    """({variant: {unit: value}}, {start: seeds}) where seeds that share a start checkpoint (a round
+    resumed from fewer seeds than it runs) are one unit, the mean of its seeds, keyed by its first
+    seed: seeds from one start share its luck, so counting them apart would overstate the evidence.
+    Unchanged, and {} as the lineages, when every seed starts apart."""
+    groups: Dict[str, List[int]] = {}
+    for seed in sorted(starts):
+        groups.setdefault(starts[seed], []).append(seed)
+    if all(len(g) < 2 for g in groups.values()):
+        return {n: dict(v) for n, v in by_seed.items()}, {}
+    units = {}
+    for name, values in by_seed.items():
+        units[name] = {}
+        for seeds in groups.values():
+            present = [values[s] for s in seeds if s in values]
+            if present:
+                units[name][seeds[0]] = float(np.mean(present))
+    return units, {start: tuple(seeds) for start, seeds in groups.items()}
+
+
+def _summary(values: Sequence[float], resolution: float = 0.0) -> Summary:
+    s = stats.summarize(values, resolution)
     return Summary(**{**s, "ci95": tuple(s["ci95"])})
 
 
@@ -177,10 +317,12 @@ def _beside(study: Study, runs: Sequence[RunOutcome]) -> Dict[str, Summary]:
 
 def aggregate(study: Study, results: Sequence[RunOutcome], provenance: Optional[Dict] = None,
               plots: Optional[Dict[str, str]] = None, adaptive=None, seed_plan=None,
-              pilot_correlation: Optional[float] = None) -> StudyAggregate:
+              pilot_correlation: Optional[float] = None, starts: Optional[Mapping[int, str]] = None
+              ) -> StudyAggregate:
     """Study settings, per-variant stats and verdicts, their robustness, and the decision.
     `pilot_correlation`: the correlation between paired seeds a previous round measured, which
-    'auto' reads to choose the analysis (`study.resolve_analysis`)."""
+    'auto' reads to choose the analysis (`study.resolve_analysis`). `starts`: {seed: the checkpoint
+    it started from}; seeds that share one are tested as one unit (`lineage_units`)."""
     higher = study.direction == "higher"
     by_variant: Dict[str, List[RunOutcome]] = {v.name: [] for v in study.all_variants}
     for r in results:
@@ -191,9 +333,10 @@ def aggregate(study: Study, results: Sequence[RunOutcome], provenance: Optional[
     # The design (every planned run, whatever its outcome) picks the analysis, not the values.
     analysis = resolve_analysis(study.analysis, {name: [r.seed for r in runs] for name, runs in by_variant.items()},
                                 pilot_correlation, study.alpha)
-    margin = study.equivalence_margin
-    judged = verdicts(by_seed, higher, study.alpha, analysis, margin)
-    robust = leave_one_seed_out(by_seed, higher, study.alpha, analysis, margin)
+    margin, step = study.equivalence_margin, study.metric_resolution
+    units, lineages = lineage_units(by_seed, starts or {})
+    judged = verdicts(units, higher, study.alpha, analysis, margin, step)
+    robust = leave_one_seed_out(units, higher, study.alpha, analysis, margin, step)
     declared = {v.name: v for v in study.all_variants}
     metric = f"{study.metric_from} {study.metric}"
     base_completed = sum(r.status == RunStatus.COMPLETED for r in by_variant.get(BASELINE, []))
@@ -204,7 +347,7 @@ def aggregate(study: Study, results: Sequence[RunOutcome], provenance: Optional[
         fields = dict(
             bindings=tuple(declared[name].bindings) if name in declared else (),
             coupled=bool(declared.get(name) and declared[name].coupled),
-            summary=_summary(values[name]),
+            summary=_summary(values[name], step),
             runs=tuple(r.as_filed(_relative(r.run_dir, study.name)) for r in runs),
             completed=completed, failed=sum(r.status == RunStatus.FAILED for r in runs),
             incomplete=len(runs) - completed,
@@ -212,17 +355,16 @@ def aggregate(study: Study, results: Sequence[RunOutcome], provenance: Optional[
         if name == BASELINE:
             variants[name] = VariantResult(**fields)
             continue
-        cmp, verdict, underpowered, why = judged[name]
+        judge = judged[name]
+        verdict, underpowered, why = judge.verdict, judge.underpowered, judge.explanation
         if completed == 0:
             verdict, underpowered, why = VARIANT_FAILED, False, "no run completed"
         elif not values[name] or (base_completed and not values[BASELINE]):
             verdict, underpowered = UNDECIDABLE, False
             why = f"no run logged {metric}"
-        paired = cmp["paired"]
-        comparison = Comparison(**{**cmp, "difference_ci95": tuple(cmp["difference_ci95"]),
-                                   "paired": PairedComparison(**{**paired, "difference_ci95":
-                                                                 tuple(paired["difference_ci95"])})})
-        variants[name] = VariantResult(**fields, comparison=comparison,
+        if lineages and verdict not in (VARIANT_FAILED, UNDECIDABLE):
+            why += f" (over {len(units[name])} lineage means: seeds sharing a start checkpoint count as one)"
+        variants[name] = VariantResult(**fields, comparison=judge.comparison,
                                        verdict=verdict,
                                        underpowered=underpowered, explanation=why,
                                        robustness=(robust.get(name) if verdict not in (VARIANT_FAILED, UNDECIDABLE)
@@ -233,7 +375,7 @@ def aggregate(study: Study, results: Sequence[RunOutcome], provenance: Optional[
         guardrails=tuple(g.describe() for g in study.guardrails), variants=variants,
         decision=decide(variants, higher, metric), provenance=provenance or {}, plots=plots or {},
         adaptive=adaptive, seed_plan=seed_plan, best_checkpoints=best_checkpoints(results, study.name),
-        analysis=analysis, equivalence_margin=margin)
+        analysis=analysis, equivalence_margin=margin, metric_resolution=step, lineages=lineages)
 
 
 def decide(variants: Dict[str, VariantResult], higher: bool, metric: str = "the decision metric") -> Decision:
@@ -254,11 +396,27 @@ def decide(variants: Dict[str, VariantResult], higher: bool, metric: str = "the 
         chosen = max(candidates, key=lambda n: sign * variants[n].summary.mean)
         reason = f"{chosen} is better than the baseline ({variants[chosen].explanation})"
         if variants[chosen].fragile:
-            seeds = ", ".join(map(str, variants[chosen].robustness.fragile_seeds))
-            reason += f"; fragile: the verdict does not survive leaving out seed {seeds}"
+            reason += f"; fragile: {fragile_text(variants[chosen].robustness)}"
         return Decision(chosen, reason, flagged)
     return Decision(BASELINE, "no variant is detectably better with its guardrails holding; keep the baseline",
                     flagged)
+
+
+def fragile_text(robust: Robustness) -> str:
+    """'seed 2 carries it (without it the difference is +0.012, below the 0.031 the test needs);
+    9 seeds per variant would settle it'."""
+    seeds = ", ".join(map(str, robust.fragile_seeds))
+    worst = [robust.leave_one_out.get(str(s)) for s in robust.fragile_seeds]
+    shown = ", ".join("undefined" if d is None else f"{d:+.4g}" for d in worst)
+    ts = ", ".join("–" if robust.leave_one_out_t.get(str(s)) is None else f"{robust.leave_one_out_t[str(s)]:+.3g}"
+                   for s in robust.fragile_seeds)
+    several = len(worst) > 1
+    text = (f"seed{'s' if several else ''} {seeds} carr{'y' if several else 'ies'} it (without "
+            f"{'each' if several else 'it'} the difference is {shown}, t = {ts}, against the test's "
+            f"{robust.threshold:.3g})" if robust.threshold is not None else f"seeds {seeds} carry it")
+    if robust.settle_seeds is not None:
+        text += f"; {robust.settle_seeds} seeds per variant would settle it"
+    return text
 
 
 def _relative(run_dir: str, study_name: str) -> str:

@@ -2,12 +2,12 @@
 
 Study subcommands (`plan`, `run`, `status`, `report`, `advise`) take `STUDY.gin [-b BINDING]...
 [--results DIR]`; the DVC pipeline's other stages (`data`, `sft`, `params`, `export`,
-`summary`, see `experiments/stages.py`) take their own arguments. Subcommands are registered in
-`SUBCOMMANDS` (name -> help, handler, extra arguments), so a new step of the loop adds one
-entry and one module. Exit codes: 0 success, 1 some runs failed (or nothing could be decided),
-2 invalid study, binding or input (one line, no traceback), 130 interrupted; a full disk
-stops the manager with one line and exit code 1 (its files are written atomically, so a rerun
-picks up where it stopped).
+`summary`, see `experiments/stages.py`; `testsplit` and `heldout`, see `experiments/heldout.py`)
+take their own arguments. Subcommands are registered in `SUBCOMMANDS` (name -> help, handler,
+extra arguments), so a new step of the loop adds one entry and one module. Exit codes: 0
+success, 1 some runs failed (or nothing could be decided), 2 invalid study, binding or input
+(one line, no traceback), 130 interrupted; a full disk stops the manager with one line and
+exit code 1 (its files are written atomically, so a rerun picks up where it stopped).
 """
 
 from __future__ import annotations
@@ -82,11 +82,18 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
     "params": Subcommand("pipeline stage: each study's resolved parameters as YAML for `dvc params`",
                          "experiments.stages:cmd_params", _studies_arguments("params", results=False),
                          study=False, stage=True),
-    "export": Subcommand("pipeline stage: a finished study's headline metrics and curves for `dvc metrics/plots`",
+    "export": Subcommand("pipeline stage: a finished study's headline metrics and curves for `dvc metrics/plots`, "
+                         "its report and per-seed values",
                          "experiments.stages:cmd_export", _studies_arguments("reports", many=False),
                          study=False, stage=True),
     "summary": Subcommand("pipeline stage: the tuning path over all rounds (markdown)", "experiments.stages:cmd_summary",
-                          _studies_arguments("reports/summary.md"), study=False, stage=True),
+                          _studies_arguments("reports/summary.md", heldout=True), study=False, stage=True),
+    "testsplit": Subcommand("pipeline stage: the task's held-out rows no run evaluates, as a test split (JSONL)",
+                            "experiments.heldout:cmd_testsplit", "experiments.heldout:add_testsplit_arguments",
+                            study=False, stage=True),
+    "heldout": Subcommand("pipeline stage: the warm start, the last round's choice and the best gold checkpoint "
+                          "scored on the test split (JSON)", "experiments.heldout:cmd_heldout",
+                          "experiments.heldout:add_heldout_arguments", study=False, stage=True),
 }
 
 

@@ -56,12 +56,20 @@ def final_window_value(run_dir: str, metric: str, window: int) -> Optional[float
 
 def read_run(spec: RunSpec, study: Study) -> RunOutcome:
     """The run record of `spec`'s run dir: its state and, when it completed, its decision metric,
-    guardrail values and final evaluation."""
+    guardrail values and final evaluation. A completed run whose decision metric is not a finite
+    number (NaN, inf, or the null a strict writer turns them into) counts as failed, with that as
+    its error; a run that never logged the metric stays completed (the verdict says 'undecidable')."""
     st = state(spec)
     s = summary(spec.run_dir) if st == RunStatus.COMPLETED else None
-    value, guards = None, {}
+    value, guards, error = None, {}, None
     if s is not None:
-        value = scalar((s.get(study.metric_from) or {}).get(study.metric))
+        logged = s.get(study.metric_from) or {}
+        value = scalar(logged.get(study.metric))
+        if study.metric in logged and (value is None or not math.isfinite(value)):
+            # NaN or inf (written as null by a strict JSON writer) is no value: no verdict may read it
+            shown = "null" if logged[study.metric] is None else value
+            st, error = RunStatus.FAILED, f"{study.metric_from} {study.metric} = {shown} (not a finite number)"
+            value = None
         window = s.get("final_window") or {}
         for g in study.guardrails:
             guards[g.metric] = scalar(window.get(g.metric))
@@ -71,7 +79,7 @@ def read_run(spec: RunSpec, study: Study) -> RunOutcome:
         guards = {g.metric: None for g in study.guardrails}
     attempt = last_attempt(spec.run_dir)
     return RunOutcome(variant=spec.variant, seed=spec.seed, run_dir=spec.run_dir, status=st, value=value,
-                      guardrails=guards, error=attempt.get("error") if st != RunStatus.COMPLETED else None,
+                      guardrails=guards, error=error or (attempt.get("error") if st != RunStatus.COMPLETED else None),
                       steps=(s or {}).get("steps"), final=(s or {}).get("final"),
                       best_checkpoint=best_checkpoint(spec.run_dir))
 
@@ -93,7 +101,9 @@ def curves(run_dir: str, metrics: Sequence[str]) -> Dict[str, tuple]:
 
 
 def band(per_seed: Sequence[tuple]) -> tuple:
-    """Mean and std over seeds at each step any seed logged: (steps, mean, std), NaN-aware."""
+    """Mean and std over seeds at each step any seed logged: (steps, mean, std), NaN-aware. The
+    std has ddof = 1, as the report's tables: the spread of the seeds as a sample, NaN (no band)
+    where fewer than two seeds logged the step."""
     steps = sorted({int(s) for st, _ in per_seed for s in st})
     if not steps:
         return np.array([]), np.array([]), np.array([])
@@ -107,5 +117,5 @@ def band(per_seed: Sequence[tuple]) -> tuple:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             mean = np.nanmean(grid, axis=0)
-            std = np.nan_to_num(np.nanstd(grid, axis=0, ddof=0))
+            std = np.nanstd(grid, axis=0, ddof=1)
     return np.asarray(steps), mean, std

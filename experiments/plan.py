@@ -30,7 +30,7 @@ from rlhf.train import without_placement
 from experiments.errors import StudyError
 from experiments.gpu_fit import check_gpu_memory, check_gpu_share
 from experiments.paths import spec_record
-from experiments.resume_from import resume_checkpoints, resumed_setting
+from experiments.resume_from import resume_checkpoints, resumed_study
 from experiments.study import BASELINE, Study, Variant, split_binding
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -133,9 +133,7 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
     root = study_dir(study, results_dir)
     code = code_version()
     starts = resume_checkpoints(study)
-    inherited = resumed_setting(study)
-    if inherited:
-        study = dataclasses.replace(study, baseline_bindings=(*inherited, *study.baseline_bindings))
+    study = resumed_study(study)
     start_hashes = {p: hash_directory(p) for p in set(starts.values())}
     data_hashes: Dict[str, str] = {}
     checkpoint_hashes: Dict[str, str] = {}

@@ -1,4 +1,5 @@
-"""Plots: mean +- std bands over seeds, one line per variant, per metric the guide reads.
+"""Plots: mean +- std (ddof = 1, as the report's tables) bands over seeds, one line per variant,
+per metric the guide reads; a step fewer than two seeds logged has no band.
 
 matplotlib with the Agg backend (no display needed). One PNG per figure under
 RESULTS/<study>/plots/; the report embeds them by relative path.
@@ -55,7 +56,7 @@ def plot_study(study_name: str, results: Sequence[RunOutcome], out_dir: Path) ->
             ax.grid(alpha=0.3)
         if drawn:
             axes[0][0].legend(fontsize="small")
-            fig.suptitle(f"{study_name}: mean ± std over seeds", fontsize="medium")
+            fig.suptitle(f"{study_name}: mean ± std (ddof = 1) over seeds", fontsize="medium")
             fig.tight_layout()
             path = out_dir / f"{stem}.png"
             write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))

@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from experiments.aggregate import aggregate
+from experiments.aggregate import aggregate, fragile_text
 from experiments.collect import collect, load_plan, load_seed_plan
 from experiments.paths import portable
 from experiments.plan import RunSpec, git_commit
 from experiments.plots import plot_study
-from experiments.results import (EQUIVALENT, PAIRED, WELCH, AdaptiveRecord, CheckpointScore, RunOutcome, SeedPlan,
+from experiments.results import (BASELINE, EQUIVALENT, RunStatus, PAIRED, WELCH, AdaptiveRecord, CheckpointScore, RunOutcome, SeedPlan,
                                  StudyAggregate, VariantResult, aggregate_path)
 from experiments.rundir import read_json
 from experiments.seed_plan import find_pilot, pilot_correlation, plan_line, shortfall
@@ -94,6 +94,12 @@ def _verdict_text(v: VariantResult, margin: float = 0.0) -> str:
 ANALYSIS_TEXT = {PAIRED: "paired t-test over the seeds both sides ran", WELCH: "Welch's t-test"}
 
 
+def alpha_text(agg: StudyAggregate) -> str:
+    """'alpha 0.05 / 3 variants = 0.0167 (Holm's first step)': the level power is promised at."""
+    k = max(1, len(agg.variants) - 1)
+    return f"alpha {agg.alpha:g} / {k} variant{'s' if k != 1 else ''} = {agg.alpha / k:.3g} (Holm's first step)"
+
+
 def method_text(agg: StudyAggregate) -> str:
     """How the verdicts were reached: the deciding test, Holm's correction, the margin when set."""
     text = (f"alpha {agg.alpha:g} ({ANALYSIS_TEXT.get(agg.analysis, agg.analysis)}, Holm-corrected across "
@@ -112,9 +118,12 @@ def render(agg: StudyAggregate) -> str:
     d = agg.decision
     decision = f"`{d.chosen}`: {d.reason}" if d.chosen else d.reason
     ci = "the paired t interval" if agg.analysis == PAIRED else "Welch's t interval"
+    level = alpha_text(agg)
     lines += [f"**Decision:** {decision}.", "",
-              f"Metric: {metric}; seeds: {list(agg.seeds)}; {method_text(agg)}; a variant's 95% CI: "
-              f"percentile bootstrap; the difference's: {ci} (uncorrected).", ""]
+              f"Metric: {metric}; seeds: {list(agg.seeds)}; {method_text(agg)}; a variant's 95% CI: the t "
+              f"interval of its mean; the difference's: {ci} (uncorrected); minimum detectable effects and seeds "
+              f"needed: {level}, 80% power." + (f" Metric resolution: {agg.metric_resolution:g} (seeds spread less "
+                                                 f"than a quarter of it tie)." if agg.metric_resolution else ""), ""]
     if agg.seed_plan:
         planned = [plan_line(agg.seed_plan, agg.direction), shortfall(agg.seed_plan, agg.direction)]
         lines += [f"Seed plan: {'; '.join(p.removeprefix('plan: ').removeprefix('notice: ') for p in planned if p)}.",
@@ -123,8 +132,13 @@ def render(agg: StudyAggregate) -> str:
         lines += [f"**Guardrail violations:** {', '.join(d.guardrail_violations)}.", ""]
     fragile = agg.fragile_variants
     if fragile:
-        lines += [f"**Fragile verdicts:** {', '.join(fragile)}: the verdict changes when one seed is left out "
-                  f"(see the explanations); more seeds would settle it.", ""]
+        lines += [f"**Fragile verdicts:** {', '.join(fragile)}: one seed carries the verdict (see the "
+                  f"explanations, which say how many seeds settle it).", ""]
+    if agg.lineages:
+        shared = "; ".join(f"seeds {', '.join(map(str, seeds))} start from `{start}`"
+                           for start, seeds in agg.lineages.items() if len(seeds) > 1)
+        lines += [f"**Shared starts:** {shared}. The tests compare the {len(agg.lineages)} lineages' means: seeds "
+                  f"from one start share its luck, so they count as one unit.", ""]
     mixed = (agg.provenance or {}).get("hardware_mixed")
     if mixed:
         lines += [f"**Runs from different hardware:** {len(mixed)} machines ("
@@ -140,7 +154,7 @@ def render(agg: StudyAggregate) -> str:
     if agg.guardrails:
         lines += ["", "## Guardrails (final-window values)", "", *guardrail_table(agg)]
     if agg.plots:
-        lines += ["", "## Curves (mean ± std over seeds)", ""]
+        lines += ["", "## Curves (mean ± std (ddof = 1) over seeds)", ""]
         lines += [f"![{stem}]({path})" for stem, path in agg.plots.items()]
     lines += provenance_lines(agg)
     if agg.adaptive:
@@ -195,8 +209,7 @@ def explanations(agg: StudyAggregate) -> List[str]:
             said = v.explanation.startswith(v.verdict)  # "equivalent within ±0.02 (...)" names itself
             line = f"- `{name}`: {v.explanation}" if said else f"- `{name}`: {v.verdict}: {v.explanation}"
             if v.fragile:
-                loo = ", ".join(f"without seed {s}: {x}" for s, x in v.robustness.leave_one_out.items())
-                line += f"; fragile ({loo})"
+                line += f"; fragile: {fragile_text(v.robustness)}"
             lines.append(line + ".")
     return lines
 
@@ -305,72 +318,181 @@ def write_report(study: Study, study_dir: Path, specs: Optional[List[RunSpec]] =
     plots = plot_study(study.name, results, study_dir / "plots")
     provenance, machine = provenance_summary(specs)
     agg = aggregate(study, results, provenance, plots=plots, adaptive=adaptive, seed_plan=seed_plan,
-                    pilot_correlation=pilot_correlation(find_pilot(study, study_dir.parent)))
+                    pilot_correlation=pilot_correlation(find_pilot(study, study_dir.parent)),
+                    starts={s.seed: s.init_from for s in specs if s.variant == BASELINE and s.init_from})
     write_json(study_dir / MACHINE_PROVENANCE, machine)
     agg.save(aggregate_path(study_dir))
     write_text(study_dir / REPORT, render(agg))
     return agg
 
 
-def render_summary(rounds: Sequence[tuple], results_dir: Path) -> str:
-    """The tuning path over several rounds (`python -m experiments summary`): per round the
-    advisor's evidence (when it resumed from a previous round), the decision table and the setting
-    it leaves, and its checkpoint with the best gold accuracy; then the held-out evaluation of the
-    last round's choice against the warm start, and the best gold checkpoint over all rounds.
-    `rounds`: (Study, StudyAggregate) pairs in round order."""
-    from experiments.advisor.evidence import advice_lines, heldout_start
+def _gain(final: Sequence[float], start: Sequence[float]) -> tuple:
+    """(difference, Welch 95% interval, pooled seed sd) of the final choice's seeds against the warm
+    start's (each seed's first evaluation, before any training)."""
+    from experiments import stats
+    if not final or not start:
+        return None, (None, None), None
+    diff = sum(final) / len(final) - sum(start) / len(start)
+    lo, hi = stats.difference_ci(final, start)
+    sd = stats.pooled_std(final, start)
+    return diff, (lo, hi), sd if sd == sd else None
 
-    lines = ["# Tuning path", ""]
+
+def _round_facts(agg: StudyAggregate) -> List[str]:
+    """What a round's verdicts rest on: the seeds run against the plan and the power they gave,
+    shared starts, the equivalence question and its answer."""
+    lines = []
+    plan = agg.seed_plan
+    if plan is not None:
+        planned = plan_line(plan, agg.direction).removeprefix("plan: ")
+        short = shortfall(plan, agg.direction)
+        lines.append(f"Seeds: {plan.seeds_run} per variant ran; {planned}"
+                     + (f". **Short of the plan:** {short.removeprefix('notice: ')}" if short else "") + ".")
+    if agg.lineages:
+        shared = "; ".join(f"seeds {', '.join(map(str, seeds))} from `{start}`" for start, seeds in agg.lineages.items()
+                           if len(seeds) > 1)
+        lines.append(f"Shared starts: {shared}. The tests compare {len(agg.lineages)} lineage means (seeds from one "
+                     f"start share its luck, so they count as one unit).")
+    if agg.equivalence_margin > 0:
+        answers = []
+        for name, v in agg.variants.items():
+            c = v.comparison
+            if c is not None:
+                p = c.equivalence_p_holm
+                answers.append(f"{name}: {'yes' if v.verdict == EQUIVALENT else 'not shown'}"
+                               + (f" (TOST p = {p:.3g}, Holm)" if p is not None else ""))
+        lines.append(f"Equivalence within ±{agg.equivalence_margin:g}? " + "; ".join(answers) + ".")
+    return [*lines, ""] if lines else []
+
+
+def _flags(v: VariantResult) -> str:
+    text = v.verdict
+    if v.underpowered:
+        text += " (underpowered)"
+    if v.fragile:
+        text += " (fragile)"
+    return text
+
+
+def render_summary(rounds: Sequence[tuple], results_dir: Path, heldout: Optional[dict] = None) -> str:
+    """The tuning path over several rounds (`python -m experiments summary`). First what to deploy
+    and what to run next: the final setting as its bindings, the checkpoint, the gain over the warm
+    start with its interval, and the advisor's next round (or that tuning has converged). Then per
+    round: the advisor's evidence with each rule's prediction beside what the round measured (when
+    it resumed from a previous round), the seeds run against the plan, the decision table with
+    each difference's interval, and the setting it leaves. `heldout`: the test split's record
+    (experiments/heldout.py), which no decision read. `rounds`: (Study, StudyAggregate) pairs in
+    round order."""
+    from experiments.advisor.advise import advise
+    from experiments.advisor.evidence import advice_lines, initial_values
+    from experiments.advisor.window import AdviceError, load_window
+
     setting: Dict[str, object] = {}
-    last, start, start_beside, best_overall = None, None, {}, None
+    body: List[str] = []
+    start_values, start_beside, first, best_overall = [], {}, None, None
     fmt = lambda x: "" if x is None else f"{x:.4g}"  # noqa: E731
     for study, agg in rounds:
         decision = agg.decision
-        lines += [f"## {study.name}: {agg.description}", ""]
+        study_dir = Path(results_dir) / study.name
+        body += [f"## {study.name}: {agg.description}", ""]
         if study.resume_from and aggregate_path(study.resume_from).is_file():
-            lines += advice_lines(Path(study.resume_from), agg)
-        if start is None:
-            start = heldout_start(agg, Path(results_dir) / study.name, agg.metric)
-            start_beside = {m: heldout_start(agg, Path(results_dir) / study.name, m) for m in beside_metrics(agg)}
-        lines += [f"Decision: **{decision.chosen}**: {decision.reason}." if decision.chosen
-                  else f"Decision: none: {decision.reason}.", "",
-                  "| variant | change | n | mean | std | diff vs baseline | Holm p | verdict |"
-                  + "".join(f" {m} |" for m in beside_metrics(agg)),
-                  "|---|---|---|---|---|---|---|---|" + "---|" * len(beside_metrics(agg))]
+            body += advice_lines(Path(study.resume_from), agg, study_dir)
+        if first is None:
+            first = (study, agg)
+            start_values = initial_values(agg, study_dir, agg.metric)
+            start_beside = {m: initial_values(agg, study_dir, m) for m in beside_metrics(agg)}
+        body += [f"Decision: **{decision.chosen}**: {decision.reason}." if decision.chosen
+                 else f"Decision: none: {decision.reason}.", ""]
+        body += _round_facts(agg)
+        beside = beside_metrics(agg)
+        body += ["| variant | change | n | mean | std | difference [95% CI] | Holm p | verdict |"
+                 + "".join(f" {m} |" for m in beside),
+                 "|---|---|---|---|---|---|---|---|" + "---|" * len(beside)]
         for name, var in agg.variants.items():
-            cmp = var.comparison
-            verdict = var.verdict + (" (fragile)" if var.fragile else "")
-            lines.append(f"| {name} | {'; '.join(var.bindings) or '-'} | {var.summary.n} | "
-                         f"{fmt(var.summary.mean)} | {fmt(var.summary.std)} | "
-                         f"{fmt(cmp.difference if cmp else None)} | {fmt(cmp.p_value_holm if cmp else None)} | "
-                         f"{verdict} |" + "".join(f" {beside_text(var, m)} |" for m in beside_metrics(agg)))
+            own = var.comparison.decisive if var.comparison else None
+            diff = f"{fmt(own.difference)} {_ci(own.difference_ci95)}" if own else ""
+            body.append(f"| {name} | {'; '.join(var.bindings) or '-'} | {var.summary.n} | {fmt(var.summary.mean)} | "
+                        f"{fmt(var.summary.std)} | {diff} | "
+                        f"{fmt(var.comparison.p_value_holm if var.comparison else None)} | {_flags(var)} |"
+                        + "".join(f" {beside_text(var, m)} |" for m in beside))
+        body += [f"\nDifferences: {ANALYSIS_TEXT.get(agg.analysis, agg.analysis)}, 95% t interval (uncorrected); "
+                 f"means: std over seeds (ddof = 1)."]
         if decision.guardrail_violations:
-            lines.append(f"\nGuardrail violations: {list(decision.guardrail_violations)}")
+            body.append(f"\nGuardrail violations: {list(decision.guardrail_violations)}")
         chosen = agg.chosen
         for binding in chosen.bindings if chosen else ():
             key, _, value = binding.partition("=")
             setting[key.strip()] = value.strip()
-        lines += ["", f"Setting after {study.name}: " + (", ".join(f"`{k} = {v}`" for k, v in setting.items())
-                                                        or "the baseline's"), ""]
+        body += ["", f"Setting after {study.name}: " + (", ".join(f"`{k} = {v}`" for k, v in setting.items())
+                                                       or "the baseline's"), ""]
         record = agg.best_checkpoints
         if record is not None and record.best is not None:
-            lines += [f"Best gold checkpoint of {study.name}: "
-                      f"{best_checkpoint_text(record.best, record.metric, f'{study.name}/')}.", ""]
+            body += [f"Best gold checkpoint of {study.name} (on the eval split that made the decisions): "
+                     f"{best_checkpoint_text(record.best, record.metric, f'{portable(study_dir)}/')}.", ""]
             if best_overall is None or record.best.value > best_overall[1].value:
-                best_overall = (study.name, record.best, record.metric)
-        last = (study.name, decision.chosen, chosen, agg.metric)
-    if last and last[2] is not None:
-        name, chosen_name, chosen, metric = last
-        s = chosen.summary
-        mean = s.mean if s.mean is not None else float("nan")
-        also = "".join(f"; {m} = {beside_text(chosen, m)}" for m in chosen.beside)
-        lines += ["## Held-out evaluation", "",
-                  f"Final choice `{chosen_name}` of {name}: {metric} = {mean:.4f} "
-                  f"+- {s.std or 0:.4f} (n = {s.n}, 95% CI {list(s.ci95)}){also}.", ""]
-        if start is not None:
-            also = "".join(f"; {m} = {v:.4f}" for m, v in start_beside.items() if v is not None)
-            lines += [f"At the start of the first round (the warm start): {metric} = {start:.4f}{also}.", ""]
+                best_overall = (study, record.best, record.metric)
+    lines = ["# Tuning path", ""]
+    if rounds:
+        lines += _deploy_lines(rounds, results_dir, setting, start_values, start_beside, best_overall, heldout)
+        last_study, last = rounds[-1]
+        try:
+            advice = advise(load_window(Path(results_dir) / last_study.name))
+        except AdviceError as err:
+            advice = None
+            lines += [f"**Next round:** the advisor cannot read {last_study.name} ({err}).", ""]
+        if advice is not None:
+            if advice.changes:
+                lines += [f"**Next round** (the advisor on {last_study.name}/{last.decision.chosen}): "
+                          + "; ".join(f"{s.rule}: {' or '.join(f'`{b}`' for b in s.bindings)}" for s in advice.changes)
+                          + f" (`python -m experiments advise {portable(last_study.path)}`).", ""]
+            else:
+                lines += [f"**Next round:** none: no advisor rule fires on {last_study.name}/{last.decision.chosen}; "
+                          f"tuning has converged for the rules' signals.", ""]
+    return "\n".join(lines + body)
+
+
+def _deploy_lines(rounds, results_dir: Path, setting: Dict[str, object], start_values: List[float],
+                  start_beside: Dict[str, List[float]], best_overall, heldout: Optional[dict]) -> List[str]:
+    """The summary's first screen: the setting to deploy, its checkpoints, its gain over the warm start."""
+    from experiments.rundir import latest_checkpoint
+
+    last_study, last = rounds[-1]
+    chosen = last.chosen
+    lines = ["**Deploy:** " + (", ".join(f"`{k} = {v}`" for k, v in setting.items()) or "the first round's baseline")
+             + f" (the recipe `{(last.provenance or {}).get('recipe', '')}` with these bindings).", ""]
+    if chosen is None:
+        return lines + [f"No final choice: {last.decision.reason}.", ""]
+    study_dir = Path(results_dir) / last_study.name
+    finals = [latest_checkpoint(study_dir / r.run_dir) for r in chosen.runs if r.status == RunStatus.COMPLETED]
+    finals = [portable(c) for c in finals if c is not None]
+    s = chosen.summary
+    also = "".join(f"; {m} = {beside_text(chosen, m)}" for m in chosen.beside)
+    lines.append(f"Final choice: `{last.decision.chosen}` of {last_study.name}, {last.metric} = {fmt4(s.mean)} ± "
+                 f"{fmt4(s.std)} over {s.n} seeds (95% t interval {_ci(s.ci95)}){also}.")
+    if finals:
+        lines.append(f"Its checkpoints (one per seed; `dvc pull` or `dvc repro` brings `results/`): "
+                     + ", ".join(f"`{c}`" for c in finals) + ".")
+    if start_values:
+        start = [(last.metric, start_values), *((m, v) for m, v in start_beside.items() if v)]
+        lines.append("At the warm start (each first-round baseline seed's evaluation before training): "
+                     + "; ".join(f"{m} = {sum(v) / len(v):.4f}" for m, v in start) + ".")
+    diff, (lo, hi), sd = _gain(chosen.values, start_values)
+    if diff is not None:
+        in_sd = f", {diff / sd:+.2g} seed-sd" if sd else ""
+        lines.append(f"Gain over the warm start ({len(start_values)} seeds' first evaluation): {diff:+.4f} "
+                     f"(Welch 95% interval [{fmt4(lo)}, {fmt4(hi)}]{in_sd}) on the eval split, which every decision "
+                     f"read.")
     if best_overall is not None:
-        name, best, metric = best_overall
-        lines += [f"Best gold checkpoint over the path: {best_checkpoint_text(best, metric, f'{name}/')}.", ""]
-    return "\n".join(lines)
+        study, best, metric = best_overall
+        lines.append(f"Best single checkpoint on the eval split: "
+                     f"{best_checkpoint_text(best, metric, f'{portable(Path(results_dir) / study.name)}/')}: a maximum "
+                     f"over every evaluated checkpoint, so optimistic.")
+    lines.append("")
+    if heldout:
+        from experiments.heldout import heldout_lines
+        lines += [*heldout_lines(heldout), ""]
+    return lines
+
+
+def fmt4(x) -> str:
+    return "–" if x is None else f"{x:.4g}"

@@ -22,8 +22,9 @@ The file (`RESULTS/<study>/aggregate.json`), one JSON object:
   its paired t interval, sd_difference, p_value, wilcoxon_p_value, correlation,
   min_detectable_effect, seeds_needed, equivalence_p), `analysis` (which of the two decided),
   and that analysis's p_value_holm and equivalence_p_holm (Holm across the study's variants);
-  `verdict`, `underpowered`, `explanation`, `robustness` (the verdict with each seed left out,
-  and `fragile` when one of them differs);
+  `verdict`, `underpowered`, `explanation`, `robustness` (the deciding difference and statistic
+  with each seed left out, at the full sample size; `fragile` when one seed carries the verdict,
+  and the seeds that would settle it);
 - `decision`: `chosen` (null when nothing could be decided), `reason`, `guardrail_violations`;
 - `provenance`: what the results depend on (the engine code's hash, data hashes, start
   checkpoints, recipe) and `hardware_mixed` when runs came from different machines; the
@@ -35,6 +36,8 @@ The file (`RESULTS/<study>/aggregate.json`), one JSON object:
   pilot it came from, its seeds and variants, the paired correlation or null for Welch's design,
   the seeds run and the power they give), or null when no target effect was set. Files written
   before it existed load with null.
+- `metric_resolution`: the metric's grid step (study.metric_resolution; 0: continuous);
+  `lineages`: {start checkpoint: seeds} when seeds share a start (then tested as lineage means);
 - `best_checkpoints`: the checkpoints with the best held-out gold accuracy: `metric`, `runs` (per
   run that has one: variant, seed, step, value, path relative to the study dir) and `best` (the
   study's best of them); null in files written before it was recorded, or when no checkpoint's
@@ -99,6 +102,7 @@ class Summary:
     median: Optional[float] = None
     iqm: Optional[float] = None
     ci95: Tuple[Optional[float], Optional[float]] = (None, None)
+    """The mean's 95% t interval (`stats.mean_ci`); a point when the seeds do not spread."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +125,8 @@ class PairedComparison:
     seeds_needed: Optional[int] = None
     equivalence_p: Optional[float] = None
     """Paired TOST p-value for the study's equivalence margin, before Holm (null: no margin)."""
+    flat: bool = False
+    """The differences do not spread at the metric's resolution (`stats.is_flat`): the test is undefined."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +155,11 @@ class Comparison:
     paired: Optional[PairedComparison] = None
     equivalence_p_holm: Optional[float] = None
     """The deciding analysis's TOST p-value, Holm-corrected (null: no margin)."""
+    flat: bool = False
+    """Neither group spreads at the metric's resolution (`stats.is_flat`): Welch's test is undefined."""
+    alpha_per_test: Optional[float] = None
+    """The level the minimum detectable effects and seeds needed are computed at: study.alpha over
+    the variants compared (Holm's strictest step, the seed plan's level)."""
 
     @property
     def decisive(self):
@@ -213,14 +224,24 @@ class GuardrailCheck:
 
 @dataclasses.dataclass(frozen=True)
 class Robustness:
-    """Leave-one-seed-out: the verdict recomputed with each seed left out of every variant."""
+    """Whether one seed carries the verdict (`aggregate.leave_one_seed_out`): the deciding test's
+    statistic with each seed left out, at the full sample size and threshold, so the test's lost
+    degrees of freedom do not count as fragility."""
 
-    leave_one_out: Dict[str, str] = dataclasses.field(default_factory=dict)
-    """{seed left out (as text): verdict}."""
+    leave_one_out: Dict[str, Optional[float]] = dataclasses.field(default_factory=dict)
+    """{seed left out (as text): the difference without it}."""
+    leave_one_out_t: Dict[str, Optional[float]] = dataclasses.field(default_factory=dict)
+    """{seed left out (as text): the deciding test's t without it, at the full sample size}."""
+    threshold: Optional[float] = None
+    """The critical |t| of the deciding test at the full data's degrees of freedom and the p-value
+    this variant's Holm step needs (for 'equivalent': the one-sided TOST critical t)."""
     fragile: bool = False
-    """True when a verdict of better/worse/equivalent does not survive leaving out some seed, or
-    when leaving out one seed turns 'no detectable difference' into one of them."""
+    """True when leaving out one seed takes a better/worse difference below the threshold (or
+    flips its sign), an equivalent one beyond it, or a 'no detectable difference' above it."""
     fragile_seeds: Tuple[int, ...] = ()
+    settle_seeds: Optional[int] = None
+    """Seeds per variant that detect, at 80% power, the difference that remains without the
+    seed that carries it (None: none remains, or more than stats.MAX_SEEDS)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,6 +400,11 @@ class StudyAggregate:
     """The analysis that decided the verdicts ('auto' resolved); older files: Welch's."""
     equivalence_margin: float = 0.0
     """study.equivalence_margin, in the metric's units (0: no equivalence test)."""
+    metric_resolution: float = 0.0
+    """study.metric_resolution: the metric's grid step (0: continuous)."""
+    lineages: Dict[str, Tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """{start checkpoint: seeds} when seeds share a start (a round resumed from fewer seeds than it
+    runs): the tests then compare lineage means, one unit per start; {} when every seed is its own."""
 
     # ----------------------------------------------------------------- reading helpers
     @property

@@ -3,13 +3,15 @@ finished study it names.
 
 `resume_from` is a checkpoint dir (every seed starts from it) or a previous study's results dir,
 whose chosen variant (or `study.resume_variant`) gives each seed its latest intact checkpoint
-and, with `study.resume_setting`, its bindings. Read at planning (experiments/plan.py), when the
-previous round has run; the seed plan reads the same study as its default pilot
-(experiments/seed_plan.py). Every problem is a StudyError naming the binding and what to do.
+and, with `study.resume_setting`, its bindings. Read at planning (experiments/plan.py) and by the
+`params` pipeline stage (experiments/stages.py), both once the previous round has run; the seed
+plan reads the same study as its default pilot (experiments/seed_plan.py). Every problem is a
+StudyError naming the binding and what to do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Dict
 
@@ -25,7 +27,10 @@ def resume_checkpoints(study: Study) -> Dict[int, str]:
 
     `resume_from` is a checkpoint dir (every seed starts from it) or a previous study's results
     dir: the variant it chose (or `study.resume_variant`) gives each seed the latest checkpoint
-    of the same seed, or of its first seed when the previous study lacked that seed.
+    of the same seed. Seeds the previous study lacked share its checkpoints, spread over them in
+    turn (the first missing seed starts from its first seed's, the next from its second's): the
+    round then has fewer independent lineages than seeds, which the aggregate accounts for
+    (`aggregate.lineage_units`).
     """
     if not study.resume_from:
         return {}
@@ -45,8 +50,10 @@ def resume_checkpoints(study: Study) -> Dict[int, str]:
     if not by_seed:
         raise StudyError(f"study.resume_from: variant {variant!r} of {study.resume_from} has no completed "
                          f"run with a checkpoint")
-    first = by_seed[min(by_seed)]
-    return {s: by_seed.get(s, first) for s in study.seeds}
+    lineages = [by_seed[s] for s in sorted(by_seed)]
+    missing = [s for s in study.seeds if s not in by_seed]
+    spread = {s: lineages[i % len(lineages)] for i, s in enumerate(missing)}
+    return {s: by_seed.get(s) or spread[s] for s in study.seeds}
 
 
 def resumed_setting(study: Study) -> tuple:
@@ -57,6 +64,14 @@ def resumed_setting(study: Study) -> tuple:
         return ()
     previous = _previous_aggregate(study)
     return tuple(previous.variants[_resumed_variant(study, previous)].bindings)
+
+
+def resumed_study(study: Study) -> Study:
+    """The study as its runs are planned: the resumed setting's bindings (`resumed_setting`) before
+    the baseline's own, which win. The planner and the params DVC reads both take it from here, so
+    the params show the setting the runs really get."""
+    inherited = resumed_setting(study)
+    return dataclasses.replace(study, baseline_bindings=(*inherited, *study.baseline_bindings)) if inherited else study
 
 
 def is_checkpoint_dir(root: Path) -> bool:

@@ -7,15 +7,18 @@
     python -m experiments summary STUDY.gin... --results results --out reports/summary.md
 
 DVC cannot read gin, so `params` resolves each study recipe into a YAML file that DVC reads as
-params (the recipe stays the one source of truth); `export` turns a finished study into what
-`dvc metrics` and `dvc plots` show: headline statistics and per-step curves; `summary` writes
-the tuning path over all rounds (rendered by `report.render_summary`).
+params (the recipe stays the one source of truth): the parameters as the runs get them, so a
+round that resumes another is resolved once that one has run (its setting and checkpoints);
+`export` turns a finished study into what DVC versions beside it: headline statistics and
+per-step curves for `dvc metrics` and `dvc plots`, the report and the per-seed values; `summary`
+writes the tuning path over all rounds (rendered by `report.render_summary`).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -25,7 +28,7 @@ import yaml
 
 from experiments.paths import portable
 from experiments.results import StudyAggregate, aggregate_path, read_aggregate
-from rlhf.atomic import write_text
+from rlhf.atomic import finite, write_text
 
 
 def _nested(flat: Dict[str, object]) -> Dict:
@@ -82,27 +85,48 @@ def cmd_sft(args) -> int:
 
 # ----------------------------------------------------------------------------- params
 def study_params(path: str, bindings: List[str]) -> Dict:
-    """A study's resolved settings as nested YAML-able dicts: the baseline's operative config,
-    each variant's change, seeds, the decision metric and how it is judged (alpha, analysis,
-    equivalence margin: they change the report, not a run)."""
+    """A study's resolved settings as nested YAML-able dicts: the baseline's operative config as
+    its runs get it, each variant's change, seeds, the decision metric and how it is judged
+    (alpha, analysis, equivalence margin: they change the report, not a run).
+
+    A study that resumes a previous round (`study.resume_from`) is resolved as the planner resolves
+    it, so the previous round must have run: the baseline carries the resumed setting
+    (`study.resumed_setting`, the previous choice's bindings, under the baseline's own), and
+    `ppo.init_from` is each seed's start checkpoint ({seed: path}), which the planner binds per run."""
     from experiments.plan import config_changes, resolve_config
+    from experiments.resume_from import resume_checkpoints, resumed_setting, resumed_study
     from experiments.study import load_study
     from rlhf.config import flat_dict
 
-    study = load_study(path, bindings)
+    declared = load_study(path, bindings)
+    starts = resume_checkpoints(declared)
+    study = resumed_study(declared)
     base_cfg, _ = resolve_config(study.baseline_recipe, study.baseline_bindings, "study.baseline_bindings")
     base = flat_dict(base_cfg)
     flat = {k: v for k, v in base.items() if k != "ppo.seed"}
+    if starts:
+        flat["ppo.init_from"] = dict(starts)
     variants = {}
     for variant in study.variants:
         cfg, _ = resolve_config(study.baseline_recipe, [*study.baseline_bindings, *variant.bindings],
-                          f"study.variants[{variant.name!r}]")
+                                f"study.variants[{variant.name!r}]")
         variants[variant.name] = config_changes(base, flat_dict(cfg))
     return {"study": {"name": study.name, "seeds": list(study.seeds), "metric": study.metric,
                       "direction": study.direction, "resume_from": portable(study.resume_from) or None,
+                      "resumed_setting": list(resumed_setting(declared)),
                       "alpha": study.alpha, "analysis": study.analysis,
-                      "equivalence_margin": study.equivalence_margin},
+                      "equivalence_margin": study.equivalence_margin,
+                      "metric_resolution": study.metric_resolution},
             "baseline": _nested(flat), "variants": {k: _nested(v) for k, v in variants.items()}}
+
+
+def params_header(path: str, params: Dict) -> str:
+    """The comment above a params file: where it comes from, so nobody edits it instead of the recipe."""
+    resumed = params["study"]["resume_from"]
+    source = f"{portable(path)} and {resumed} (the round it resumes)" if resumed else portable(path)
+    return (f"# {params['study']['name']}'s parameters as its runs get them, resolved by\n"
+            f"# `python -m experiments params` from {source}.\n"
+            f"# DVC reads them as the round's params (`dvc params diff`): edit the recipe, not this file.\n")
 
 
 def cmd_params(args) -> int:
@@ -111,7 +135,7 @@ def cmd_params(args) -> int:
     for path in args.studies:
         params = study_params(path, args.binding)
         target = out / f"{params['study']['name']}.yaml"
-        write_text(target, yaml.safe_dump(params, sort_keys=True))
+        write_text(target, params_header(path, params) + yaml.safe_dump(params, sort_keys=True))
         print(f"wrote {target}")
     return 0
 
@@ -158,28 +182,80 @@ def curves(study_dir: Path, aggregate: StudyAggregate) -> List[Dict]:
     return rows
 
 
+def exported_report(aggregate: StudyAggregate, where: str) -> str:
+    """The study's report.md (`report.render`) for reports/<study>/, where DVC versions it with the
+    round's outputs: its plots' links hold there (the export copies the plots beside it), its
+    checkpoint paths become paths from the repository root (under `where`, the study's results
+    dir), and a note under the title says where everything else it names lies."""
+    from experiments.report import MACHINE_PROVENANCE, REPORT, render
+
+    def moved(score):
+        return score and dataclasses.replace(score, path=f"{where}/{score.path}")
+
+    record = aggregate.best_checkpoints
+    if record is not None:
+        aggregate = aggregate.replace(best_checkpoints=dataclasses.replace(
+            record, runs=tuple(moved(c) for c in record.runs), best=moved(record.best)))
+    title, _, rest = render(aggregate).partition("\n")
+    note = (f"*The report of {where} ({REPORT} there), exported with the round's metrics by `python -m experiments "
+            f"export`: the plots are beside it (plots/), the per-seed values also in {SEEDS}; the run dirs and "
+            f"checkpoints it names are under {where}/ (`dvc pull`), its machine records ({MACHINE_PROVENANCE}) "
+            f"there on the machine that ran the round (DVC does not version them).*")
+    return f"{title}\n\n{note}\n{rest}"
+
+
+SEEDS = "seeds.csv"
+"""The per-seed values of an exported study, for machines (reports/<study>/seeds.csv)."""
+
+
+def seeds_table(aggregate: StudyAggregate, where: str) -> str:
+    """seeds.csv: one row per run, the baseline first, with its status, decision metric, steps,
+    each guardrail's final-window value (a column per metric, empty when the run has none) and its
+    run dir under `where`: a verdict can be checked from the seeds without the results."""
+    guardrails = list(dict.fromkeys(m for v in aggregate.variants.values() for r in v.runs for m in r.guardrails))
+    blank = lambda x: "" if x is None else x  # noqa: E731
+    rows = [{"variant": name, "seed": r.seed, "status": r.status.value, "value": blank(r.value),
+             "steps": blank(r.steps), **{m: blank(r.guardrails.get(m)) for m in guardrails},
+             "run_dir": f"{where}/{r.run_dir}"}
+            for name, v in aggregate.variants.items() for r in v.runs]
+    return _csv(rows, ["variant", "seed", "status", "value", "steps", *guardrails, "run_dir"])
+
+
+def _csv(rows: List[Dict], fieldnames: List[str]) -> str:
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=fieldnames)
+    writer.writeheader()
+    writer.writerows(rows)
+    return table.getvalue()
+
+
 def cmd_export(args) -> int:
+    """What DVC versions of a finished round, in reports/<study>/: metrics.json (`dvc metrics`),
+    curves.csv and plots/ (`dvc plots`), report.md and seeds.csv (the verdicts with the per-seed
+    values they rest on). Every file is a function of the results alone, the same bytes on every
+    machine: paths are relative, nothing records a time or a host."""
+    from experiments.report import REPORT
     from experiments.study import load_study
 
     study = load_study(args.study, args.binding)
     study_dir = Path(args.results) / study.name
+    where = portable(study_dir)
     aggregate = _load(study_dir)
     out = Path(args.out) / study.name
     out.mkdir(parents=True, exist_ok=True)
     metrics = headline(aggregate)
-    write_text(out / "metrics.json", json.dumps(metrics, indent=1, sort_keys=True))
-    table = io.StringIO(newline="")
-    writer = csv.DictWriter(table, fieldnames=["variant", "step", *[m.replace("/", "_") for m in CURVE_METRICS]])
-    writer.writeheader()
-    writer.writerows(curves(study_dir, aggregate))
-    write_text(out / "curves.csv", table.getvalue())
+    write_text(out / "metrics.json", json.dumps(finite(metrics), indent=1, sort_keys=True, allow_nan=False))
+    write_text(out / "curves.csv", _csv(curves(study_dir, aggregate),
+                                        ["variant", "step", *[m.replace("/", "_") for m in CURVE_METRICS]]))
+    write_text(out / SEEDS, seeds_table(aggregate, where))
+    write_text(out / REPORT, exported_report(aggregate, where))
     import shutil
     plots = out / "plots"
     shutil.rmtree(plots, ignore_errors=True)
     plots.mkdir()
     for png in sorted((study_dir / "plots").glob("*.png")):
         shutil.copy2(png, plots / png.name)
-    print(f"wrote {out / 'metrics.json'}, {out / 'curves.csv'} and {plots}")
+    print(f"wrote {out / 'metrics.json'}, {out / 'curves.csv'}, {out / SEEDS}, {out / REPORT} and {plots}")
     return 0
 
 
@@ -190,7 +266,9 @@ def _load(study_dir: Path) -> StudyAggregate:
 
 def cmd_summary(args) -> int:
     """The final report over all rounds: the path from the baseline to the chosen setting, each
-    step with its evidence, ending with the held-out evaluation of the last round's choice."""
+    step with its evidence, ending with the held-out evaluation of the last round's choice.
+    `--heldout` reads the `heldout` stage's record and passes it on to `render_summary`: the test
+    split's scores, which no decision read (experiments/heldout.py `heldout_lines`)."""
     from experiments.report import render_summary
     from experiments.study import load_study
 
@@ -199,7 +277,15 @@ def cmd_summary(args) -> int:
         study = load_study(path, args.binding)
         rounds.append((study, _load(Path(args.results) / study.name)))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_text(args.out, render_summary(rounds, Path(args.results)))
+    heldout = None
+    if getattr(args, "heldout", None):  # the test split's record
+        from experiments.errors import StudyError
+        try:
+            heldout = json.loads(Path(args.heldout).read_text())
+        except (OSError, ValueError) as err:
+            raise StudyError(f"--heldout {args.heldout}: not a record of the `heldout` stage ({err}); run "
+                             f"`python -m experiments heldout` first") from None
+    write_text(args.out, render_summary(rounds, Path(args.results), heldout))
     print(f"wrote {args.out}")
     return 0
 
@@ -213,7 +299,7 @@ def add_recipe_arguments(parser: argparse.ArgumentParser, needs_data: bool = Fal
 
 
 def add_studies_arguments(parser: argparse.ArgumentParser, out: str, many: bool = True,
-                          results: bool = True) -> None:
+                          results: bool = True, heldout: bool = False) -> None:
     if many:
         parser.add_argument("studies", nargs="+", help="study recipes, in round order")
     else:
@@ -222,3 +308,6 @@ def add_studies_arguments(parser: argparse.ArgumentParser, out: str, many: bool 
     if results:
         parser.add_argument("--results", default="results", help="results root (default: %(default)s)")
     parser.add_argument("--out", default=out, help="output (default: %(default)s)")
+    if heldout:
+        parser.add_argument("--heldout", default=None,
+                            help="the `heldout` stage's record (reports/heldout.json): the test split's section")

@@ -121,6 +121,9 @@ class Study:
     (chosen from the design by `resolve_analysis`)."""
     equivalence_margin: float = 0.0
     """A difference within +-this (the metric's units) counts as none: TOST equivalence; 0: off."""
+    metric_resolution: float = 0.0
+    """The decision metric's grid step (1/128 for an accuracy over 128 prompts), below which seeds'
+    spread is no spread (`stats.is_flat`); 0: a continuous metric."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME_RE.match(self.name):
@@ -166,6 +169,11 @@ class Study:
         if not _is_number(margin) or margin != margin or margin < 0 or margin == float("inf"):
             raise _bad("study.equivalence_margin", margin, "must be a number >= 0 in the metric's units "
                                                            "(0 turns the equivalence test off)")
+        step = self.metric_resolution
+        if not _is_number(step) or step != step or step < 0 or step == float("inf"):
+            raise _bad("study.metric_resolution", step, "must be a number >= 0 in the metric's units: its grid "
+                                                         "step, e.g. 1/128 for an accuracy over 128 prompts "
+                                                         "(0: a continuous metric)")
 
     @property
     def all_variants(self) -> Tuple[Variant, ...]:
@@ -234,7 +242,7 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
           gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, wandb_project: str = "",
           adaptive_seeds: Mapping = None, resume_setting: bool = False, start_gap_s: float = START_GAP_S,
           target_effect: float = None, power: float = POWER, pilot: str = "", analysis: str = AUTO,
-          equivalence_margin: float = 0.0) -> dict:
+          equivalence_margin: float = 0.0, metric_resolution: float = 0.0) -> dict:
     """What a study file binds (`study.<parameter> = value`), with its defaults; returns them.
 
     name: the study's name; its results live in RESULTS/<name>/. Required.
@@ -273,6 +281,10 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
     equivalence_margin: a number >= 0 in the metric's units (0: off). A variant neither better nor
         worse whose difference lies within +-margin by two one-sided tests (TOST, the chosen
         analysis, Holm-corrected) is 'equivalent': a settled question, not a lack of seeds.
+    metric_resolution: the decision metric's grid step in its units, e.g. 1/128 for an accuracy
+        over 128 eval prompts (0, the default: a continuous metric). Seeds that spread less than a
+        quarter step are tied: the tests have no spread to judge chance by, and the verdict says
+        so ('insufficient data') instead of reading a difference of one step as certain.
     wandb_project: the W&B project of the study's runs (default: the study's name).
     adaptive_seeds: {'max_seeds': N} (optional 'min_seeds', 'step', 'spend_alpha_over_looks'): start
         with study.seeds and add seeds to variants whose difference from the baseline is undecided.
@@ -413,7 +425,8 @@ def _validate(args: dict, path: Path) -> Study:
                                             planned=args["target_effect"] is not None),
         resume_setting=args["resume_setting"], start_gap_s=args["start_gap_s"],
         target_effect=args["target_effect"], power=args["power"], pilot=pilot, analysis=args["analysis"],
-        equivalence_margin=_as_float(args["equivalence_margin"]))
+        equivalence_margin=_as_float(args["equivalence_margin"]),
+        metric_resolution=_as_float(args["metric_resolution"]))
 
 
 def _as_float(value):

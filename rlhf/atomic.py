@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 from pathlib import Path
 
@@ -52,6 +53,18 @@ def write_text(path: str | Path, text: str) -> None:
     write_atomic(path, lambda tmp: tmp.write_text(text))
 
 
+def finite(data):
+    """`data` with every non-finite float (NaN, +-inf) as None, through dicts, lists and tuples:
+    JSON has no NaN or Infinity, and strict parsers reject the bare tokens Python writes."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    if isinstance(data, dict):
+        return {k: finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite(v) for v in data]
+    return data
+
+
 def write_json(path: str | Path, data: dict) -> None:
-    """Atomic JSON write (`write_atomic`)."""
-    write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    """Atomic JSON write (`write_atomic`), strict: a non-finite number is written as null (`finite`)."""
+    write_text(path, json.dumps(finite(data), indent=2, sort_keys=False, default=str, allow_nan=False) + "\n")

@@ -53,6 +53,10 @@ class Suggestion:
     """Further values of the same parameter, each tried as its own variant beside `proposed`: a
     bracket, when the evidence says the step must be large but not how large. Still one parameter
     per variant; one suggestion, several variants. Empty for a single change."""
+    predicted: Tuple[Dict[str, float], ...] = ()
+    """Per value of `values`, what the rule expects a metric to become there ({metric: value};
+    {} when it predicts nothing measurable): the tuning path sets it beside what the variant that
+    tested the value measured, so a rule's sizing can be trusted or corrected."""
 
     @property
     def is_warning(self) -> bool:
@@ -161,6 +165,11 @@ class Rule:
     def check(self, window: Window) -> Optional[Suggestion]:
         raise NotImplementedError
 
+    def predict(self, window: Window, value) -> Dict[str, float]:
+        """What this rule expects its metric to become with its parameter at `value`; {} (the
+        default) when its sizing makes no measurable prediction."""
+        return {}
+
     def _suggest(self, window: Window, proposed, evidence: Dict[str, float], severity: float,
                  rationale: str = "", bracket: Sequence = ()) -> Optional[Suggestion]:
         current = window.param(self.parameter)
@@ -169,8 +178,23 @@ class Rule:
                 return None
         bracket = tuple(v for v in dict.fromkeys(bracket) if v not in (None, current, proposed))
         evidence = {k: _number(v) for k, v in evidence.items()}
+        predicted = tuple({k: _number(v) for k, v in self.predict(window, value).items()}
+                          for value in (proposed, *bracket))
         return Suggestion(self.name, self.group, self.parameter, current, proposed,
-                          rationale or self.rationale, evidence, float(severity), bracket)
+                          rationale or self.rationale, evidence, float(severity), bracket,
+                          predicted if any(predicted) else ())
+
+
+class KLScaling:
+    """A rule on `ppo.kl_coef` that sizes its step by KL ~ 1 / kl_coef^2 (the reward's KL penalty
+    pulls KL down with the square of its coefficient near equilibrium): it predicts the window's
+    mean KL at the new coefficient."""
+
+    def predict(self, window: Window, value) -> Dict[str, float]:
+        kl, current = window.mean("kl_divergence"), window.param("ppo.kl_coef")
+        if not kl or not current or not value:
+            return {}
+        return {"kl_divergence": kl * (float(current) / float(value)) ** 2}
 
 
 def _number(v):

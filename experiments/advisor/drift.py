@@ -26,7 +26,7 @@ import numpy as np
 from scipy import stats as scipy_stats
 
 from experiments import stats
-from experiments.advisor.base import GUIDE_KL_STEP, Rule, combined_p, significant, slope_z
+from experiments.advisor.base import GUIDE_KL_STEP, KLScaling, Rule, combined_p, significant, slope_z
 from experiments.advisor.window import Window
 from experiments.rundir import GOLD_METRIC as GOLD
 
@@ -131,7 +131,7 @@ class EntropyBlowUp(Rule):
 
 # --------------------------------------------------------------------------- over-optimisation
 @dataclasses.dataclass(frozen=True)
-class OverOptimisation(Rule):
+class OverOptimisation(KLScaling, Rule):
     """The policy over-optimises the reward model: the RM's held-out score rises while held-out
     gold accuracy falls, or KL accelerates away from the reference. Outranks `kl_high`, whose
     +20% step on the same parameter it replaces with a bracket sized from the evidence.

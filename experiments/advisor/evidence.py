@@ -24,8 +24,33 @@ def _fmt(evidence: Dict) -> str:
                      if v is not None)
 
 
-def advice_lines(previous_dir: Path, aggregate: StudyAggregate) -> List[str]:
-    """The advisor's suggestions on `previous_dir`'s chosen variant, matched to this round's variants."""
+def measured(aggregate: StudyAggregate, study_dir: Path, variant: str, metric: str) -> Optional[float]:
+    """Mean over `variant`'s completed seeds of `metric` over the final window (summary.json)."""
+    values = []
+    for run in aggregate.variants[variant].runs if variant in aggregate.variants else ():
+        v = scalar(((summary(study_dir / run.run_dir) or {}).get("final_window") or {}).get(metric))
+        if v is not None:
+            values.append(v)
+    return sum(values) / len(values) if values else None
+
+
+def _prediction(predicted: Dict[str, float], aggregate: StudyAggregate, study_dir: Optional[Path],
+                variant: Optional[str]) -> str:
+    """'kl_divergence 0.08 -> measured 0.47 (x5.9)': a rule's prediction beside the round's measurement."""
+    parts = []
+    for metric, value in predicted.items():
+        seen = measured(aggregate, study_dir, variant, metric) if variant and study_dir is not None else None
+        text = f"{metric} {value:.3g}"
+        if seen is not None:
+            text += f" -> measured {seen:.3g}" + (f" (x{seen / value:.2g})" if value else "")
+        parts.append(text)
+    return "; ".join(parts) or "-"
+
+
+def advice_lines(previous_dir: Path, aggregate: StudyAggregate, study_dir: Optional[Path] = None) -> List[str]:
+    """The advisor's suggestions on `previous_dir`'s chosen variant, matched to this round's variants
+    (found in `study_dir`, which also gives what the variants measured against the rules'
+    predictions)."""
     try:
         window = load_window(previous_dir)
     except AdviceError as err:
@@ -34,9 +59,10 @@ def advice_lines(previous_dir: Path, aggregate: StudyAggregate) -> List[str]:
     tested = {b: name for name, v in aggregate.variants.items() for b in v.bindings}
     lines = [f"Advisor on {previous_dir.name}/{window.variant} (last {len(window.steps)} steps, "
              f"{len(window.seeds)} seeds):", "",
-             "| rule | proposed change | evidence | tested as | verdict |", "|---|---|---|---|---|"]
+             "| rule | proposed change | evidence | predicted -> measured | tested as | verdict |",
+             "|---|---|---|---|---|---|"]
     for s in advice.warnings:
-        lines.append(f"| {s.rule} | flag: {s.rationale} | {_fmt(s.evidence)} | - | - |")
+        lines.append(f"| {s.rule} | flag: {s.rationale} | {_fmt(s.evidence)} | - | - | - |")
     proposed = set()
     for s in advice.changes:
         for i, binding in enumerate(s.bindings):
@@ -44,7 +70,9 @@ def advice_lines(previous_dir: Path, aggregate: StudyAggregate) -> List[str]:
             name = tested.get(binding)
             verdict = aggregate.variants[name].verdict if name else "not tested this round"
             evidence = _fmt(s.evidence) if i == 0 else "the bracket's next value (evidence above)"
-            lines.append(f"| {s.rule} | `{binding}` (from {s.current!r}) | {evidence} | {name or '-'} | {verdict} |")
+            predicted = _prediction(s.predicted[i] if i < len(s.predicted) else {}, aggregate, study_dir, name)
+            lines.append(f"| {s.rule} | `{binding}` (from {s.current!r}) | {evidence} | {predicted} | {name or '-'} | "
+                         f"{verdict} |")
     superseded = {b: s for s in advice.superseded for b in s.bindings}
     for binding, name in tested.items():
         if binding in proposed:
@@ -52,17 +80,17 @@ def advice_lines(previous_dir: Path, aggregate: StudyAggregate) -> List[str]:
         verdict = aggregate.variants[name].verdict
         s = superseded.get(binding)
         if s is not None:
-            lines.append(f"| {s.rule} (superseded) | `{binding}` (from {s.current!r}) | {_fmt(s.evidence)} | {name} | "
-                         f"{verdict} |")
+            lines.append(f"| {s.rule} (superseded) | `{binding}` (from {s.current!r}) | {_fmt(s.evidence)} | - | "
+                         f"{name} | {verdict} |")
         else:
-            lines.append(f"| (none) | `{binding}` | no rule proposed it | {name} | {verdict} |")
+            lines.append(f"| (none) | `{binding}` | no rule proposed it | - | {name} | {verdict} |")
     lines += ["", *(f"- {s.rule}: {s.rationale}" for s in advice.changes), ""] if advice.changes else [""]
     lines += [f"Rules silent: {', '.join(advice.silent) or 'none'}.", ""]
     return lines
 
 
-def heldout_start(aggregate: StudyAggregate, study_dir: Path, metric: str) -> Optional[float]:
-    """Mean over the baseline's seeds of `metric` at the start of its runs (summary.json's `initial`)."""
+def initial_values(aggregate: StudyAggregate, study_dir: Path, metric: str) -> List[float]:
+    """`metric` at the start of each baseline run, before any training (summary.json's `initial`)."""
     values = []
     base = aggregate.variants.get(BASELINE)
     for run in base.runs if base else ():
@@ -70,4 +98,4 @@ def heldout_start(aggregate: StudyAggregate, study_dir: Path, metric: str) -> Op
         v = scalar((s.get("initial") or {}).get(metric))
         if v is not None:
             values.append(v)
-    return sum(values) / len(values) if values else None
+    return values

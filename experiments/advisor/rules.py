@@ -14,7 +14,7 @@ from typing import ClassVar, Optional, Tuple
 
 import numpy as np
 
-from experiments.advisor.base import (GROUPS, GUIDE_KL_STEP, HEALTH, STABILITY, THROUGHPUT, Rule, Suggestion,
+from experiments.advisor.base import (GROUPS, GUIDE_KL_STEP, HEALTH, STABILITY, THROUGHPUT, KLScaling, Rule, Suggestion,
                                       excess, reward_trend, significant)
 from experiments.advisor.drift import EntropyBlowUp, EntropyCollapse, OverOptimisation
 from experiments.advisor.window import Window
@@ -24,7 +24,7 @@ __all__ = ["GROUPS", "HEALTH", "RULES", "STABILITY", "THROUGHPUT", "Rule", "Sugg
 
 # ------------------------------------------------------------------------------------------ KL
 @dataclasses.dataclass(frozen=True)
-class KLTooHigh(Rule):
+class KLTooHigh(KLScaling, Rule):
     """KL above the healthy band: the policy drifts from the reference (reward hacking risk)."""
 
     name: ClassVar[str] = "kl_high"
@@ -59,7 +59,7 @@ class KLTooHigh(Rule):
 
 
 @dataclasses.dataclass(frozen=True)
-class KLTooLow(Rule):
+class KLTooLow(KLScaling, Rule):
     """KL near zero while the reward stalls: the KL penalty holds the policy too stiffly."""
 
     name: ClassVar[str] = "kl_low"

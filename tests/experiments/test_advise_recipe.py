@@ -109,8 +109,11 @@ def test_tuning_path_shows_the_advice_beside_the_round_that_tested_it(tmp_path):
     text = "\n".join(advice_lines(study_dir, aggregate))
     assert "| kl_high | `ppo.kl_coef = 0.06` (from 0.05) | kl_divergence = 0.3" in text
     assert "| kl_coef_up | better |" in text
+    # The rule's sizing (KL ~ 1 / kl_coef^2) predicts the KL at 0.06; no run of this study dir measured it.
+    kl = [line for line in text.splitlines() if line.startswith("| kl_high |")][0]
+    assert "| kl_divergence " in kl and "measured" not in kl
     assert "`ppo.max_response_length = 5` (from 6)" in text and "not tested this round" in text
-    assert "| (none) | `ppo.actor_learning_rate = 0.0001` | no rule proposed it | lr_down | worse |" in text
+    assert "| (none) | `ppo.actor_learning_rate = 0.0001` | no rule proposed it | - | lr_down | worse |" in text
 
 
 def test_resume_setting_carries_the_previous_rounds_chosen_change(tmp_path, write_study):

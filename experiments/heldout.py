@@ -1,0 +1,491 @@
+"""The test split, and the tuning path's models scored on it:
+
+    python -m experiments testsplit --recipe recipes/demo.gin --out data/arithmetic_test
+    python -m experiments heldout STUDY.gin... --results results --test data/arithmetic_test --out reports/heldout.json
+
+Every decision of a study reads the task's evaluation rows: the verdicts and the chosen variant
+(its final `eval/accuracy`), the best gold checkpoint (the highest `eval/accuracy` over every
+saved step). A figure picked as the best of many on those rows is biased upward, so it cannot
+also say how good the pick is. The test split is the task's held-out rows that no run evaluates:
+the engine evaluates the first `task.eval_size` held-out rows (rlhf/trainer.py), the rest are
+read by nothing. It is built with the engine's own reading of the task (`rlhf.data.load_task`),
+so it is the same distribution as the evaluation rows, and its prompts are checked against
+every train and evaluated prompt (exact match) when it is built and again, against every run's
+own configuration, when it is used. Fresh prompts cannot do this for the embedded arithmetic
+task: its train and held-out rows are every `a+b=` / `a-b=` with operands up to
+task.max_operand, and prompts with larger operands are another task (the demo's SFT warm
+start, right on ~30% of the held-out rows, is right on 1 to 6% of those with operands up to 25).
+
+`heldout` scores on it, with the engine's gold metric (pass@1 sampled at ppo.eval_temperature
+with the run's sampling settings, and greedy, as `PPOTrainer.evaluate` computes eval/accuracy
+and eval/greedy_accuracy), the first round's starting model (the warm start), the final
+checkpoint of every seed of the last round's chosen variant, and the checkpoint with the best
+gold accuracy over all rounds. Sampling is seeded from the run's seed on a stream of its own
+(`TEST_SEED_SALT`), the model runs on the CPU with the numerics profile's pinned threads, so the
+record is the same bytes on every run of the command. `heldout_lines` renders it for the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from rlhf.atomic import write_text
+
+from experiments.errors import StudyError
+from experiments.paths import portable
+from experiments.results import BASELINE, RunStatus, StudyAggregate, aggregate_path, read_aggregate
+from experiments.rundir import GOLD_METRIC, iter_metrics, latest_checkpoint, scalar, summary
+
+TEST_FILE = "test.jsonl"
+TEST_SEED_SALT = 104_729
+"""Mixed into the sampling seed of the test split's generations (`rlhf.rollout.derive_seed`): a
+stream of its own, apart from the training rollouts' and the evaluations' (trainer.EVAL_SEED_SALT)."""
+ROWS_PER_CALL = 64
+"""Generated rows per generation call, as `PPOTrainer.evaluate` splits its calls: the calls and
+their seeds are the engine's, so the same rows give the same samples."""
+METRICS = ("accuracy", "greedy_accuracy")
+"""What is scored per model: `eval/accuracy` and `eval/greedy_accuracy` of the engine, on the test split."""
+
+
+# ----------------------------------------------------------------------------- the split
+def unread_examples(task) -> Tuple[list, int]:
+    """(the held-out rows no run of this task configuration evaluates, how many were dropped as
+    duplicates of a train or evaluated prompt). The engine evaluates `held[:task.eval_size]`
+    (`PPOTrainer.__init__`); the rest of the held-out split is what is left for a test."""
+    from rlhf.chat import prompt_key
+    from rlhf.data import load_task
+
+    train, held = load_task(task)
+    seen = {prompt_key(ex.prompt) for ex in [*train, *held[:task.eval_size]]}
+    out, dropped = [], 0
+    for ex in held[task.eval_size:]:
+        key = prompt_key(ex.prompt)
+        if key in seen:
+            dropped += 1
+            continue
+        seen.add(key)
+        out.append(ex)
+    return out, dropped
+
+
+def cmd_testsplit(args) -> int:
+    """Writes OUT/test.jsonl (prompt, answer and data_source rows, the data stage's format) and OUT/meta.json."""
+    from rlhf import configurable
+    from rlhf.data import dataset_hash
+
+    cfg, _ = configurable.resolve(args.recipe, args.binding)
+    rows, dropped = unread_examples(cfg.task)
+    if not rows:
+        raise StudyError(f"no test split is left: the task's held-out rows are all evaluated (task.eval_size = "
+                         f"{cfg.task.eval_size} of {args.recipe}) or repeat a train or evaluated prompt; lower "
+                         f"task.eval_size or give the task more held-out rows")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / TEST_FILE, "".join(json.dumps({"prompt": ex.prompt, "answer": ex.answer,
+                                                    **({"data_source": ex.data_source} if ex.data_source else {})})
+                                        + "\n" for ex in rows))
+    write_text(out / "meta.json", json.dumps({"test": len(rows), "dropped_duplicates": dropped,
+                                              "eval_size": cfg.task.eval_size, "sha256": dataset_hash(rows)}, indent=1))
+    print(f"wrote {len(rows)} test examples to {out / TEST_FILE} (held-out rows past task.eval_size = "
+          f"{cfg.task.eval_size}; {dropped} dropped as duplicates of a train or evaluated prompt)")
+    return 0
+
+
+def read_test(path: str | Path) -> Tuple[Path, list]:
+    """(the file, its examples): `path` is a test JSONL file or a directory holding test.jsonl."""
+    from rlhf.data import read_records, records_to_examples
+
+    path = Path(path)
+    file = path / TEST_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise StudyError(f"--test {str(path)!r}: no test split there (expected a JSONL file or a directory with "
+                         f"{TEST_FILE}); build it with `python -m experiments testsplit`")
+    return file, records_to_examples(read_records(file), "prompt", "answer", str(file))
+
+
+def check_unread(examples: Sequence, task, where: str) -> None:
+    """StudyError when a test prompt is one the task configuration trains on or evaluates: then a
+    decision read it, and the split is no test."""
+    from rlhf.chat import prompt_key
+    from rlhf.data import load_task
+
+    train, held = load_task(task)
+    read = {prompt_key(ex.prompt) for ex in [*train, *held[:task.eval_size]]}
+    shared = [prompt_key(ex.prompt) for ex in examples if prompt_key(ex.prompt) in read]
+    if shared:
+        raise StudyError(f"{len(shared)} of the test split's {len(examples)} prompts (e.g. {shared[0]!r}) are train "
+                         f"or evaluated prompts of {where} (task.eval_size = {task.eval_size}): a decision read "
+                         f"them; rebuild the split with `python -m experiments testsplit` from the runs' recipe")
+
+
+# ----------------------------------------------------------------------------- scoring
+def run_config(run_dir: Path):
+    """The run's operative configuration (its config.gin, what the engine ran with)."""
+    from rlhf import configurable
+
+    path = Path(run_dir) / "config.gin"
+    if not path.is_file():
+        raise StudyError(f"{run_dir}: no config.gin; the run never started, so it has nothing to score")
+    cfg, _ = configurable.resolve(path)
+    return cfg
+
+
+def gold_accuracy(policy, tokenizer, cfg, examples: Sequence, seed_parts: Tuple[int, ...],
+                  samples_per_prompt: int = 0) -> Dict[str, Optional[float]]:
+    """{'accuracy', 'greedy_accuracy'} of `policy` on `examples`: `PPOTrainer.evaluate`'s gold
+    metric with the run config `cfg`'s sampling settings (pass@1 sampled at ppo.eval_temperature,
+    ppo.eval_samples_per_prompt per prompt unless `samples_per_prompt` says more; greedy as well
+    when that temperature is above 0, else None), its generation calls and their seeds
+    (`derive_seed(*seed_parts, call)`), the rule reward's `correct`."""
+    import torch
+
+    from rlhf.chat import PromptRenderer
+    from rlhf.rewards import rule_results
+    from rlhf.rollout import SamplingParams, decode_responses, derive_seed
+    from rlhf.rollout.hf import HFRollout
+
+    ppo, task = cfg.ppo, cfg.task
+    renderer = PromptRenderer.from_task(tokenizer, task)
+    rollout = HFRollout(policy, tokenizer, torch.device("cpu"))
+    modes = [("accuracy", ppo.eval_temperature, samples_per_prompt or ppo.eval_samples_per_prompt)]
+    if ppo.eval_temperature > 0:
+        modes.append(("greedy_accuracy", 0.0, 1))
+    out: Dict[str, Optional[float]] = dict.fromkeys(METRICS)
+    for key, temperature, n in modes:
+        sampling = SamplingParams(max_new_tokens=ppo.max_response_length, temperature=temperature,
+                                  top_p=ppo.top_p if temperature > 0 else 1.0, top_k=ppo.top_k,
+                                  max_prompt_length=ppo.max_prompt_length,
+                                  truncation="right" if ppo.prompt_truncation == "right" else "left")
+        calls = math.ceil(len(examples) * n / ROWS_PER_CALL)
+        per_call = math.ceil(len(examples) / calls)
+        correct: List[bool] = []
+        for call in range(calls):
+            rows = [ex for ex in examples[call * per_call:(call + 1) * per_call] for _ in range(n)]
+            if not rows:
+                continue
+            batch = rollout.generate([renderer.ids(ex.prompt) for ex in rows], sampling, derive_seed(*seed_parts, call))
+            results = rule_results(task.reward_fn, decode_responses(tokenizer, batch), [ex.answer for ex in rows],
+                                   batch["finished"].tolist(), [ex.data_source for ex in rows],
+                                   format_reward=task.format_reward, missing_eos_penalty=task.missing_eos_penalty)
+            correct += [r.correct for r in results]
+        out[key] = sum(correct) / len(correct)
+    return out
+
+
+class Scorer:
+    """Loads each model as its run loads it (`rlhf.roles.actor.build_policy`: a full checkpoint, or
+    LoRA adapters on their base) with the run's tokenizer, and scores it on the test split."""
+
+    def __init__(self, examples: Sequence, samples_per_prompt: int = 0):
+        self.examples = list(examples)
+        self.samples_per_prompt = samples_per_prompt
+        self._unread: set = set()
+        self._fit: set = set()
+
+    def check_unread(self, cfg, where: str) -> None:
+        """`check_unread` once per task configuration."""
+        if repr(cfg.task) not in self._unread:
+            check_unread(self.examples, cfg.task, where)
+            self._unread.add(repr(cfg.task))
+
+    def check_fits(self, cfg, tokenizer) -> None:
+        """The split's prompts fit as the trainer checks its own splits before any compute
+        (ppo.max_prompt_length, ppo.prompt_truncation): a ConfigError in one line when not."""
+        from rlhf.chat import PromptRenderer, check_rows
+        from rlhf.data import check_prompt_lengths
+
+        key = (repr(cfg.task), cfg.ppo.max_prompt_length, cfg.ppo.prompt_truncation)
+        if key in self._fit:
+            return
+        lengths = check_rows(self.examples, PromptRenderer.from_task(tokenizer, cfg.task).ids, "task.chat_template")
+        check_prompt_lengths({"test": (self.examples, lengths)}, cfg.ppo.max_prompt_length,
+                             cfg.ppo.prompt_truncation, log=lambda _: None)
+        self._fit.add(key)
+
+    def score(self, cfg, start_dir: Path, seed: int, where: str) -> Dict[str, Optional[float]]:
+        """`gold_accuracy` of the policy at `start_dir` under run config `cfg`, sampled on `seed`'s test stream."""
+        import torch
+        import transformers
+
+        from rlhf import numerics
+        from rlhf.models import load_tokenizer
+        from rlhf.placement.context import deterministic_algorithms
+        from rlhf.roles.actor import build_policy
+        from rlhf.trainer import resolve_model_paths
+
+        model_dir, tokenizer_dir = resolve_model_paths(cfg, log=lambda _: None)
+        tokenizer = load_tokenizer(tokenizer_dir, "model.tokenizer_path" if cfg.model.tokenizer_path
+                                   else "model.name_or_path")
+        self.check_unread(cfg, where)
+        self.check_fits(cfg, tokenizer)
+        deterministic_algorithms("cpu")  # as the trainer's process computes
+        transformers.utils.logging.disable_progress_bar()
+        with numerics.fixed_threads():
+            policy = build_policy(cfg.ppo, str(start_dir), str(model_dir), torch.device("cpu")).eval()
+            return gold_accuracy(policy, tokenizer, cfg, self.examples, (seed, TEST_SEED_SALT),
+                                 self.samples_per_prompt)
+
+
+def start_of(cfg) -> Path:
+    """Where a run's policy starts: its ppo.init_from checkpoint's actor, else its model (the
+    tiny default's cached SFT warm start for model.name_or_path = 'tiny'), as the trainer picks it."""
+    from rlhf.trainer import resolve_model_paths
+
+    if cfg.ppo.init_from:
+        return Path(cfg.ppo.init_from) / "actor"
+    return Path(resolve_model_paths(cfg, log=lambda _: None)[0])
+
+
+def eval_value_at(run_dir: Path, step: int) -> Optional[float]:
+    """The run's eval/accuracy at `step` (the eval row that scored exactly that checkpoint's weights)."""
+    for row in iter_metrics(run_dir):
+        if int(row.get("step", -1)) == step:
+            value = scalar(row.get(GOLD_METRIC))
+            if value is not None:
+                return value
+    return None
+
+
+# ----------------------------------------------------------------------------- statistics
+def summarize(values: Sequence[float]) -> dict:
+    """n, mean, std (ddof 1) and the mean's 95% t interval (a point when the values do not
+    spread; None below two values)."""
+    values = [v for v in values if v is not None]
+    n = len(values)
+    if not n:
+        return {"n": 0, "mean": None, "std": None, "ci95": [None, None]}
+    mean = sum(values) / n
+    if n < 2:
+        return {"n": n, "mean": mean, "std": None, "ci95": [None, None]}
+    std = statistics.stdev(values)
+    if std == 0:
+        return {"n": n, "mean": mean, "std": 0.0, "ci95": [mean, mean]}
+    from scipy import stats as sps
+    low, high = sps.t.interval(0.95, n - 1, loc=mean, scale=std / math.sqrt(n))
+    return {"n": n, "mean": mean, "std": std, "ci95": [float(low), float(high)]}
+
+
+def paired_difference(a: Sequence[dict], b: Sequence[dict], metric: str) -> dict:
+    """`a` - `b` per seed (both scored with that seed's sampling stream), summarised as `summarize` does."""
+    by_seed = {row["seed"]: row[metric] for row in b if row.get(metric) is not None}
+    diffs = [row[metric] - by_seed[row["seed"]] for row in a
+             if row.get(metric) is not None and row["seed"] in by_seed]
+    s = summarize(diffs)
+    return {"n": s["n"], "difference": s["mean"], "std": s["std"], "ci95": s["ci95"]}
+
+
+# ----------------------------------------------------------------------------- the command
+def _rounds(args) -> List[Tuple[object, Path, StudyAggregate]]:
+    from experiments.study import load_study
+
+    rounds = []
+    for path in args.studies:
+        study = load_study(path, args.binding)
+        study_dir = Path(args.results) / study.name
+        rounds.append((study, study_dir, read_aggregate(
+            study_dir, f"{aggregate_path(study_dir)} not found: run `python -m experiments run {path}` first")))
+    return rounds
+
+
+def _completed(agg: StudyAggregate, variant: str):
+    return [r for r in agg.variants[variant].runs if r.status == RunStatus.COMPLETED] if variant in agg.variants else []
+
+
+def _warm_start(scorer: Scorer, first: tuple, seeds: Sequence[int]) -> dict:
+    """The first round's start, scored once per final seed on that seed's stream (the difference
+    from it is then paired), each time under the config of the first round's baseline run of that
+    seed (or of its first run, for a seed it did not run)."""
+    study, study_dir, agg = first
+    starts = {r.seed: r for r in _completed(agg, BASELINE)}
+    if not starts:
+        raise StudyError(f"{study.name}: its baseline has no completed run, so where the path starts is unknown")
+    rows = []
+    for seed in seeds:
+        run = starts.get(seed) or next(iter(starts.values()))
+        cfg = run_config(study_dir / run.run_dir)
+        start = start_of(cfg)
+        initial = (summary(study_dir / run.run_dir) or {}).get("initial") or {}
+        rows.append({"seed": seed, "path": portable(start), **scorer.score(cfg, start, seed, study.name),
+                     "eval_accuracy": scalar(initial.get(GOLD_METRIC)) if run.seed == seed else None})
+    paths = {row["path"] for row in rows}
+    return {"study": study.name, "path": paths.pop() if len(paths) == 1 else None, "seeds": rows}
+
+
+def _final_checkpoints(last: tuple) -> list:
+    """(run, its newest intact checkpoint) of each completed seed of the last round's chosen variant."""
+    study, study_dir, agg = last
+    chosen = agg.decision.chosen
+    if not chosen:
+        raise StudyError(f"{study.name} has no decision ({agg.decision.reason}): there is no final choice to "
+                         f"score on the test split")
+    finals = [(r, latest_checkpoint(study_dir / r.run_dir)) for r in _completed(agg, chosen)]
+    finals = [(r, ckpt) for r, ckpt in finals if ckpt is not None]
+    if not finals:
+        raise StudyError(f"{study.name}: the chosen variant {chosen!r} has no completed run with an intact "
+                         f"checkpoint to score")
+    return finals
+
+
+def _final_choice(scorer: Scorer, last: tuple, finals: list, warm: dict) -> dict:
+    """Each final checkpoint scored on its seed's stream under its run's config, with the eval row
+    of its step beside it; their mean, std and t interval, and the paired difference from `warm`."""
+    study, study_dir, agg = last
+    rows = []
+    for run, ckpt in finals:
+        step = int(ckpt.name.rsplit("_", 1)[-1])
+        rows.append({"seed": run.seed, "path": portable(ckpt), "step": step,
+                     **scorer.score(run_config(study_dir / run.run_dir), ckpt / "actor", run.seed, study.name),
+                     "eval_accuracy": eval_value_at(study_dir / run.run_dir, step)})
+    chosen = agg.decision.chosen
+    return {"study": study.name, "variant": chosen, "bindings": list(agg.variants[chosen].bindings), "seeds": rows,
+            "summary": {m: summarize([row[m] for row in rows]) for m in (*METRICS, "eval_accuracy")},
+            "vs_warm_start": {m: paired_difference(rows, warm["seeds"], m) for m in METRICS}}
+
+
+def _best_checkpoint(scorer: Scorer, rounds: Sequence[tuple]) -> Optional[dict]:
+    """The checkpoint with the highest eval/accuracy over the rounds (the first on a tie, as the
+    summary names it), scored on its run's seed stream; None when no round recorded one."""
+    from rlhf.checkpoint import verify_checkpoint
+
+    best = None
+    for study, study_dir, agg in rounds:
+        record = agg.best_checkpoints
+        if record is not None and record.best is not None and (best is None or record.best.value > best[3].value):
+            best = (study, study_dir, agg, record.best)
+    if best is None:
+        return None
+    study, study_dir, agg, point = best
+    ckpt = study_dir / point.path
+    problem = verify_checkpoint(ckpt, full=False) if ckpt.is_dir() else "it is missing"
+    if problem:
+        raise StudyError(f"{study.name}: the best gold checkpoint {ckpt} cannot be scored: {problem}")
+    run = next((r for r in _completed(agg, point.variant) if r.seed == point.seed), None)
+    cfg = run_config(study_dir / run.run_dir if run is not None else ckpt.parent.parent)
+    return {"study": study.name, "variant": point.variant, "seed": point.seed, "step": point.step,
+            "path": portable(ckpt), "eval_accuracy": point.value,
+            **scorer.score(cfg, ckpt / "actor", point.seed, study.name)}
+
+
+def heldout_record(rounds: Sequence[Tuple[object, Path, StudyAggregate]], test_file: Path, examples: Sequence,
+                   samples_per_prompt: int = 0) -> dict:
+    """The record `heldout` writes (see the module docstring); `rounds`: (study, study dir, aggregate) in round order."""
+    from rlhf.data import dataset_hash
+
+    scorer = Scorer(examples, samples_per_prompt)
+    finals = _final_checkpoints(rounds[-1])
+    for study, study_dir, agg in rounds:  # no run of the path trained on or evaluated a test prompt
+        for variant in agg.variants.values():
+            for run in variant.runs:
+                if (study_dir / run.run_dir / "config.gin").is_file():
+                    scorer.check_unread(run_config(study_dir / run.run_dir), f"{study.name}'s runs")
+    warm = _warm_start(scorer, rounds[0], [run.seed for run, _ in finals])
+    return {"metric": GOLD_METRIC, "studies": [s.name for s, _, _ in rounds],
+            "test": {"path": portable(test_file), "prompts": len(examples), "sha256": dataset_hash(list(examples))},
+            "samples_per_prompt": samples_per_prompt or None, "seed_salt": TEST_SEED_SALT,
+            "warm_start": warm, "final_choice": _final_choice(scorer, rounds[-1], finals, warm),
+            "best_checkpoint": _best_checkpoint(scorer, rounds)}
+
+
+def cmd_heldout(args) -> int:
+    from rlhf import numerics
+    numerics.apply()  # before torch loads: the same samples on every x86-64 CPU
+
+    if args.samples_per_prompt < 0:
+        raise StudyError(f"--samples-per-prompt {args.samples_per_prompt} is invalid: 0 (the run's "
+                         f"ppo.eval_samples_per_prompt) or more")
+    test_file, examples = read_test(args.test)
+    record = heldout_record(_rounds(args), test_file, examples, args.samples_per_prompt)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    write_text(args.out, json.dumps(record, indent=2, allow_nan=False) + "\n")  # strict JSON: None, never NaN
+    final = record["final_choice"]["summary"]["accuracy"]
+    print(f"wrote {args.out}: final choice {record['final_choice']['variant']!r} of {record['final_choice']['study']} "
+          f"{_fmt(final['mean'])} on {len(examples)} test prompts ({final['n']} seeds)")
+    return 0
+
+
+# ----------------------------------------------------------------------------- markdown
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def _ci(ci) -> str:
+    return "-" if not ci or ci[0] is None else f"[{ci[0]:.4f}, {ci[1]:.4f}]"
+
+
+def _mean_row(rows: Sequence[dict], metric: str) -> dict:
+    return summarize([row.get(metric) for row in rows])
+
+
+def _signed(x) -> str:
+    return "-" if x is None else f"{x:+.4f}"
+
+
+def heldout_lines(record: dict) -> List[str]:
+    """The summary's section for a `heldout` record: each model's gold accuracy on the evaluation
+    rows (which the decisions read) beside the test split's (which none read), and the final
+    choice's difference from the warm start on the test split."""
+    test = record.get("test") or {}
+    samples = record.get("samples_per_prompt")
+    per_prompt = f"{samples} samples per prompt" if samples else "ppo.eval_samples_per_prompt per prompt"
+    lines = ["## Test split (no decision read it)", "",
+             f"{test.get('prompts', '?')} held-out prompts no run evaluates (`{test.get('path', '?')}`), scored "
+             f"with the engine's gold metric: pass@1 sampled at ppo.eval_temperature ({per_prompt}) and greedy, "
+             f"each model with its run's sampling settings. Mean over seeds, 95% t interval; the evaluation "
+             f"split's figures are those the decisions were made on.", "",
+             "| model | path | seeds | eval split | test split (sampled) | 95% CI | test split (greedy) |",
+             "|---|---|---|---|---|---|---|"]
+    warm, final, best = record.get("warm_start"), record.get("final_choice"), record.get("best_checkpoint")
+    if warm:
+        rows = warm["seeds"]
+        s = _mean_row(rows, "accuracy")
+        lines.append(f"| warm start ({warm['study']}) | `{warm.get('path') or 'per seed'}` | {len(rows)} | "
+                     f"{_fmt(_mean_row(rows, 'eval_accuracy')['mean'])} | {_fmt(s['mean'])} | {_ci(s['ci95'])} | "
+                     f"{_fmt(_mean_row(rows, 'greedy_accuracy')['mean'])} |")
+    if final:
+        summ = final["summary"]
+        paths = sorted({re.sub(r"/seed\d+/", "/seed*/", row["path"]) for row in final["seeds"]})
+        where = ", ".join(f"`{p}`" for p in paths)
+        lines.append(f"| final choice `{final['variant']}` ({final['study']}) | {where} | {summ['accuracy']['n']} | "
+                     f"{_fmt(summ['eval_accuracy']['mean'])} | {_fmt(summ['accuracy']['mean'])} "
+                     f"+- {_fmt(summ['accuracy']['std'])} | {_ci(summ['accuracy']['ci95'])} | "
+                     f"{_fmt(summ['greedy_accuracy']['mean'])} |")
+    if best:
+        lines.append(f"| best gold checkpoint ({best['study']} {best['variant']}/seed{best['seed']} step "
+                     f"{best['step']}) | `{best['path']}` | 1 | {_fmt(best['eval_accuracy'])} | "
+                     f"{_fmt(best['accuracy'])} | - | {_fmt(best.get('greedy_accuracy'))} |")
+    if final:
+        lines.append("")
+        for metric, name in (("accuracy", "sampled"), ("greedy_accuracy", "greedy")):
+            d = final["vs_warm_start"][metric]
+            if d["n"]:
+                lines.append(f"Final choice - warm start on the test split ({name}): {_signed(d['difference'])}, "
+                             f"95% CI {_ci(d['ci95'])} (paired over {d['n']} seeds).")
+    if best:
+        lines += ["", f"The best gold checkpoint was picked as the highest of many on the evaluation split "
+                      f"({_fmt(best['eval_accuracy'])}); on the test split it scores {_fmt(best['accuracy'])}."]
+    return lines + [""]
+
+
+# ----------------------------------------------------------------------------- arguments
+def add_testsplit_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", default="recipes/demo.gin",
+                        help="the runs' engine recipe: its task and task.eval_size (default: %(default)s)")
+    parser.add_argument("-b", "--binding", action="append", default=[], help="a gin binding (repeatable)")
+    parser.add_argument("--out", required=True, help="the output directory (test.jsonl, meta.json)")
+
+
+def add_heldout_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("studies", nargs="+", help="study recipes, in round order")
+    parser.add_argument("-b", "--binding", action="append", default=[], help="a gin binding (repeatable)")
+    parser.add_argument("--results", default="results", help="results root (default: %(default)s)")
+    parser.add_argument("--test", required=True, help="the test split: a JSONL file, or the `testsplit` directory")
+    parser.add_argument("--samples-per-prompt", type=int, default=0,
+                        help="sampled responses per test prompt (default 0: the run's ppo.eval_samples_per_prompt); "
+                             "more lowers the sampling noise of the same pass@1")
+    parser.add_argument("--out", default="reports/heldout.json", help="output (default: %(default)s)")
