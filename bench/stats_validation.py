@@ -621,8 +621,8 @@ def main(argv=None) -> int:
 
     plan_rows = power_at_planned_n(rng, studies)
     lap("power_at_planned_n")
-    print(f"\n(d) power at the planned N (seed_plan.make_plan from a pilot of sd 1, at alpha 0.05 / variants; achieved "
-          f"at N by the deciding test; pooled t: the N its formula planned and Welch's achieved power there)")
+    print("\n(d) power at the planned N (seed_plan.make_plan from a pilot of sd 1, at alpha 0.05 / variants; achieved "
+          "at N by the deciding test; pooled t: the N its formula planned and Welch's achieved power there)")
     print(table(["design", "effect", "variants", "N", "planned at N", "at N-1", "achieved at N", "pooled-t N",
                  "Welch achieved at pooled-t N", "check"],
                 [[_design(r["analysis"], r["rho"]), f"{r['effect']:g}", r["variants"], r["seeds"],

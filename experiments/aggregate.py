@@ -42,6 +42,7 @@ from experiments.results import (BASELINE, BETTER, DECIDED, EQUIVALENT, INSUFFIC
                                  Comparison, Decision, GuardrailCheck, Robustness, RunOutcome,
                                  RunStatus, StudyAggregate, Summary, VariantResult)
 from experiments.rundir import GOLD_METRIC
+from experiments.resume_from import shared_starts
 from experiments.study import Study, resolve_analysis
 
 __all__ = ["BETTER", "WORSE", "EQUIVALENT", "NO_DIFFERENCE", "INSUFFICIENT", "VARIANT_FAILED", "UNDECIDABLE",
@@ -263,23 +264,21 @@ def _seeds_for(effect: float, own, cmp: Comparison, analysis: str, level: float)
 
 
 def lineage_units(by_seed: Mapping[str, Mapping[int, float]], starts: Mapping[int, str]) -> tuple:
-    """({variant: {unit: value}}, {start: seeds}) where seeds that share a start checkpoint (a round
-    resumed from fewer seeds than it runs) are one unit, the mean of its seeds, keyed by its first
-    seed: seeds from one start share its luck, so counting them apart would overstate the evidence.
+    """({variant: {unit: value}}, {start: seeds}) where seeds that share a start checkpoint
+    (`resume_from.shared_starts`) are one unit, the mean of its seeds, keyed by its first seed:
+    seeds from one start share its luck, so counting them apart would overstate the evidence.
     Unchanged, and {} as the lineages, when every seed starts apart."""
-    groups: Dict[str, List[int]] = {}
-    for seed in sorted(starts):
-        groups.setdefault(starts[seed], []).append(seed)
-    if all(len(g) < 2 for g in groups.values()):
+    lineages = shared_starts(starts)
+    if not lineages:
         return {n: dict(v) for n, v in by_seed.items()}, {}
     units = {}
     for name, values in by_seed.items():
         units[name] = {}
-        for seeds in groups.values():
+        for seeds in lineages.values():
             present = [values[s] for s in seeds if s in values]
             if present:
                 units[name][seeds[0]] = float(np.mean(present))
-    return units, {start: tuple(seeds) for start, seeds in groups.items()}
+    return units, lineages
 
 
 def _summary(values: Sequence[float], resolution: float = 0.0) -> Summary:

@@ -46,7 +46,7 @@ def cmd_plan(args: Namespace, console: Console) -> int:
     console.print(f"metric: {study.metric_from} {study.metric} ({study.direction} is better); "
                   f"guardrails: {', '.join(g.describe() for g in study.guardrails) or 'none'}; "
                   f"results: {study_dir(study, args.results)}", highlight=False)
-    for line in plan_lines(study, plan):
+    for line in plan_lines(study, plan, specs):
         console.print(line, highlight=False)
     return EXIT_OK
 
@@ -54,7 +54,7 @@ def cmd_plan(args: Namespace, console: Console) -> int:
 def cmd_run(args: Namespace, console: Console) -> int:
     """Runs what the plan needs on Ray, then writes the report (experiments/driver.py)."""
     study, specs, plan = _planned(args)
-    for line in plan_lines(study, plan):
+    for line in plan_lines(study, plan, specs):
         console.print(line, highlight=False)
     return run_study(study, specs, args, console, plan)
 

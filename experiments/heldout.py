@@ -374,7 +374,8 @@ def _best_checkpoint(scorer: Scorer, rounds: Sequence[tuple]) -> Optional[dict]:
 
 def heldout_record(rounds: Sequence[Tuple[object, Path, StudyAggregate]], test_file: Path, examples: Sequence,
                    samples_per_prompt: int = 0) -> dict:
-    """The record `heldout` writes (see the module docstring); `rounds`: (study, study dir, aggregate) in round order."""
+    """The record `heldout` writes (see the module docstring); `rounds`: (study, study dir,
+    aggregate) in round order."""
     from rlhf.data import dataset_hash
 
     scorer = Scorer(examples, samples_per_prompt)

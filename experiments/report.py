@@ -16,8 +16,8 @@ from experiments.collect import collect, load_plan, load_seed_plan
 from experiments.paths import portable
 from experiments.plan import RunSpec, git_commit
 from experiments.plots import plot_study
-from experiments.results import (BASELINE, EQUIVALENT, RunStatus, PAIRED, WELCH, AdaptiveRecord, CheckpointScore, RunOutcome, SeedPlan,
-                                 StudyAggregate, VariantResult, aggregate_path)
+from experiments.results import (BASELINE, EQUIVALENT, PAIRED, WELCH, AdaptiveRecord, CheckpointScore, RunOutcome,
+                                 RunStatus, SeedPlan, StudyAggregate, VariantResult, aggregate_path)
 from experiments.rundir import read_json
 from experiments.seed_plan import find_pilot, pilot_correlation, plan_line, shortfall
 from experiments.study import Study
@@ -162,6 +162,11 @@ def render(agg: StudyAggregate) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _units(agg: StudyAggregate) -> str:
+    """' (3 lineages)' beside a seed count when seeds share starts and the tests read lineage means."""
+    return f" ({len(agg.lineages)} lineages)" if agg.lineages else ""
+
+
 def decision_table(agg: StudyAggregate) -> List[str]:
     """The decision table (markdown): per variant its statistics, the comparison by the deciding
     analysis (its difference interval, Holm p, MDE and seeds needed) and the verdict."""
@@ -175,7 +180,7 @@ def decision_table(agg: StudyAggregate) -> List[str]:
         if v.coupled:
             change += " (coupled)"
         diff = f"{_fmt(own.difference)} {_ci(own.difference_ci95)}" if c else "–"
-        lines.append(f"| {name} | `{change}` | {s.n}/{len(v.runs)} | {_fmt(s.mean)} | {_fmt(s.std)} | "
+        lines.append(f"| {name} | `{change}` | {s.n}/{len(v.runs)}{_units(agg)} | {_fmt(s.mean)} | {_fmt(s.std)} | "
                      f"{_fmt(s.se)} | {_fmt(s.median)} | {_fmt(s.iqm)} | {_ci(s.ci95)} | {diff} | "
                      f"{c.analysis if c else '–'} | "
                      f"{_fmt(c.p_value_holm if c else None)} | {_fmt(c.hedges_g if c else None, 3)} | "
@@ -411,7 +416,8 @@ def render_summary(rounds: Sequence[tuple], results_dir: Path, heldout: Optional
         for name, var in agg.variants.items():
             own = var.comparison.decisive if var.comparison else None
             diff = f"{fmt(own.difference)} {_ci(own.difference_ci95)}" if own else ""
-            body.append(f"| {name} | {'; '.join(var.bindings) or '-'} | {var.summary.n} | {fmt(var.summary.mean)} | "
+            body.append(f"| {name} | {'; '.join(var.bindings) or '-'} | {var.summary.n}{_units(agg)} | "
+                        f"{fmt(var.summary.mean)} | "
                         f"{fmt(var.summary.std)} | {diff} | "
                         f"{fmt(var.comparison.p_value_holm if var.comparison else None)} | {_flags(var)} |"
                         + "".join(f" {beside_text(var, m)} |" for m in beside))
@@ -470,7 +476,7 @@ def _deploy_lines(rounds, results_dir: Path, setting: Dict[str, object], start_v
     lines.append(f"Final choice: `{last.decision.chosen}` of {last_study.name}, {last.metric} = {fmt4(s.mean)} ± "
                  f"{fmt4(s.std)} over {s.n} seeds (95% t interval {_ci(s.ci95)}){also}.")
     if finals:
-        lines.append(f"Its checkpoints (one per seed; `dvc pull` or `dvc repro` brings `results/`): "
+        lines.append("Its checkpoints (one per seed; `dvc pull` or `dvc repro` brings `results/`): "
                      + ", ".join(f"`{c}`" for c in finals) + ".")
     if start_values:
         start = [(last.metric, start_values), *((m, v) for m, v in start_beside.items() if v)]

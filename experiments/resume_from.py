@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from experiments.errors import StudyError
 from experiments.paths import portable
@@ -54,6 +54,29 @@ def resume_checkpoints(study: Study) -> Dict[int, str]:
     missing = [s for s in study.seeds if s not in by_seed]
     spread = {s: lineages[i % len(lineages)] for i, s in enumerate(missing)}
     return {s: by_seed.get(s) or spread[s] for s in study.seeds}
+
+
+def shared_starts(starts: Mapping[int, str]) -> Dict[str, Tuple[int, ...]]:
+    """{start checkpoint: its seeds} when some seeds share one (a round resumed from a study with
+    fewer seeds than it runs), {} when every seed starts apart: seeds from one start share its
+    luck, so the aggregate tests their mean as one unit (`aggregate.lineage_units`)."""
+    groups: Dict[str, List[int]] = {}
+    for seed in sorted(starts):
+        groups.setdefault(starts[seed], []).append(seed)
+    if all(len(g) < 2 for g in groups.values()):
+        return {}
+    return {start: tuple(seeds) for start, seeds in groups.items()}
+
+
+def lineage_notice(starts: Mapping[int, str]) -> Optional[str]:
+    """What `plan` and `run` say when seeds share starts: the round has fewer independent units."""
+    groups = shared_starts(starts)
+    if not groups:
+        return None
+    shared = "; ".join(", ".join(map(str, seeds)) for seeds in groups.values() if len(seeds) > 1)
+    return (f"notice: seeds {shared} share their start checkpoints (study.resume_from has {len(groups)} seeds with "
+            f"checkpoints): the verdicts compare {len(groups)} lineage means per variant, not {len(starts)} seeds; "
+            f"resume from a round with as many seeds to make every seed its own unit")
 
 
 def resumed_setting(study: Study) -> tuple:

@@ -32,12 +32,12 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from experiments import stats
 from experiments.errors import StudyError
-from experiments.results import SeedPlan, StudyAggregate
-from experiments.resume_from import is_checkpoint_dir, previous_aggregate
+from experiments.results import BASELINE, SeedPlan, StudyAggregate
+from experiments.resume_from import is_checkpoint_dir, lineage_notice, previous_aggregate
 from experiments.study import AUTO, PAIRED, WELCH, Study
 
 PILOT_SEEDS = 3
@@ -194,10 +194,13 @@ def shortfall(plan: SeedPlan, direction: str = "higher", knob: str = "study.seed
             f"{knob} = {plan.seeds} to detect it with {plan.power:.0%}")
 
 
-def plan_lines(study: Study, plan: Optional[SeedPlan]) -> List[str]:
-    """What `plan` and `run` print: the plan line and, when the study runs fewer seeds, the notice."""
+def plan_lines(study: Study, plan: Optional[SeedPlan], specs: Sequence = ()) -> List[str]:
+    """What `plan` and `run` print: the plan line and, when the study runs fewer seeds, the notice;
+    and, when seeds share start checkpoints (`specs`' init_from), that the round has fewer units."""
+    starts = {s.seed: s.init_from for s in specs if s.variant == BASELINE and s.init_from}
+    lineages = list(filter(None, [lineage_notice(starts)]))
     if plan is None:
-        return []
+        return lineages
     adaptive = study.adaptive_seeds is not None
     knob = "study.adaptive_seeds['max_seeds']" if adaptive else "study.seeds"
-    return [plan_line(plan, study.direction), *filter(None, [shortfall(plan, study.direction, knob)])]
+    return [plan_line(plan, study.direction), *filter(None, [shortfall(plan, study.direction, knob)]), *lineages]

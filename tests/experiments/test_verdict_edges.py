@@ -117,7 +117,9 @@ def test_seeds_that_share_a_start_are_one_unit(study):
     assert agg.lineages == {"ckpt/seed0": (0, 2), "ckpt/seed1": (1,)}
     assert agg.variants["a"].summary.n == 3  # the summary stays per seed; the tests read 2 units
     assert agg.variants["a"].verdict == INSUFFICIENT or "lineage means" in agg.variants["a"].explanation
-    assert "**Shared starts:** seeds 0, 2 start from `ckpt/seed0`" in render(agg)
+    text = render(agg)
+    assert "**Shared starts:** seeds 0, 2 start from `ckpt/seed0`" in text
+    assert "| a | `ppo.kl_coef = 0.1` | 3/3 (2 lineages) |" in text
 
 
 def test_round_facts_say_the_shortfall_and_the_equivalence_answer(study):
@@ -131,3 +133,11 @@ def test_round_facts_say_the_shortfall_and_the_equivalence_answer(study):
     assert "Seeds: 3 per variant ran; 21 seeds per variant detect +0.05 at 80% power" in facts
     assert "**Short of the plan:**" in facts and "7% power" in facts
     assert "Equivalence within ±0.03? a: not shown" in facts
+
+
+def test_plan_says_when_seeds_share_starts():
+    from experiments.resume_from import lineage_notice, shared_starts
+    assert shared_starts({0: "a", 1: "b", 2: "c"}) == {} and lineage_notice({0: "a", 1: "b"}) is None
+    text = lineage_notice({0: "a", 1: "b", 2: "c", 3: "a", 4: "b"})
+    assert text.startswith("notice: seeds 0, 3; 1, 4 share their start checkpoints")
+    assert "3 lineage means per variant, not 5 seeds" in text
