@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import re
-import statistics
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -254,21 +253,11 @@ def eval_value_at(run_dir: Path, step: int) -> Optional[float]:
 
 # ----------------------------------------------------------------------------- statistics
 def summarize(values: Sequence[float]) -> dict:
-    """n, mean, std (ddof 1) and the mean's 95% t interval (a point when the values do not
-    spread; None below two values)."""
-    values = [v for v in values if v is not None]
-    n = len(values)
-    if not n:
-        return {"n": 0, "mean": None, "std": None, "ci95": [None, None]}
-    mean = sum(values) / n
-    if n < 2:
-        return {"n": n, "mean": mean, "std": None, "ci95": [None, None]}
-    std = statistics.stdev(values)
-    if std == 0:
-        return {"n": n, "mean": mean, "std": 0.0, "ci95": [mean, mean]}
-    from scipy import stats as sps
-    low, high = sps.t.interval(0.95, n - 1, loc=mean, scale=std / math.sqrt(n))
-    return {"n": n, "mean": mean, "std": std, "ci95": [float(low), float(high)]}
+    """n, mean, std (ddof 1) and the mean's 95% t interval of the values given (`stats.summarize`,
+    as every report shows a variant's seeds)."""
+    from experiments import stats
+    s = stats.summarize([v for v in values if v is not None])
+    return {key: s[key] for key in ("n", "mean", "std", "ci95")}
 
 
 def paired_difference(a: Sequence[dict], b: Sequence[dict], metric: str) -> dict:
