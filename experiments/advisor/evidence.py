@@ -24,13 +24,20 @@ def _fmt(evidence: Dict) -> str:
                      if v is not None)
 
 
-def measured(aggregate: StudyAggregate, study_dir: Path, variant: str, metric: str) -> Optional[float]:
-    """Mean over `variant`'s completed seeds of `metric` over the final window (summary.json)."""
+def run_values(aggregate: StudyAggregate, study_dir: Path, variant: str, section: str, metric: str) -> List[float]:
+    """`metric` from the `section` of summary.json ('initial', 'final_window', ...) of each of
+    `variant`'s runs that has it."""
     values = []
     for run in aggregate.variants[variant].runs if variant in aggregate.variants else ():
-        v = scalar(((summary(study_dir / run.run_dir) or {}).get("final_window") or {}).get(metric))
+        v = scalar(((summary(study_dir / run.run_dir) or {}).get(section) or {}).get(metric))
         if v is not None:
             values.append(v)
+    return values
+
+
+def measured(aggregate: StudyAggregate, study_dir: Path, variant: str, metric: str) -> Optional[float]:
+    """Mean over `variant`'s completed seeds of `metric` over the final window (summary.json)."""
+    values = run_values(aggregate, study_dir, variant, "final_window", metric)
     return sum(values) / len(values) if values else None
 
 
@@ -91,11 +98,4 @@ def advice_lines(previous_dir: Path, aggregate: StudyAggregate, study_dir: Optio
 
 def initial_values(aggregate: StudyAggregate, study_dir: Path, metric: str) -> List[float]:
     """`metric` at the start of each baseline run, before any training (summary.json's `initial`)."""
-    values = []
-    base = aggregate.variants.get(BASELINE)
-    for run in base.runs if base else ():
-        s = summary(study_dir / run.run_dir) or {}
-        v = scalar((s.get("initial") or {}).get(metric))
-        if v is not None:
-            values.append(v)
-    return values
+    return run_values(aggregate, study_dir, BASELINE, "initial", metric)
