@@ -7,6 +7,7 @@
 #   bash bench/peers/run_h200.sh smoke    # imports and inputs only (seconds)
 #   bash bench/peers/run_h200.sh lora7b   # GRPO at the Qwen2.5-7B shape with LoRA rank 64 + gradient
 #                                         # checkpointing: engine (local) + TRL GRPOTrainer (peft_config)
+#   bash bench/peers/run_h200.sh verl_lora7b   # the same work on verl main_ppo (its own LoRA settings; Ray)
 #
 # Needs /tmp/site (Ray + vLLM carry, ../../../shared/device/README.md) with the peers' wheels
 # installed by bench/peers/install_carry.sh (TRL into /tmp/site, verl into /tmp/site-verl).
@@ -22,13 +23,13 @@
 # PEERS_SKIP="name name ..." leaves those parts out (e.g. PEERS_SKIP="trl_grpo_no_gc engine_grpo_local").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-MODE=${1:?usage: run_h200.sh grpo|ppo|smoke|lora7b}
+MODE=${1:?usage: run_h200.sh grpo|ppo|smoke|lora7b|verl_lora7b}
 OUT=${OUT:-/tmp/peers-out}
 R=$OUT/peers
 mkdir -p "$R"
 ASSETS=${PEERS_ASSETS:-/tmp/peer-assets}
 SHAPE=0.5b
-if [ "$MODE" = lora7b ]; then ASSETS=${PEERS_ASSETS_7B:-/tmp/assets-7b}; SHAPE=7b; fi
+case "$MODE" in lora7b|verl_lora7b) ASSETS=${PEERS_ASSETS_7B:-/tmp/assets-7b}; SHAPE=7b ;; esac
 LORA_RANK=${PEERS_LORA_RANK:-64}
 TOTAL=${PEERS_TOTAL_S:-575}
 ST=${PEERS_STEPS:-2}          # timed iterations after 1 warm-up (engine, verl)
@@ -55,7 +56,7 @@ import verl.trainer.main_ppo, verl.trainer.ppo.v1.trainer_sync, verl.workers.eng
 import verl.workers.rollout.vllm_rollout.vllm_async_server, verl.experimental.agent_loop, verl.experimental.reward_loop
 print('verl', verl.__version__, 'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__)
 " 2>&1 | tail -n 3 | tee "$R/verl_imports.txt"
-elif [ "$MODE" = ppo ]; then
+elif [ "$MODE" = ppo ] || [ "$MODE" = verl_lora7b ]; then
   PYTHONPATH=/tmp/site-verl:/tmp/site python3 -c "import verl, transformers, tensordict, hydra, transfer_queue; print('verl', verl.__version__, 'transformers', transformers.__version__)" \
     || log "verl site incomplete: the verl part will fail (see its log)"
 fi
@@ -75,6 +76,10 @@ gpu_idle() {  # wait (up to 30 s) until the previous part's GPU memory is releas
     sleep 1
   done
   log "GPU still holds ${used} MiB after the previous part"
+}
+
+failed_early() {  # failed_early JSON SECONDS: the part logged no step and ended before SECONDS
+  python3 -c "import json, sys; r = json.load(open('$1')); sys.exit(0 if not r.get('steps') and r.get('wall_s', 1e9) < $2 else 1)" 2>/dev/null
 }
 
 part() {  # part NAME BUDGET_S [ENV=VAL ...] -- COMMAND...
@@ -106,13 +111,22 @@ case "$MODE" in
     RAY_PART=1 part engine_grpo_colocated 250 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo grpo --placement colocated --json "$R/engine_grpo_colocated.json" --steps "$ST"
     ;;
   ppo)
-    part engine_ppo_local 150 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement local --json "$R/engine_ppo_local.json" --steps "$ST"
-    RAY_PART=1 part verl_ppo 270 PYTHONPATH=/tmp/site-verl:/tmp/site -- python3 bench/peers/verl_ppo.py --assets "$ASSETS" --json "$R/verl_ppo.json" --steps "$ST"
+    # verl first: its start-up (Ray, three FSDP workers, a vLLM server with CUDA graphs) is the longest part
+    RAY_PART=1 part verl_ppo 440 PYTHONPATH=/tmp/site-verl:/tmp/site -- python3 bench/peers/verl_ppo.py --assets "$ASSETS" --json "$R/verl_ppo.json" --steps "$ST"
     # verl's default (v1) trainer failed early with no step logged: try its legacy trainer (no TransferQueue)
-    if python3 -c "import json, sys; r = json.load(open('$R/verl_ppo.json')); sys.exit(0 if not r.get('steps') and r.get('wall_s', 999) < 150 else 1)" 2>/dev/null; then
-      RAY_PART=1 part verl_ppo_v0 220 PYTHONPATH=/tmp/site-verl:/tmp/site -- python3 bench/peers/verl_ppo.py --assets "$ASSETS" --json "$R/verl_ppo_v0.json" --steps "$ST" --trainer v0
+    if failed_early "$R/verl_ppo.json" 150; then
+      RAY_PART=1 part verl_ppo_v0 300 PYTHONPATH=/tmp/site-verl:/tmp/site -- python3 bench/peers/verl_ppo.py --assets "$ASSETS" --json "$R/verl_ppo_v0.json" --steps "$ST" --trainer v0
     fi
+    part engine_ppo_local 150 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement local --json "$R/engine_ppo_local.json" --steps "$ST"
     RAY_PART=1 part engine_ppo_colocated 250 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement colocated --json "$R/engine_ppo_colocated.json" --steps "$ST"
+    ;;
+  verl_lora7b)
+    # verl's LoRA path (the adapter as a vLLM LoRA request); if it fails early, its merged path
+    VERL7=(python3 bench/peers/verl_ppo.py --assets "$ASSETS" --algo grpo --shape 7b --lora-rank "$LORA_RANK" --gradient-checkpointing --steps "${PEERS_STEPS_7B:-2}")
+    RAY_PART=1 part verl_grpo_lora7b 560 PYTHONPATH=/tmp/site-verl:/tmp/site -- "${VERL7[@]}" --json "$R/verl_grpo_lora7b.json"
+    if failed_early "$R/verl_grpo_lora7b.json" 240; then
+      RAY_PART=1 part verl_grpo_lora7b_merged 560 PYTHONPATH=/tmp/site-verl:/tmp/site -- "${VERL7[@]}" --lora-merge --json "$R/verl_grpo_lora7b_merged.json"
+    fi
     ;;
   lora7b)
     # The engine first (its LoRA path is the newer code), then TRL; each loads the 15 GB base and starts vLLM.
