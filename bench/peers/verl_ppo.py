@@ -259,7 +259,7 @@ def main(argv=None) -> int:
         "env": {k: os.environ.get(k) for k in ("PYTHONPATH", "VLLM_USE_FLASHINFER_SAMPLER")},
     }
     Path(files["log"]).unlink(missing_ok=True)
-    log_path = Path(args.json).with_suffix(".log")
+    log_path = Path(args.json).with_suffix(".verl.log")  # run_h200.sh writes this script's output to .log
     gpu = common.GPUMemorySampler().start()
     t0 = time.perf_counter()
 
