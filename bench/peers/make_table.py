@@ -97,8 +97,8 @@ def table(rows: list[dict], peer: str) -> list[str]:
     reference being the fastest row of the section's own peer (TRL for GRPO, verl for PPO), or of
     any peer when that one has no time; beneath, this engine against every peer's fastest row."""
     lines = ["| system (variant) | median s / iteration | peer / ours | tokens/s | generate tok/s | "
-             "peak allocated GB | device peak in use GB | timed steps | setup s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "peak allocated GB | device peak in use GB | timed steps | first iteration s | setup s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     fastest = {}  # system -> its fastest timed row
     for r in rows:
         if r.get("median_step_s") and (r["system"] not in fastest
@@ -122,7 +122,7 @@ def table(rows: list[dict], peer: str) -> list[str]:
         lines.append(f"| {name(r)}{status} | {fmt(t)} | {ratio} | {fmt(r.get('tokens_per_s'))} | "
                      f"{fmt(r.get('generated_tokens_per_s'))} | {fmt(r.get('max_memory_allocated_gb'), 1)} | "
                      f"{fmt(r.get('gpu_memory_used_peak_gb'), 1)} | {r.get('timed_steps', 0)} | "
-                     f"{fmt(r.get('setup_s'), 0)} |")
+                     f"{fmt((r.get('all_step_s') or [None])[0])} | {fmt(r.get('setup_s'), 0)} |")
     if ref:
         lines.append("")
         lines.append(f"peer / ours: {name(ref)}'s median time ({fmt(ref['median_step_s'])} s) over each row's; "

@@ -105,7 +105,9 @@ def overrides(inputs: dict, files: dict, steps: int, args) -> list[str]:
         "actor_rollout_ref.model.use_remove_padding=False",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         f"actor_rollout_ref.model.enable_gradient_checkpointing={gc}",
-        "actor_rollout_ref.actor.strategy=fsdp",
+        # FSDP2 under LoRA: verl's FSDP1 path gathers the adapter with summon_full_params(offload_to_cpu=True),
+        # which torch refuses on one GPU (NO_SHARD); this engine trains with FSDP2 too
+        f"actor_rollout_ref.actor.strategy={'fsdp2' if args.lora_rank else 'fsdp'}",
         f"actor_rollout_ref.actor.optim.lr={w.get('learning_rate', w.get('actor_learning_rate'))}",
         # one optimizer step per generation batch (GRPO: mini-batch in prompts, x rollout.n sequences)
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts if grpo else w['mini_batch']}",
@@ -277,6 +279,9 @@ def main(argv=None) -> int:
                 steps.append({"step": rec.get("step"),
                               **{k: v for k, v in data.items() if isinstance(v, (int, float))}})
         result["steps"] = steps
+        if steps and first_logged is not None and steps[0].get("timing_s/step"):
+            # start-up: Ray, the FSDP workers, vLLM's server (load, compile, CUDA graphs), up to the first step
+            result["setup_s"] = first_logged - steps[0]["timing_s/step"]
         times = [s.get("timing_s/step") for s in steps if s.get("timing_s/step") is not None]
         result.update(common.summarize(times, args.warmup))
         timed = steps[args.warmup:]
@@ -307,10 +312,12 @@ def main(argv=None) -> int:
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(Path(args.assets)),
                                 start_new_session=True)
-        reset, last_write = False, 0.0
+        reset, last_write, first_logged = False, 0.0, None
         try:
             while proc.poll() is None and time.perf_counter() - t0 < args.timeout:
                 time.sleep(1.0)
+                if first_logged is None and _count_lines(files["log"]) >= 1:
+                    first_logged = time.perf_counter() - t0  # within a second of the first step's end
                 if not reset and _count_lines(files["log"]) >= args.warmup:
                     gpu.reset()  # the device's peak over the timed steps only
                     reset = True

@@ -99,3 +99,41 @@ def test_bad_lora_rank_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         verl_ppo.main(["--assets", str(tmp_path), "--json", str(tmp_path / "r.json"), "--lora-rank", "-1"])
     assert e.value.code == 2 and "--lora-rank" in capsys.readouterr().err
+
+
+STUB = '''
+import json, os, sys, time
+time.sleep(1.5)  # start-up
+with open(os.environ["VERL_FILE_LOGGER_PATH"], "a") as f:
+    for step in (1, 2, 3):
+        t = 0.5 if step == 1 else 0.25
+        time.sleep(t)
+        data = {"timing_s/step": t, "timing_s/gen": t / 2, "timing_s/update_actor": t / 4,
+                "perf/throughput": 1000.0 * step, "response_length/mean": 16.0, "perf/max_memory_allocated_gb": 1.5}
+        f.write(json.dumps({"step": step, "data": data}) + "\\n")
+        f.flush()
+print("args:", len(sys.argv) - 1)
+'''
+
+
+def test_runner_reads_verls_file_logger(tmp_path, monkeypatch):
+    """The plumbing around verl's process, with a stand-in `verl.trainer.main_ppo` that logs three
+    steps the way verl's file logger does: medians over the steps after the warm-up, the phases,
+    the start-up before the first step, and the exact command."""
+    stub = tmp_path / "stub" / "verl" / "trainer"
+    stub.mkdir(parents=True)
+    for d in (stub.parent, stub):
+        (d / "__init__.py").write_text("")
+    (stub / "main_ppo.py").write_text(STUB)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "stub"))
+    out = tmp_path / "verl.json"
+    rc = verl_ppo.main(["--assets", str(tmp_path / "assets"), "--json", str(out), "--tiny", "--steps", "2",
+                        "--algo", "grpo", "--lora-rank", "8", "--gradient-checkpointing", "--timeout", "120"])
+    r = json.loads(out.read_text())
+    assert rc == 0 and r["returncode"] == 0 and not r.get("error") and r["partial"] is False
+    assert r["all_step_s"] == [0.5, 0.25, 0.25] and r["median_step_s"] == 0.25 and r["timed_steps"] == 2
+    assert r["median_phases_s"] == {"gen": 0.125, "step": 0.25, "update_actor": 0.0625}
+    assert r["tokens_per_s"] == 2500.0 and r["generated_tokens_per_s"] == 32 * 8 * 16.0 / 0.125
+    assert 1.0 < r["setup_s"] < 30  # the stand-in's 1.5 s sleep, seen within a second
+    assert r["variant"] == "lora8_gc_v1" and "actor_rollout_ref.model.lora_rank=8" in r["verl_command"]
+    assert "$ASSETS/model" in r["verl_command"] and str(tmp_path / "assets") not in r["verl_command"]
