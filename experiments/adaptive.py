@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from experiments.errors import StudyError
 from experiments.results import BASELINE
-from experiments.stats import difference_ci
+from experiments.stats import MAX_SEEDS, difference_ci
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,9 @@ def parse_adaptive_seeds(value, initial_seeds: int, planned: bool = False) -> Op
         if not isinstance(v, int) or isinstance(v, bool) or v < (2 if key != "step" else 1):
             raise StudyError(f"study.adaptive_seeds['{key}'] = {v!r} is invalid: must be an integer >= "
                              f"{2 if key != 'step' else 1}")
+    if cfg["max_seeds"] is not None and cfg["max_seeds"] > MAX_SEEDS:
+        raise StudyError(f"study.adaptive_seeds['max_seeds'] = {cfg['max_seeds']} is invalid: must be at most "
+                         f"{MAX_SEEDS} seeds per variant (the most a seed plan proposes, as for study.seeds)")
     if cfg["max_seeds"] is not None and cfg["max_seeds"] < cfg["min_seeds"]:
         raise StudyError(f"study.adaptive_seeds['max_seeds'] = {cfg['max_seeds']} is invalid: must be >= "
                          f"min_seeds = {cfg['min_seeds']} (default: the number of study.seeds)")

@@ -6,8 +6,9 @@ Study subcommands (`plan`, `run`, `status`, `report`, `advise`) take `STUDY.gin 
 take their own arguments. Subcommands are registered in `SUBCOMMANDS` (name -> help, handler,
 extra arguments), so a new step of the loop adds one entry and one module. Exit codes: 0
 success, 1 some runs failed (or nothing could be decided), 2 invalid study, binding or input
-(one line, no traceback), 130 interrupted; a full disk stops the manager with one line and
-exit code 1 (its files are written atomically, so a rerun picks up where it stopped).
+(one line, no traceback), 130 interrupted; a full disk stops the manager with one line naming
+the file it could not write (`errors.disk_full_line`) and exit code 1 (its files are written
+atomically, so a rerun picks up where it stopped).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Union
 
 from rich.console import Console
 
 from rlhf.config import ConfigError
 
-from experiments.errors import EXIT_CONFIG, EXIT_ERROR, StudyError
+from experiments.errors import EXIT_CONFIG, EXIT_ERROR, StudyError, disk_full_line
 
 Hook = Union[str, Callable, None]
 """A function, or 'module:function' imported when its subcommand is used: `data` and `sft` must not
@@ -70,7 +72,9 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
     "run": Subcommand("run what the plan needs on Ray (skip finished, resume interrupted), then report",
                       "experiments.commands:cmd_run", _run_arguments),
     "status": Subcommand("show each run's state on disk", "experiments.commands:cmd_status"),
-    "report": Subcommand("write aggregate.json, report.md and plots from the run dirs (--wandb: the W&B Report)",
+    "report": Subcommand("write aggregate.json, report.md and plots from the run dirs of the last launch (--wandb: "
+                         "the W&B Report); runs that STUDY with these -b bindings would now rerun (stale in `status`) "
+                         "are reported as they ran, with a notice saying how many",
                          "experiments.commands:cmd_report", "experiments.commands:add_report_arguments"),
     "advise": Subcommand("apply the tuning guide's rules to a finished study (RESULTS/STUDY) and write the "
                          "next study recipe", "experiments.advisor.command:cmd_advise",
@@ -133,11 +137,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ConfigError, StudyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    except OSError as err:
-        from rlhf.atomic import is_disk_full
-        if not is_disk_full(err):
+    except OSError as err:  # a full disk: one line naming the file (or dir) that could not be written
+        where = getattr(args, "results", None) or getattr(args, "out", None)
+        line = disk_full_line(err, str(Path(where).resolve()) if isinstance(where, str) else None)
+        if line is None:
             raise
-        print(f"error: {err.strerror or 'no space left on device'}{f' writing {err.filename}' if err.filename else ''}: "
-              f"free some space, then run the same command again (what was written is kept: finished runs are "
-              f"skipped, interrupted ones resume)", file=sys.stderr)
+        print(line, file=sys.stderr)
         return EXIT_ERROR

@@ -7,7 +7,9 @@ binding, 130 interrupted.
 
 from __future__ import annotations
 
+import shlex
 from argparse import ArgumentParser, Namespace
+from typing import Optional
 
 from rich.console import Console
 from rich.table import Table
@@ -30,19 +32,54 @@ def _planned(args: Namespace):
     return with_planned_max_seeds(study, plan), specs, plan
 
 
+PLAN_TABLE_RUNS = 1000
+"""Above this many runs `plan` prints one row per variant (its seeds and what a `run` would do with
+them) rather than one per run: rendering a table of thousands of rows takes longer than planning them."""
+
+
+def _change(spec) -> str:
+    return ", ".join(f"{k} = {v!r}" for k, v in spec.changes.items()) or "–"
+
+
+def _seed_range(seeds) -> str:
+    """'0..9999' for consecutive seeds, else the first two and the last ('0, 5, ..., 9999')."""
+    seeds = sorted(seeds)
+    if len(seeds) > 1 and seeds[-1] - seeds[0] == len(seeds) - 1:
+        return f"{seeds[0]}..{seeds[-1]}"
+    return ", ".join(map(str, seeds)) if len(seeds) <= 4 else f"{seeds[0]}, {seeds[1]}, ..., {seeds[-1]}"
+
+
 def cmd_plan(args: Namespace, console: Console) -> int:
-    """Prints the run table (variant, seed, change, hashes, what a `run` would do) without running."""
+    """Prints the run table (variant, seed, change, hashes, what a `run` would do) without running;
+    above PLAN_TABLE_RUNS runs, one row per variant, with a notice saying so."""
     study, specs, plan = _planned(args)
     table = Table(title=f"study {study.name}: {len(study.all_variants)} variants x {len(study.seeds)} seeds "
                         f"= {len(specs)} runs ({study.cpus_per_run} CPU, {study.gpus_per_run:g} GPU each)")
-    for col in ("variant", "seed", "change", "steps", "run hash", "config", "code", "data", "start", "on run"):
-        table.add_column(col, overflow="fold")
-    for s in specs:
-        change = ", ".join(f"{k} = {v!r}" for k, v in s.changes.items()) or "–"
-        table.add_row(s.variant, str(s.seed), change, str(s.total_steps), s.run_hash[:12], s.config_hash[:12],
-                      s.code_version["engine_sha256"][:12], s.data_hash[:12],
-                      (s.init_from_hash or "")[:12] or "–", decide(s, args.rerun_failed))
+    if len(specs) > PLAN_TABLE_RUNS:
+        for col in ("variant", "seeds", "change", "steps", "code", "data", "starts", "on run"):
+            table.add_column(col, overflow="fold")
+        for variant in study.all_variants:
+            runs = [s for s in specs if s.variant == variant.name]
+            actions = {}
+            for s in runs:
+                action = decide(s, args.rerun_failed)
+                actions[action] = actions.get(action, 0) + 1
+            starts = {s.init_from_hash for s in runs if s.init_from_hash}
+            table.add_row(variant.name, f"{_seed_range(s.seed for s in runs)} ({len(runs)})", _change(runs[0]),
+                          str(runs[0].total_steps), runs[0].code_version["engine_sha256"][:12],
+                          runs[0].data_hash[:12], str(len(starts)) if starts else "–",
+                          ", ".join(f"{n} {a}" for a, n in sorted(actions.items())))
+    else:
+        for col in ("variant", "seed", "change", "steps", "run hash", "config", "code", "data", "start", "on run"):
+            table.add_column(col, overflow="fold")
+        for s in specs:
+            table.add_row(s.variant, str(s.seed), _change(s), str(s.total_steps), s.run_hash[:12], s.config_hash[:12],
+                          s.code_version["engine_sha256"][:12], s.data_hash[:12],
+                          (s.init_from_hash or "")[:12] or "–", decide(s, args.rerun_failed))
     console.print(table)
+    if len(specs) > PLAN_TABLE_RUNS:
+        console.print(f"notice: {len(specs)} runs, more than {PLAN_TABLE_RUNS}: one row per variant; each run's "
+                      f"hashes are in plan.json once `run` launches them", highlight=False)
     console.print(f"metric: {study.metric_from} {study.metric} ({study.direction} is better); "
                   f"guardrails: {', '.join(g.describe() for g in study.guardrails) or 'none'}; "
                   f"results: {study_dir(study, args.results)}", highlight=False)
@@ -83,15 +120,44 @@ def cmd_status(args: Namespace, console: Console) -> int:
     return EXIT_OK if counts.get(RunStatus.COMPLETED, 0) == len(specs) else EXIT_RUNS_FAILED
 
 
+def stale_runs(specs) -> list:
+    """The runs of `specs` whose run dir holds a run of another hash (config, code, data or start
+    changed): `status`'s 'stale' (rundir.state), which `run` would move aside and run again."""
+    return [s for s in specs if state(s) == RunStatus.STALE]
+
+
+def _rerun_command(args: Namespace) -> str:
+    """The `run` command line with this command's study, bindings and results dir."""
+    argv = ["python", "-m", "experiments", "run", args.study, *[x for b in args.bindings for x in ("-b", b)]]
+    return shlex.join(argv + (["--results", args.results] if args.results != "results" else []))
+
+
+def stale_notice(study, args: Namespace) -> Optional[str]:
+    """A notice when runs on disk ran another configuration than the study file and `-b` bindings
+    give now (stale, as `status` says): `report` reports them as launched, and says so."""
+    specs = expand(study, args.results)
+    stale = stale_runs(specs)
+    if not stale:
+        return None
+    given = f"{args.study}{' with these -b bindings' if args.bindings else ''}"
+    return (f"notice: {len(stale)} of {len(specs)} runs on disk ran with another configuration than {given} gives "
+            f"now (stale in `status`: config, code, data or start changed); this report is of the runs as last "
+            f"launched; `{_rerun_command(args)}` would rerun them")
+
+
 def cmd_report(args: Namespace, console: Console) -> int:
     """Rewrites aggregate.json, report.md and plots from the run dirs of the last launch; with
     --wandb also the study's W&B Report (created when W&B is online, else its definition saved
-    for --publish)."""
+    for --publish). Runs the study file and -b bindings would now run differently (stale in
+    `status`) are reported as they ran, with a one-line notice saying how many and how to rerun them."""
     from experiments.report import REPORT, write_report
     study = load_study(args.study, args.bindings)
     if getattr(args, "publish", False):
         return publish_wandb_report(study, args, console)
+    notice = stale_notice(study, args)
     agg = write_report(study, study_dir(study, args.results))
+    if notice:
+        console.print(notice, highlight=False)
     for name, v in agg.variants.items():
         mean = f"{v.summary.mean:.4g}" if v.summary.mean is not None else "–"
         console.print(f"  {name}: n={v.summary.n} mean={mean} -> {v.verdict}"

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from experiments.errors import DETERMINISTIC_FAILURES, EXIT_CONFIG, EXIT_DIVERGED
+from experiments.errors import DETERMINISTIC_FAILURES, EXIT_CONFIG, EXIT_DIVERGED, name_unwritten_path
 from experiments.results import RunStatus
 from experiments.rundir import read_json, read_record, write_record
 from rlhf.atomic import write_json
@@ -261,8 +261,18 @@ def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: st
 
     `manager` holds the study-level provenance (command line, host, results dir). A Ray
     cancellation arrives as KeyboardInterrupt: the child is stopped, the attempt recorded as
-    interrupted, and the interrupt re-raised.
+    interrupted, and the interrupt re-raised. A full disk is raised with the file it stopped as
+    the error's filename (`errors.name_unwritten_path`): the manager's one line names it, though
+    the traceback stays in the task.
     """
+    try:
+        return _execute(spec, resume, attempt, manager, cache_dir)
+    except OSError as err:
+        name_unwritten_path(err)
+        raise
+
+
+def _execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: str) -> dict:
     run_dir = Path(spec["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     if 0 < spec["gpus"] < 1:  # runs share this GPU: their engines start one at a time

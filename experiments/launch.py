@@ -130,6 +130,9 @@ def check_writable(study_path: Path, specs: List[RunSpec]) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as err:
+        if is_disk_full(err):  # a full disk: the one line of a full disk (cli.py), naming the dir
+            err.filename = err.filename or str(study_path)
+            raise
         raise StudyError(f"--results: cannot write {err.filename or study_path} ({err.strerror or err}); "
                          f"give a writable results directory") from None
     for spec in specs:

@@ -169,6 +169,12 @@ class Study:
         if not _is_number(margin) or margin != margin or margin < 0 or margin == float("inf"):
             raise _bad("study.equivalence_margin", margin, "must be a number >= 0 in the metric's units "
                                                            "(0 turns the equivalence test off)")
+        if margin > 0 and self.target_effect is not None and margin > self.target_effect:
+            raise StudyError(f"study.equivalence_margin = {margin:g} is invalid with study.target_effect = "
+                             f"{self.target_effect:g}: the margin must be at most the target effect (a difference "
+                             f"within +-margin counts as none, so a wider margin would call a change worth "
+                             f"detecting 'equivalent'); lower study.equivalence_margin to <= {self.target_effect:g} "
+                             f"or raise study.target_effect")
         step = self.metric_resolution
         if not _is_number(step) or step != step or step < 0 or step == float("inf"):
             raise _bad("study.metric_resolution", step, "must be a number >= 0 in the metric's units: its grid "
@@ -251,7 +257,8 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
     baseline_bindings: engine bindings applied on top of the recipe for every run.
     variants: {name: 'scope.param = value'} (one binding), or a list of bindings for a variant
         named in `coupled`; {} runs the baseline alone (a first round). Required.
-    seeds: a count N (seeds 0..N-1) or a list of seeds; the same for every variant.
+    seeds: a count N (seeds 0..N-1) or a list of distinct seeds >= 0; the same for every variant;
+        at most MAX_SEEDS (10000, the most a seed plan proposes) per variant.
     metric, metric_from, direction: the decision metric, read from summary.json's `final`
         (held-out evaluation at the end: an `eval/...` metric) or `final_window` (mean over the
         last steps: any metric the engine logs, `rlhf.metrics.METRICS`).
@@ -280,7 +287,9 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
         reported; this one decides.
     equivalence_margin: a number >= 0 in the metric's units (0: off). A variant neither better nor
         worse whose difference lies within +-margin by two one-sided tests (TOST, the chosen
-        analysis, Holm-corrected) is 'equivalent': a settled question, not a lack of seeds.
+        analysis, Holm-corrected) is 'equivalent': a settled question, not a lack of seeds. With
+        study.target_effect set, at most target_effect (a change under the margin is no change, one
+        of target_effect must not be missed; equal: the margin is the smallest change of interest).
     metric_resolution: the decision metric's grid step in its units, e.g. 1/128 for an accuracy
         over 128 eval prompts (0, the default: a continuous metric). Seeds that spread less than a
         quarter step are tied: the tests have no spread to judge chance by, and the verdict says
@@ -327,17 +336,38 @@ def _engine_binding(line: str, where: str) -> str:
     return key
 
 
+MAX_SEEDS = stats.MAX_SEEDS
+"""The most seeds per variant a study may run (`study.seeds`, a count or a list, and adaptive seeds'
+'max_seeds'): the most the seed plan proposes (`stats.seeds_needed`) and the advisor writes as the
+next round's `study.seeds`, so a plan is never refused; beyond it a count is a typo (seeds = 100000),
+refused before planning: `plan` lists the cap's 10000 seeds x 2 variants in about 10 s."""
+_SEEDS_ALLOWED = f"must be a count 1..{MAX_SEEDS} or a non-empty list of at most {MAX_SEEDS} distinct integers >= 0"
+
+
+def _seeds_shown(value) -> str:
+    """`value` as an error quotes it: a long list by its length and ends, so the error stays one short line."""
+    if isinstance(value, (list, tuple)) and len(value) > 8:
+        return f"[{', '.join(map(repr, value[:3]))}, ... {value[-1]!r}] ({len(value)} seeds)"
+    return repr(value)
+
+
 def _seeds(value) -> Tuple[int, ...]:
+    def bad(allowed: str) -> StudyError:
+        return StudyError(f"study.seeds = {_seeds_shown(value)} is invalid: {allowed}")
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 1:
-            raise _bad("study.seeds", value, "a count must be >= 1")
+            raise bad("a count must be >= 1")
+        if value > MAX_SEEDS:
+            raise bad(f"at most {MAX_SEEDS} seeds per variant (the most a seed plan proposes); {_SEEDS_ALLOWED}")
         return tuple(range(value))
     if isinstance(value, (list, tuple)) and value and all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value):
         if len(set(value)) != len(value):
-            raise _bad("study.seeds", value, "seeds must be distinct")
+            raise bad("seeds must be distinct")
+        if len(value) > MAX_SEEDS:
+            raise bad(f"at most {MAX_SEEDS} seeds per variant (the most a seed plan proposes); {_SEEDS_ALLOWED}")
         return tuple(value)
-    raise _bad("study.seeds", value, "must be a count >= 1 or a non-empty list of distinct integers >= 0")
+    raise bad(_SEEDS_ALLOWED)
 
 
 def _variants(value, coupled: Sequence[str]) -> Tuple[Variant, ...]:

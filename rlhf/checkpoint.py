@@ -27,9 +27,12 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, Optional
 
 from rlhf.atomic import is_disk_full
+
+if TYPE_CHECKING:  # annotations only
+    import torch
 
 # torch and safetensors load inside the functions that need them: verifying and listing checkpoints
 # (the experiment manager does it for every run of a study) stays light.
@@ -117,20 +120,23 @@ def write_manifest(ckpt: str | Path) -> dict:
     return manifest
 
 
-def verify_checkpoint(ckpt: str | Path, full: bool = True) -> Optional[str]:
+def verify_checkpoint(ckpt: str | Path, full: bool = True, only: Optional[str] = None) -> Optional[str]:
     """None when the checkpoint is intact, else why not (one line). Checks every file of the
     manifest: present, of the recorded size and (`full`) of the recorded sha256; sizes alone catch
     a truncated or partly copied file in a few stat calls. A checkpoint written before manifests
-    existed is checked by reading its JSON and its safetensors headers."""
+    existed is checked by reading its JSON and its safetensors headers. `only`: a subdirectory
+    ('actor'): only its files are checked (what an export reads)."""
     root = Path(ckpt)
     if not (root / "state.json").is_file():
         return "no state.json"
     manifest_path = root / MANIFEST
     if not manifest_path.is_file():
-        return _verify_legacy(root)
+        return _verify_legacy(root if only is None else root / only, root)
     try:
         files = json.loads(manifest_path.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        if only is not None:
+            files = {rel: meta for rel, meta in files.items() if rel.startswith(f"{only}/")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         return f"unreadable {MANIFEST} ({type(err).__name__})"
     for rel, meta in files.items():
         path = root / rel
@@ -146,12 +152,12 @@ def verify_checkpoint(ckpt: str | Path, full: bool = True) -> Optional[str]:
     return None
 
 
-def _verify_legacy(root: Path) -> Optional[str]:
+def _verify_legacy(where: Path, root: Path) -> Optional[str]:
     try:
         json.loads((root / "state.json").read_text())
     except ValueError:
         return "state.json is not valid JSON"
-    return unreadable_safetensors(sorted(root.rglob("*.safetensors")), lambda p: f"{p.relative_to(root)} is unreadable")
+    return unreadable_safetensors(sorted(where.rglob("*.safetensors")), lambda p: f"{p.relative_to(root)} is unreadable")
 
 
 def unreadable_safetensors(paths, what: Callable[[Path], str]) -> Optional[str]:
@@ -232,21 +238,26 @@ def check_weights(model_dir: str | Path, binding: str) -> None:
         raise ConfigError(f"{binding} = {str(model_dir)!r}: {reason}; copy or write the checkpoint again")
 
 
-def check_start_checkpoint(ckpt: str | Path, binding: str = "ppo.init_from") -> None:
+START_FIX = "start from an intact checkpoint (another step_N, or the run's --resume)"
+
+
+def check_start_checkpoint(ckpt: str | Path, binding: str = "ppo.init_from", *, only: Optional[str] = None,
+                           fix: str = START_FIX) -> None:
     """A start checkpoint is verified as `--resume` verifies one: against its manifest (sizes and
-    sha256), or, without one, by reading its safetensors headers. A ConfigError naming the damaged file."""
+    sha256), or, without one, by reading its safetensors headers. A ConfigError naming the damaged
+    file (`binding`: what named `ckpt`; `fix`: what to do instead). `only`: a subdirectory ('actor')
+    whose files alone are read later, so alone verified (an export of the policy)."""
     from rlhf.config import ConfigError
     ckpt = Path(ckpt)
     if (ckpt / MANIFEST).is_file():
-        reason = verify_checkpoint(ckpt, full=True)
+        reason = verify_checkpoint(ckpt, full=True, only=only)
         if reason is not None:
-            raise ConfigError(f"{binding} = {str(ckpt)!r} is damaged: {reason}; start from an intact checkpoint "
-                              f"(another step_N, or the run's --resume)")
+            raise ConfigError(f"{binding} = {str(ckpt)!r} is damaged: {reason}; {fix}")
         return
-    for sub in (ckpt / "actor", ckpt / "critic", ckpt):
+    for sub in ((ckpt / only,) if only is not None else (ckpt / "actor", ckpt / "critic", ckpt)):
         reason = damaged_weights(sub) if sub.is_dir() else None
         if reason is not None:
-            raise ConfigError(f"{binding} = {str(ckpt)!r}: {reason}; start from an intact checkpoint")
+            raise ConfigError(f"{binding} = {str(ckpt)!r}: {reason}; {fix}")
 
 
 # ------------------------------------------------------------------ a full disk

@@ -55,6 +55,10 @@ def _choice(scope: str, name: str, value: Any, choices: tuple) -> None:
     _check(value in choices, f"{scope}.{name}", value, f"must be one of {', '.join(map(repr, choices))}")
 
 
+LORA_SETTINGS = ("lora_alpha", "lora_dropout", "lora_target_modules")
+"""The adapters' settings: binding one while no model has adapters is an error, not a silent no-op."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
     """The PPO algorithm, its rollouts and its schedule (gin name: `ppo`)."""
@@ -178,7 +182,7 @@ class PPOConfig:
     blocks, not the LM head) or a list of module names such as ['q_proj', 'v_proj']."""
     critic_lora_rank: int = -1
     """LoRA rank of the critic's backbone (its value head always trains in full); -1: the actor's
-    lora_rank, 0: full fine-tuning of the critic."""
+    lora_rank, 0: full fine-tuning of the critic. GRPO has no critic: leave it at -1."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of keeping them
     (transformers' gradient checkpointing), for the actor and the critic: activation memory falls
@@ -347,6 +351,14 @@ class PPOConfig:
         if self.adv_estimator == "grpo":
             _check(self.samples_per_prompt >= 2, "ppo.samples_per_prompt", self.samples_per_prompt,
                    "must be >= 2 when ppo.adv_estimator = 'grpo' (the group baseline needs a group)")
+            _check(self.critic_lora_rank == -1, "ppo.critic_lora_rank", self.critic_lora_rank,
+                   "is set but ppo.adv_estimator = 'grpo' has no critic; remove it, or use ppo.adv_estimator = 'gae'")
+        if not self.lora_rank and self.resolved_critic_lora_rank <= 0:  # no adapters anywhere
+            for name in LORA_SETTINGS:
+                default = PPOConfig.__dataclass_fields__[name].default
+                _check(getattr(self, name) == default, f"ppo.{name}", getattr(self, name),
+                       f"is set but no model has LoRA adapters (ppo.lora_rank = 0); set ppo.lora_rank > 0 "
+                       f"(or ppo.critic_lora_rank > 0) to train adapters, or remove ppo.{name}")
         buffer = self.rollout_batch_size
         _check(buffer % self.mini_batch_size == 0, "ppo.mini_batch_size", self.mini_batch_size,
                f"must divide the rollout buffer (rollout_micro_batch_size x num_rollout_batches x "
@@ -577,9 +589,10 @@ class RewardConfig:
         if self.kind != "rule":
             _check(bool(self.model_path), "reward.model_path", self.model_path,
                    f"must name a reward-model checkpoint dir when reward.kind = {self.kind!r}")
-        else:
-            for name in ("model_path", "tokenizer_path"):
-                _check(not getattr(self, name), f"reward.{name}", getattr(self, name),
+        else:  # the model score's settings do nothing under the rule
+            for name in ("model_path", "tokenizer_path", "normalize", "clip"):
+                default = RewardConfig.__dataclass_fields__[name].default
+                _check(getattr(self, name) == default, f"reward.{name}", getattr(self, name),
                        "is set but reward.kind = 'rule' trains on task.reward_fn and ignores it; set "
                        "reward.kind = 'model' or 'combined' to score with the reward model")
         _check(bool(self.chat_template), "reward.chat_template", self.chat_template,
@@ -640,6 +653,7 @@ class RunConfig:
             _check((actor / "config.json").is_file() or (actor / "adapter_config.json").is_file(), "ppo.init_from",
                    self.ppo.init_from, "not a checkpoint dir (a run's checkpoints/step_N, holding actor/config.json, "
                    "or actor/adapter_config.json for LoRA)")
+            check_adapter_starts(self.ppo)
         limit, source = model_position_limit(self)
         need = self.ppo.max_prompt_length + self.ppo.max_response_length
         if limit is not None and need > limit:
@@ -650,6 +664,34 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def check_adapter_starts(ppo: "PPOConfig") -> None:
+    """A LoRA start (`ppo.init_from` holding adapters) continues each adapter only at the rank and
+    lora_alpha it was trained with: another alpha rescales the saved update (lora_alpha / rank), so
+    the starting model would not be the checkpoint's. Read from adapter_config.json, before any model loads."""
+    import json
+    from pathlib import Path
+    roles = [("actor", ppo.lora_rank, "ppo.lora_rank")]
+    if ppo.adv_estimator == "gae":
+        roles.append(("critic", ppo.resolved_critic_lora_rank, "ppo.critic_lora_rank"))
+    for role, rank, binding in roles:
+        path = Path(ppo.init_from) / role / "adapter_config.json"
+        if not rank or not path.is_file():
+            continue  # full fine-tuning merges a LoRA start; a full start under LoRA is refused when it loads
+        try:
+            saved = json.loads(path.read_text())
+            saved_rank, saved_alpha = int(saved["r"]), float(saved["lora_alpha"])
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            raise ConfigError(f"ppo.init_from = {ppo.init_from!r} is invalid: {path} is not a readable peft adapter "
+                              f"config ({err}); start from an intact LoRA checkpoint") from None
+        if saved_rank != rank:
+            raise ConfigError(f"{binding} = {rank} is invalid: ppo.init_from's adapter {path.parent} has rank "
+                              f"{saved_rank}; set {binding} = {saved_rank}")
+        if saved_alpha != float(ppo.lora_alpha):
+            raise ConfigError(f"ppo.lora_alpha = {ppo.lora_alpha:g} is invalid: ppo.init_from's adapter {path.parent} "
+                              f"was trained with lora_alpha {saved_alpha:g} (its update is scaled by lora_alpha / rank); "
+                              f"set ppo.lora_alpha = {saved_alpha:g}")
 
 
 TINY_MAX_POSITIONS = 256

@@ -4,18 +4,22 @@
 
 Prints each role's bytes on one GPU, each phase of a PPO step, and the verdict. Exit codes: 0 it
 fits, 2 it does not (the line names the bindings that would make it fit) or the configuration is
-invalid. The arithmetic is rlhf/placement/memory.py's, the same the trainer checks before launch.
+invalid (one line: the policy is checked as the trainer checks it at its start, rlhf/placement/memory.py
+`check_policy`). The arithmetic is rlhf/placement/memory.py's, the same the trainer checks before launch.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 EXIT_OK, EXIT_CONFIG = 0, 2
 DEFAULT_GPU_GIB = 139.0
 """What an H200 leaves usable (of 140 GiB), when this machine has no GPU to ask."""
+MAX_GPU_GIB = 1e5
+"""The most --gpu-memory-gib takes: far above any GPU (an H200 has 140 GiB), far below a typo's 1e30."""
 TABLE_VARIANTS = (("full FT", {"lora_rank": 0, "gradient_checkpointing": False}),
                   ("LoRA 64", {"lora_rank": 64, "gradient_checkpointing": False}),
                   ("LoRA 64 + checkpointing", {"lora_rank": 64, "gradient_checkpointing": True}))
@@ -26,8 +30,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m rlhf.memory", description=__doc__.split("\n")[0])
     p.add_argument("recipe", help="a gin recipe, e.g. recipes/models/lora.gin")
     p.add_argument("-b", "--binding", action="append", default=[], help="a gin binding, e.g. 'ppo.lora_rank = 64'")
-    p.add_argument("--gpu-memory-gib", type=float, default=None,
-                   help=f"memory of one GPU (default: this machine's GPU, else {DEFAULT_GPU_GIB:g}, an H200)")
+    p.add_argument("--gpu-memory-gib", default=None,
+                   help=f"memory of one GPU in GiB, a number in (0, {MAX_GPU_GIB:g}] (default: this machine's "
+                        f"GPU, else {DEFAULT_GPU_GIB:g}, an H200)")
     p.add_argument("--shape", default=None,
                    help="plan a published policy shape instead of model.name_or_path's config.json: "
                         "qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b")
@@ -37,10 +42,23 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def check_gpu_gib(value: str) -> float:
+    """--gpu-memory-gib as a number, or a one-line ConfigError naming the flag and what it takes."""
+    from rlhf.config import ConfigError
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = None
+    if gib is None or not math.isfinite(gib) or not 0 < gib <= MAX_GPU_GIB:
+        raise ConfigError(f"--gpu-memory-gib {value} is invalid: allowed: the memory of one GPU in GiB, a positive "
+                          f"finite number up to {MAX_GPU_GIB:g} (an H200: {DEFAULT_GPU_GIB:g})")
+    return gib
+
+
 def gpu_gib(requested) -> tuple:
     """(GiB, where the figure comes from)."""
     if requested is not None:
-        return requested, "--gpu-memory-gib"
+        return check_gpu_gib(requested), "--gpu-memory-gib"
     import torch
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory / 2 ** 30, torch.cuda.get_device_name(0)
@@ -117,6 +135,8 @@ def main(argv=None) -> int:
     from rlhf.placement import memory
     bindings = list(args.binding)
     try:
+        if args.gpu_memory_gib is not None:
+            check_gpu_gib(args.gpu_memory_gib)  # before the recipe: a bad flag is named first
         shape = None
         if args.shape is not None:
             shape = memory.KNOWN_SHAPES.get(args.shape.lower())
@@ -130,6 +150,7 @@ def main(argv=None) -> int:
         if args.table:
             print(table(cfg, gib))
             return EXIT_OK
+        memory.check_policy(cfg, policy=shape)  # what the trainer refuses at its start, refused here
         policy, reward_model = memory.run_shapes(cfg, policy=shape)
         gpu = cfg.ppo.device != "cpu"
         available = int(gib * memory.GIB) if gpu else None

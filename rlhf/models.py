@@ -34,6 +34,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 """What a saved tokenizer leaves in its directory (one of them at least)."""
 
 
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+"""tokenizer_config.json's class of a tokenizer that is its tokenizer.json and nothing else."""
+
+
+def _generic_tokenizer_class(path: Path) -> bool:
+    """Whether `path` holds a tokenizer saved as the generic class with its tokenizer.json. Beside a
+    model's config.json, AutoTokenizer builds such a tokenizer as the model type's own class (a
+    character tokenizer beside a qwen2 config becomes a Qwen2Tokenizer, which drops spaces and
+    newlines); loaded as the generic class it encodes exactly as it did when it was saved."""
+    import json
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(config, dict) and config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
+            and (path / "tokenizer.json").is_file())
+
+
 def read_tokenizer(path: str | Path, binding: str, fix: str = "") -> PreTrainedTokenizerBase:
     """The tokenizer saved in `path` (named by `binding`), or a one-line ConfigError naming the binding
     to set (`fix`): for a missing directory, a directory without tokenizer files (transformers would
@@ -49,7 +67,11 @@ def read_tokenizer(path: str | Path, binding: str, fix: str = "") -> PreTrainedT
         raise ConfigError(f"{where}: no tokenizer files in that directory (none of {', '.join(TOKENIZER_FILES[:4])}, "
                           f"...); {set_it}")
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if _generic_tokenizer_class(path):  # as saved: AutoTokenizer would rebuild it as the model type's class
+            from transformers import PreTrainedTokenizerFast
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        else:
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (ValueError, OSError, KeyError, TypeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"{where}: cannot load a tokenizer there ({first}); {set_it}") from None
@@ -101,26 +123,177 @@ CAUSAL_LM_ARCHITECTURES = ("ForCausalLM", "LMHeadModel", "WithLMHead", "ForCondi
 """How the architectures of a checkpoint with a language-model head end (config.json)."""
 
 
-def check_policy_dir(path: str | Path, binding: str = "model.name_or_path") -> None:
-    """The policy directory holds a causal LM: config.json present and its `architectures` (when it
-    names them) a model with a language-model head. A sequence classifier or a bare backbone would
-    load into AutoModelForCausalLM with a freshly initialised head: a ConfigError instead, before
-    any weights load."""
+def check_policy_dir(path: str | Path, binding: str = "model.name_or_path", ppo=None, config=None) -> None:
+    """The one check of a policy model before anything loads, made alike by the trainer's start
+    (rlhf/placement/memory.py `check_policy`, called by rlhf/trainer.py), `python -m rlhf.memory`
+    and `load_policy`; a one-line ConfigError naming `binding`, the file and what is allowed:
+
+    - config.json present and a JSON object;
+    - its `architectures` (when it names them) a model with a language-model head: a sequence
+      classifier or a masked LM would load into AutoModelForCausalLM with a freshly initialised head;
+    - its shape (rlhf/placement/memory.py `shape_fields`, what the memory plan reads): positive
+      integer sizes, the attention heads dividing hidden_size and the key/value heads dividing them;
+    - a `model_type` transformers has a causal LM for, and a config transformers accepts;
+    - with `ppo` (a PPOConfig) and LoRA on, `ppo.lora_target_modules` and the ranks against the
+      layers of the policy and of the critic (`check_lora_targets`), on a weightless (meta) copy.
+
+    `config`: the config dict to check instead of reading `path`/config.json (the tiny default's or a
+    published shape's, which have no directory; `path` then only names it)."""
     import json
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.is_file():
-        raise ConfigError(f"{binding} = {str(path)!r} is invalid: not a local model directory (no config.json); "
-                          f"use 'tiny' or a saved AutoModelForCausalLM checkpoint")
+    from rlhf.placement.memory import ShapeError, shape_fields
+    if config is None:
+        cfg_file = Path(path) / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"{binding} = {str(path)!r} is invalid: not a local model directory (no config.json); "
+                              f"use 'tiny' or a saved AutoModelForCausalLM checkpoint")
+        try:
+            config = json.loads(cfg_file.read_text())
+        except ValueError as err:
+            raise ConfigError(f"{binding} = {str(path)!r}: {cfg_file} is not valid JSON ({err}); allowed: the "
+                              f"config.json transformers saved with the model") from None
+        where = f"{binding} = {str(path)!r}: {cfg_file}"
+    else:
+        where = f"{binding} = {str(path)!r}: its model config"
     try:
-        archs = json.loads(cfg_file.read_text()).get("architectures") or []
-    except (ValueError, AttributeError):
-        raise ConfigError(f"{binding} = {str(path)!r}: config.json is not a JSON object") from None
+        if isinstance(config, dict):
+            _check_architectures(config.get("architectures"), path, binding)
+        shape_fields(config)
+    except ShapeError as err:
+        raise ConfigError(f"{where} {err.predicate}") from None
+    transformers_config = _transformers_config(config, where)
+    if ppo is not None:
+        _check_run_lora(transformers_config, ppo, where)
+
+
+def _check_architectures(archs, path, binding: str) -> None:
+    archs = [archs] if isinstance(archs, str) else list(archs) if isinstance(archs, (list, tuple)) else []
     if archs and not any(str(a).endswith(CAUSAL_LM_ARCHITECTURES) for a in archs):
         kind = "a sequence classifier (a reward model?)" if any(str(a).endswith("ForSequenceClassification")
                                                                 for a in archs) else "not a causal LM"
         raise ConfigError(f"{binding} = {str(path)!r} is invalid: its config.json says architectures = {archs}, "
                           f"{kind}; loading it as the policy would start from an untrained LM head. Use a "
                           f"causal LM checkpoint (architectures ending in ForCausalLM)")
+
+
+def _last_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else type(err).__name__
+
+
+def _transformers_config(config: dict, where: str):
+    """The transformers config of a config.json dict, as AutoModelForCausalLM would build it: a
+    ConfigError for a model_type it does not know or has no causal LM for, and for a config its own
+    validation refuses."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    model_type = config.get("model_type")
+    allowed = "allowed: a model type with a causal LM in transformers, such as 'llama', 'qwen2' or 'mistral'"
+    if model_type is None:
+        raise ConfigError(f"{where} has no model_type; {allowed}")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"{where} says model_type = {model_type!r}, which this transformers does not know; {allowed}")
+    try:
+        built = CONFIG_MAPPING[model_type].from_dict(dict(config))
+    except Exception as err:  # transformers' own validation (huggingface_hub's strict dataclasses) or a bad value
+        raise ConfigError(f"{where} is not a {model_type} config transformers accepts ({_last_line(err)})") from None
+    if type(built) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ConfigError(f"{where} says model_type = {model_type!r}, which has no causal LM in transformers; "
+                          f"{allowed}")
+    return built
+
+
+def _check_run_lora(transformers_config, ppo, where: str) -> None:
+    """`check_lora_targets` for the policy (`ppo.lora_rank`) and the critic (its backbone,
+    `ppo.critic_lora_rank`) where they have adapters, on a weightless copy of the model."""
+    policy_rank = ppo.lora_rank
+    critic_rank = ppo.resolved_critic_lora_rank if ppo.adv_estimator == "gae" else 0
+    if not policy_rank and not critic_rank:
+        return
+    try:
+        with torch.device("meta"):  # the modules and their shapes, no memory
+            lm = AutoModelForCausalLM.from_config(transformers_config)
+    except (ValueError, TypeError, KeyError) as err:
+        raise ConfigError(f"{where}: transformers cannot build a causal LM from it ({_last_line(err)})") from None
+    if policy_rank:
+        check_lora_targets(lm, "policy", policy_rank, "ppo.lora_rank", ppo.lora_target_modules)
+    if critic_rank:
+        check_lora_targets(lm.base_model, "critic", critic_rank,
+                           "ppo.critic_lora_rank" if ppo.critic_lora_rank > 0 else "ppo.lora_rank",
+                           ppo.lora_target_modules, policy=lm)
+
+
+def _lora_layer_types() -> tuple:
+    from transformers.pytorch_utils import Conv1D
+    return nn.Linear, nn.Embedding, Conv1D, nn.Conv1d, nn.Conv2d, nn.Conv3d
+
+
+def _features(module: nn.Module) -> Tuple[int, int]:
+    """(in, out) features of a layer LoRA adapts."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, nn.Embedding):
+        return module.num_embeddings, module.embedding_dim
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return module.in_channels, module.out_channels
+    return tuple(module.weight.shape[:2])  # transformers' Conv1D: [in, out]
+
+
+def _matches(target: str, names) -> list:
+    """The module names peft's `target_modules = [target]` matches (its own rule: the name, or a
+    dotted suffix of it)."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+    config = LoraConfig(target_modules=[target])
+    return [n for n in names if n and check_target_module_exists(config, n)]
+
+
+def check_lora_targets(model: nn.Module, role: str, rank: int, rank_binding: str, target_modules,
+                       policy: nn.Module | None = None) -> list:
+    """The names of the layers `add_lora(model, rank, ..., target_modules)` would adapt, checked: every name of
+    `target_modules` names at least one layer of `model` LoRA can adapt (peft drops a name that matches
+    nothing as long as another one matches), and `rank` is at most the narrowest targeted layer's width
+    (min(in, out): the adapter's update B @ A has no higher rank). A one-line ConfigError naming the
+    binding, the model (`role`: 'policy' or 'critic') and its layer names otherwise. `policy`: for the
+    critic (the policy's backbone), the policy itself, to say when only the critic lacks a name."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+    modules = dict(model.named_modules())
+    adaptable = {n: m for n, m in modules.items() if n and isinstance(m, _lora_layer_types())}
+    known = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in adaptable}))
+    binding = f"ppo.lora_target_modules = {target_modules!r} is invalid"
+    which = ("the critic (the policy's backbone with a value head, without the LM head)" if role == "critic"
+             else f"the {role}")
+    if isinstance(target_modules, str):  # 'all-linear': peft's own choice (every linear layer but the output head)
+        targeted = sorted(_maybe_include_all_linear_layers(LoraConfig(target_modules=target_modules), model)
+                          .target_modules)
+    else:
+        targeted = []
+        for target in target_modules:
+            hits = _matches(target, modules)
+            if not hits:
+                fix = ""
+                if policy is not None and _matches(target, dict(policy.named_modules())):
+                    fix = (f"; the policy has it, the critic does not: drop {target!r} or set ppo.critic_lora_rank "
+                           f"= 0 (the critic trains in full)")
+                raise ConfigError(f"{binding}: {which} has no module named {target!r}{fix}; its module names: "
+                                  f"{known}")
+            other = [n for n in hits if n not in adaptable]
+            if other:
+                raise ConfigError(f"{binding}: {target!r} names {other[0]} of {which}, a "
+                                  f"{type(modules[other[0]]).__name__}, which LoRA cannot adapt (linear and embedding "
+                                  f"layers only); its module names: {known}")
+            targeted += hits
+    if not targeted:
+        raise ConfigError(f"{binding}: {which} has no linear layer for it to adapt; its module names: {known}")
+    narrowest = min(targeted, key=lambda n: sorted(_features(adaptable[n])))  # the narrowest, then the smallest
+    fan_in, fan_out = _features(adaptable[narrowest])
+    width = min(fan_in, fan_out)
+    if rank > width:
+        raise ConfigError(f"{rank_binding} = {rank} is invalid: above the width of the {role}'s narrowest adapted "
+                          f"layer ({narrowest}: {fan_in} in, {fan_out} out features), where a rank above {width} "
+                          f"adds nothing; allowed: a rank from 1 to {width} (or fewer target modules, "
+                          f"ppo.lora_target_modules)")
+    return sorted(targeted)
 
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> nn.Module:
@@ -239,12 +412,20 @@ def adapter_files(model: nn.Module, state: Dict[str, torch.Tensor] | None = None
     peft_model = next(m for m in model.modules() if isinstance(m, PeftModel))
     with tempfile.TemporaryDirectory() as tmp:
         peft_model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
-        return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file() and p.name != "README.md"}
+        files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file() and p.name != "README.md"}
+    files[ADAPTER_CONFIG] = _sorted_adapter_config(files[ADAPTER_CONFIG])
+    return files
 
 
-def read_adapter_rank(adapter_dir: str | Path) -> int:
+def _sorted_adapter_config(raw: bytes) -> bytes:
+    """peft keeps `target_modules` as a set, so its saved order follows the process's string
+    hashing: sorted, the same run writes the same bytes (peft's own format: indent 2, sorted keys)."""
     import json
-    return int(json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["r"])
+    config = json.loads(raw)
+    for key in ("target_modules", "modules_to_save", "exclude_modules"):
+        if isinstance(config.get(key), list):
+            config[key] = sorted(config[key])
+    return json.dumps(config, indent=2, sort_keys=True).encode()
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,7 @@ beside this one's critic update: it needs only the actor's synced weights.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import resource
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ from rlhf.config import RunConfig
 from rlhf.chat import PromptRenderer, check_rows, prompt_key
 from rlhf.data import Example, PromptSampler, check_prompt_lengths, dataset_hash, load_task
 from rlhf.metrics import PERF_SUMMARY, MetricLogger, is_machine_metric, read_metrics, window_means
-from rlhf.models import check_policy_dir, check_vocab_fits, load_tokenizer
+from rlhf.models import check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles, memory
 from rlhf.placement.context import deterministic_algorithms
 from rlhf.placement.proxy import submit
@@ -55,11 +53,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_model_paths(cfg: RunConfig, log=print) -> tuple[Path, Path]:
-    """(policy dir, tokenizer dir): the tiny default is built (once, cached) on demand."""
+    """(policy dir, tokenizer dir): the tiny default is built (once, cached) on demand. The policy is
+    checked first (a causal LM, its shape, the LoRA bindings against its layers), as
+    `python -m rlhf.memory` checks it, before any weights load."""
+    memory.check_policy(cfg)
     if cfg.model.name_or_path == "tiny":
         return prepare_tiny(cfg.tiny_model, cfg.sft, cfg.task, log=log)
     model_dir = Path(cfg.model.name_or_path)
-    check_policy_dir(model_dir)  # a causal LM (config.json), before any weights load
     return model_dir, Path(cfg.model.tokenizer_path or model_dir)
 
 

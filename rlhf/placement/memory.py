@@ -30,7 +30,7 @@ import itertools
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -159,6 +159,68 @@ def _first(config: dict, *keys, default=None):
     return default
 
 
+SHAPE_FIELDS = (("hidden_size", ("hidden_size", "n_embd", "d_model"), True),
+                ("num_hidden_layers", ("num_hidden_layers", "n_layer", "num_layers"), True),
+                ("num_attention_heads", ("num_attention_heads", "n_head"), True),
+                ("vocab_size", ("vocab_size",), True),
+                ("num_key_value_heads", ("num_key_value_heads",), False),
+                ("head_dim", ("head_dim",), False),
+                ("intermediate_size", ("intermediate_size", "n_inner", "ffn_dim"), False))
+"""(field, the keys config.json may spell it with, required) of a model's shape."""
+
+
+class ShapeError(ValueError):
+    """A model config that is not a shape the engine can take; `predicate` says why, after the
+    config's name ('says hidden_size = 0; allowed: a positive integer')."""
+
+    def __init__(self, predicate: str):
+        super().__init__(f"the model config {predicate}")
+        self.predicate = predicate
+
+
+def _text_config(config: dict) -> tuple:
+    """(the language model's config, the prefix naming its fields): a multimodal config's `text_config`."""
+    if isinstance(config.get("text_config"), dict) and config["text_config"]:
+        return config["text_config"], "text_config."
+    return config, ""
+
+
+def shape_fields(config) -> dict:
+    """The shape fields of a model config (a dict; a multimodal config's `text_config` is the
+    language model), each a positive integer, with the heads dividing the width: {field: value}
+    (None for an optional field it leaves out). A ShapeError naming the field and what is allowed
+    otherwise: every config.json the memory plan reads and the policy check (rlhf/models.py
+    `check_policy_dir`) takes goes through here."""
+    if not isinstance(config, dict):
+        raise ShapeError(f"is not a JSON object (it holds a {type(config).__name__}); allowed: a model config "
+                         f"object with model_type, hidden_size, num_hidden_layers, num_attention_heads, vocab_size")
+    c, prefix = _text_config(config)
+    values, missing = {}, []
+    for field, keys, required in SHAPE_FIELDS:
+        key = next((k for k in keys if c.get(k) is not None), None)
+        if key is None:
+            values[field] = None
+            if required:
+                missing.append(prefix + field)
+            continue
+        value = c[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ShapeError(f"says {prefix}{key} = {value!r}; allowed: a positive integer")
+        values[field] = value
+    if missing:
+        raise ShapeError(f"has no {', '.join(missing)}; allowed: each a positive integer (the model's shape)")
+    h, heads, kv = values["hidden_size"], values["num_attention_heads"], values["num_key_value_heads"]
+    if values["head_dim"] is None and h % heads:
+        raise ShapeError(f"says {prefix}hidden_size = {h}, not a multiple of {prefix}num_attention_heads = {heads}; "
+                         f"allowed: a hidden_size that num_attention_heads divides (each head is hidden_size / "
+                         f"num_attention_heads wide), or an explicit head_dim")
+    if kv is not None and heads % kv:
+        raise ShapeError(f"says {prefix}num_attention_heads = {heads}, not a multiple of {prefix}num_key_value_heads "
+                         f"= {kv}; allowed: a num_key_value_heads that divides num_attention_heads (grouped-query "
+                         f"attention shares each key/value head among a whole number of query heads)")
+    return values
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """What the memory plan needs of a decoder-only transformer (Llama, Qwen2/3, Mistral, Phi-3:
@@ -181,40 +243,52 @@ class ModelShape:
     @classmethod
     def from_config(cls, config, name: str = "") -> "ModelShape":
         """From a transformers config (object or dict; a multimodal config's `text_config` is the
-        language model). Raises ValueError for what it cannot model (mixture-of-experts)."""
-        c = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        c = c.get("text_config") or c
-        h = _first(c, "hidden_size", "n_embd", "d_model")
-        layers = _first(c, "num_hidden_layers", "n_layer", "num_layers")
-        heads = _first(c, "num_attention_heads", "n_head")
-        vocab = _first(c, "vocab_size")
-        missing = [k for k, v in (("hidden_size", h), ("num_hidden_layers", layers),
-                                  ("num_attention_heads", heads), ("vocab_size", vocab)) if not v]
-        if missing:
-            raise ValueError(f"the model config has no {', '.join(missing)}")
-        if (_first(c, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0) > 1:
-            raise ValueError("mixture-of-experts models are not modelled")
-        model_type = c.get("model_type", "")
+        language model). Raises a ShapeError (a ValueError) for a config that is not a shape
+        (`shape_fields`) and for what it cannot model (mixture-of-experts)."""
+        c = config.to_dict() if hasattr(config, "to_dict") else dict(config) if isinstance(config, Mapping) else config
+        f = shape_fields(c)  # a ShapeError naming the field and what is allowed
+        c, _ = _text_config(c)
+        experts = _first(c, "num_local_experts", "num_experts", "n_routed_experts", default=0)
+        if isinstance(experts, int) and experts > 1:
+            raise ShapeError("is a mixture-of-experts model, which the memory plan does not model")
+        h, heads = f["hidden_size"], f["num_attention_heads"]
+        model_type = str(c.get("model_type") or "")
         attention_bias = c.get("attention_bias")
-        return cls(hidden_size=h, num_layers=layers, num_heads=heads,
-                   num_kv_heads=_first(c, "num_key_value_heads", default=heads),
-                   head_dim=_first(c, "head_dim") or h // heads,
-                   intermediate_size=_first(c, "intermediate_size", "n_inner", "ffn_dim") or 4 * h,
-                   vocab_size=vocab, tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        return cls(hidden_size=h, num_layers=f["num_hidden_layers"], num_heads=heads,
+                   num_kv_heads=f["num_key_value_heads"] or heads, head_dim=f["head_dim"] or h // heads,
+                   intermediate_size=f["intermediate_size"] or 4 * h,
+                   vocab_size=f["vocab_size"], tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
                    qkv_bias=bool(attention_bias) if attention_bias is not None else model_type in QKV_BIAS_MODEL_TYPES,
                    o_bias=bool(attention_bias), mlp_bias=bool(c.get("mlp_bias", False)),
                    qk_norm=model_type.startswith("qwen3"), name=name or model_type)
 
     @classmethod
     def from_dir(cls, path: str | Path, binding: str = "model.name_or_path") -> "ModelShape":
-        """From `path/config.json`; a ConfigError naming `binding` when there is none."""
+        """From `path/config.json`; a one-line ConfigError naming `binding` and the file when there is
+        none or it is not a model shape (`shape_fields`)."""
         file = Path(path) / "config.json"
         try:
             config = json.loads(file.read_text())
         except (OSError, ValueError):
             raise ConfigError(f"{binding} = {str(path)!r}: no readable config.json to take the model's shape "
                               f"from") from None
-        return cls.from_config(config, name=Path(path).name)
+        try:
+            return cls.from_config(config, name=Path(path).name)
+        except ShapeError as err:
+            raise ConfigError(f"{binding} = {str(path)!r}: {file} {err.predicate}") from None
+
+    def config_dict(self) -> dict:
+        """A transformers config of this shape (what `from_config` reads back): a Qwen2 when the q/k/v
+        projections alone carry a bias, else a Llama; for a shape without a config.json (the tiny
+        default, the published shapes) to be checked as the trainer checks a policy's."""
+        qwen2 = self.qkv_bias and not self.o_bias
+        return {"model_type": "qwen2" if qwen2 else "llama",
+                "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+                "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+                "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
+                "vocab_size": self.vocab_size, "tie_word_embeddings": self.tie_word_embeddings,
+                **({} if qwen2 else {"attention_bias": self.o_bias, "mlp_bias": self.mlp_bias})}
 
     def linears(self) -> Dict[str, tuple]:
         """(in, out) features of each linear layer of one block."""
@@ -743,6 +817,20 @@ def check(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShape]
         gpus = f" on {fitted.gpus} GPUs" if fitted.gpus > 1 else ""
         fix = f"it fits with {' and '.join(bindings)} ({fitted.peak.total / GIB:.1f} GiB a GPU{gpus})"
     raise ConfigError(f"ppo: the run {plan.verdict()}; {fix}")
+
+
+def check_policy(cfg: RunConfig, policy: Optional[ModelShape] = None) -> None:
+    """The run's policy checked before anything is built, by the trainer's start and by
+    `python -m rlhf.memory` alike (rlhf/models.py `check_policy_dir`: a causal LM, its shape, the LoRA
+    bindings against its layers and the critic's): model.name_or_path's config.json, the tiny
+    default's shape, or `policy` (a published shape, `--shape`) instead."""
+    from rlhf.models import check_policy_dir
+    if policy is not None:
+        check_policy_dir(policy.name, "--shape", cfg.ppo, config=policy.config_dict())
+    elif cfg.model.name_or_path == "tiny":
+        check_policy_dir("tiny", "model.name_or_path", cfg.ppo, config=tiny_shape(cfg.tiny_model).config_dict())
+    else:
+        check_policy_dir(cfg.model.name_or_path, "model.name_or_path", cfg.ppo)
 
 
 def run_shapes(cfg: RunConfig, model_dir: Optional[str | Path] = None, policy: Optional[ModelShape] = None) -> tuple:

@@ -74,6 +74,35 @@ def load_reward_tokenizer(path: str | Path, binding: str = "reward.tokenizer_pat
     return tok
 
 
+PROBE_FILE = "tokenizer_probe.json"
+"""Written beside a trained reward model: a probe text and the ids its training tokenizer gave."""
+PROBE_TEXT = "Q: What is 12 + 30?\n\nA:  42.\tDone, 'ok' (x_1 = -3.5e2) {a: [b]} # end"
+
+
+def write_tokenizer_probe(tokenizer, directory: str | Path) -> None:
+    """Records how the tokenizer a reward model was trained with encodes `PROBE_TEXT` (spaces,
+    newlines, digits, punctuation), so that whoever scores with it can check their tokenizer agrees."""
+    ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    (Path(directory) / PROBE_FILE).write_text(json.dumps({"text": PROBE_TEXT, "input_ids": ids}) + "\n")
+
+
+def check_tokenizer_probe(tokenizer, model_dir: str | Path, binding: str) -> None:
+    """The tokenizer about to score (named by `binding`) encodes the reward model's probe text into
+    the ids its training tokenizer gave; otherwise one ConfigError saying where they part."""
+    try:
+        probe = json.loads((Path(model_dir) / PROBE_FILE).read_text())
+    except (OSError, ValueError):
+        return  # a reward model from elsewhere: nothing recorded to check against
+    got = tokenizer(probe["text"], add_special_tokens=False)["input_ids"]
+    if got != probe["input_ids"]:
+        at = next((i for i, (a, b) in enumerate(zip(got, probe["input_ids"])) if a != b),
+                  min(len(got), len(probe["input_ids"])))
+        raise ConfigError(
+            f"{binding}: this tokenizer ({type(tokenizer).__name__}) encodes text differently from the one the reward "
+            f"model {str(model_dir)!r} was trained with (its {PROBE_FILE}: {len(probe['input_ids'])} ids, here "
+            f"{len(got)}, first difference at id {at}); set reward.tokenizer_path to the tokenizer it was trained with")
+
+
 def ensure_pad_id(model, tokenizer) -> None:
     """The classifier refuses batches without a pad id in its config; which id it is does not matter
     here (sequences are left-padded and the last position is read)."""

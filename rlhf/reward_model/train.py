@@ -34,7 +34,7 @@ from rlhf.data import PreferencePair, _unit_hash, load_pairs
 from rlhf.models import adamw, check_vocab_fits, enable_gradient_checkpointing
 from rlhf.reward_model.config import RMTrainConfig
 from rlhf.reward_model.score import (encode_conversation, ensure_pad_id, last_token_scores, load_reward_tokenizer,
-                                     pack_left)
+                                     pack_left, write_tokenizer_probe)
 
 
 def pair_key(pair: PreferencePair) -> str:
@@ -246,6 +246,7 @@ class RewardModelTrainer:
         if self.cfg.chat_template != "auto":  # the template it was trained with (none for 'none') travels with it
             tok.chat_template = self.renderer.template
         tok.save_pretrained(str(path))
+        write_tokenizer_probe(tok, path)
 
     def save_final(self) -> None:
         """The trained model into OUT itself: written into a temporary folder first, so a failed

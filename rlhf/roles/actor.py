@@ -30,7 +30,7 @@ from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.config import ConfigError
 from rlhf.models import (ADAPTER_CONFIG, add_lora, adapter_files, frozen_base_dtype, load_policy,
-                         load_tokenizer, lora_scaling, merged_weights, read_adapter_rank)
+                         load_tokenizer, lora_scaling, merged_weights)
 from rlhf.packing import micro_batches
 from rlhf.roles.common import (StatAccumulator, TrainedRole, global_stats, minibatch_indices, on_device,
                                response_logprobs)
@@ -53,10 +53,6 @@ def build_policy(ppo: PPOConfig, start_dir: str, model_dir: str, device: torch.d
     model = add_lora(load_policy(model_dir, frozen_base_dtype(device), device), ppo.lora_rank, ppo.lora_alpha,
                      ppo.lora_dropout, ppo.lora_target_modules, task_type="CAUSAL_LM", base_path=model_dir)
     if start_is_adapter:
-        rank = read_adapter_rank(start_dir)
-        if rank != ppo.lora_rank:
-            raise ConfigError(f"ppo.lora_rank = {ppo.lora_rank} is invalid: ppo.init_from's adapter {start_dir} has "
-                              f"rank {rank}; set ppo.lora_rank = {rank}")
         result = model.load_state_dict(checkpoint.read_trained_state(Path(start_dir).parent, "actor"), strict=False)
         trained = {name for name, p in model.named_parameters() if p.requires_grad}
         missing = [k for k in result.missing_keys if k in trained]

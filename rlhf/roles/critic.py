@@ -11,7 +11,7 @@ from rlhf import algos, checkpoint
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.config import ConfigError
-from rlhf.models import ValueModel, adapter_files, frozen_base_dtype, is_lora
+from rlhf.models import ADAPTER_CONFIG, ValueModel, adapter_files, frozen_base_dtype, is_lora
 from rlhf.packing import micro_batches, packed_row
 from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, on_device, sequence_inputs
 from rlhf.roles.dispatch import ALL, ROWS, dispatch
@@ -20,10 +20,11 @@ from rlhf.rollout import derive_seed
 
 def load_critic_start(model: ValueModel, init_from: str) -> ValueModel:
     """`model` with the critic weights of checkpoint `init_from`: the same kind of critic loads them
-    as they are; a LoRA critic under full fine-tuning is merged into its base (peft's merge)."""
+    as they are (a LoRA critic: the same rank and lora_alpha, checked with the config); a LoRA critic
+    under full fine-tuning is merged into its base (peft's merge)."""
     lora = is_lora(model)
     adapter_dir = Path(init_from) / "critic"
-    if not lora and (adapter_dir / "adapter_config.json").is_file():
+    if not lora and (adapter_dir / ADAPTER_CONFIG).is_file():
         from peft import PeftModel
         from safetensors.torch import load_file
         model.backbone = PeftModel.from_pretrained(model.backbone, str(adapter_dir)).merge_and_unload()

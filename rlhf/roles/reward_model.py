@@ -27,13 +27,15 @@ def check_reward_model(reward: RewardConfig, task: TaskConfig, examples: Sequenc
     from rlhf.chat import check_rows
     from rlhf.checkpoint import check_weights
     from rlhf.models import check_vocab_fits
-    from rlhf.reward_model.score import check_reward_checkpoint, encode_conversation, load_reward_tokenizer
+    from rlhf.reward_model.score import (check_reward_checkpoint, check_tokenizer_probe, encode_conversation,
+                                         load_reward_tokenizer)
     check_reward_checkpoint(reward.model_path)
     check_weights(reward.model_path, "reward.model_path")
     tokenizer_binding = "reward.tokenizer_path" if reward.tokenizer_path else "reward.model_path"
     tokenizer = load_reward_tokenizer(reward.tokenizer_path or reward.model_path, tokenizer_binding)
     check_vocab_fits(tokenizer, tokenizer_binding, reward.tokenizer_path or reward.model_path, "reward.model_path",
                      reward.model_path)
+    check_tokenizer_probe(tokenizer, reward.model_path, tokenizer_binding)
     renderer = PromptRenderer(tokenizer, reward.chat_template, task.system_prompt, task.instruction_suffix,
                               binding="reward.chat_template")
     check_rows(examples, lambda prompt: encode_conversation(renderer, prompt, ""), "reward.chat_template")

@@ -170,3 +170,85 @@ def test_a_directory_given_as_a_study_or_recipe_says_it_is_one(capsys, tmp_path)
     assert engine.returncode == 2 and engine.stderr.strip() == (
         f"error: recipe {str(tmp_path)!r} is a directory, not a file; expected a gin recipe file "
         f"(e.g. recipes/tiny.gin)"), engine.stderr
+
+
+SEEDS_ALLOWED = ("must be a count 1..10000 or a non-empty list of at most 10000 distinct integers >= 0")
+
+
+@pytest.mark.parametrize("seeds, shown", [
+    ("100000", "100000"),
+    ("list(range(10001))", "[0, 1, 2, ... 10000] (10001 seeds)"),
+], ids=["count", "list"])
+def test_more_seeds_than_a_plan_proposes_is_one_line_before_planning(capsys, tmp_path, seeds, shown):
+    """study.seeds = 100000 planned for ~25 minutes, silently. A count or a list above stats.MAX_SEEDS
+    (the most seeds per variant a seed plan proposes, and the advisor writes) is refused at once."""
+    import time
+    from experiments import stats, study
+    assert study.MAX_SEEDS == stats.MAX_SEEDS == 10000
+    value = seeds if seeds.isdigit() else repr(list(range(10001)))
+    t0 = time.monotonic()
+    err = one_line_error(capsys, ["plan", SMOKE, "-b", f"study.seeds = {value}", "--results", str(tmp_path)])
+    assert time.monotonic() - t0 < 30
+    assert err == (f"error: study.seeds = {shown} is invalid: at most 10000 seeds per variant (the most a seed plan "
+                   f"proposes); {SEEDS_ALLOWED}")
+    assert not (tmp_path / "smoke").exists()
+
+
+def test_the_seed_cap_holds_for_adaptive_seeds_and_the_cap_itself_is_allowed(capsys, tmp_path):
+    from experiments.study import load_study
+    err = one_line_error(capsys, ["plan", SMOKE, "-b", "study.adaptive_seeds = {'max_seeds': 20000}",
+                                  "--results", str(tmp_path)])
+    assert err == ("error: study.adaptive_seeds['max_seeds'] = 20000 is invalid: must be at most 10000 seeds per "
+                   "variant (the most a seed plan proposes, as for study.seeds)")
+    assert len(load_study(SMOKE, ["study.seeds = 10000"]).seeds) == 10000
+    assert load_study(SMOKE, ["study.adaptive_seeds = {'max_seeds': 10000}"]).adaptive_seeds.max_seeds == 10000
+
+
+def test_many_seeds_plan_without_resolving_the_engine_config_per_seed(tmp_path, monkeypatch, capsys):
+    """gin resolves a variant's first two seeds; the others' operative configs are the first's with
+    their seed written in, the very text (so hashes) a full resolve gives. `plan` then prints one row
+    per variant, with a notice, above PLAN_TABLE_RUNS runs."""
+    import experiments.plan as plan
+    from experiments.commands import PLAN_TABLE_RUNS
+    from experiments.study import load_study
+    calls = []
+    resolve_config = plan.resolve_config
+    monkeypatch.setattr(plan, "resolve_config", lambda *a: calls.append(a) or resolve_config(*a))
+    study = load_study(SMOKE, ["study.seeds = [0, 5, 17, 123, 4096]"])
+    fast = plan.expand(study, tmp_path)
+    assert len(calls) == 1 + 2 * (1 + 2)  # the baseline's config, then per variant: its config and two seeds
+    with_seed = plan._with_seed
+    monkeypatch.setattr(plan, "_with_seed", lambda *a: None)  # no shortcut: gin resolves every seed
+    full = plan.expand(study, tmp_path)
+    assert [s.to_json() for s in fast] == [s.to_json() for s in full]
+    assert "\nppo.seed = 4096\n" in fast[4].operative_config and fast[4].seed == 4096
+
+    monkeypatch.setattr(plan, "_with_seed", with_seed)
+    calls.clear()
+    seeds = PLAN_TABLE_RUNS // 2 + 1
+    assert main(["plan", SMOKE, "-b", f"study.seeds = {seeds}", "--results", str(tmp_path)]) == 0
+    assert len(calls) == 1 + 2 * 3
+    out = capsys.readouterr().out
+    assert f"notice: {2 * seeds} runs, more than {PLAN_TABLE_RUNS}: one row per variant" in out
+    assert f"0..{seeds - 1} ({seeds})" in out and f"{seeds} start" in out
+
+
+@pytest.mark.parametrize("bindings, ok", [
+    (["study.target_effect = 0.02", "study.equivalence_margin = 0.02"], True),  # the margin at the smallest change of interest
+    (["study.target_effect = 0.05", "study.equivalence_margin = 0.03"], True),
+    (["study.equivalence_margin = 0.05"], True),  # no target: nothing to overlap
+    (["study.target_effect = 0.02", "study.equivalence_margin = 0.05"], False),
+])
+def test_an_equivalence_margin_wider_than_the_target_effect_is_refused(capsys, tmp_path, bindings, ok):
+    """A margin says a difference within it is no difference; a target says one of its size must not be
+    missed. A margin above the target would call a change worth detecting 'equivalent'."""
+    from experiments.study import load_study
+    argv = ["plan", SMOKE, *[x for b in bindings for x in ("-b", b)], "--results", str(tmp_path)]
+    if ok:
+        assert load_study(SMOKE, bindings).equivalence_margin == float(bindings[-1].split("=")[1])
+        return
+    err = one_line_error(capsys, argv)
+    assert err == ("error: study.equivalence_margin = 0.05 is invalid with study.target_effect = 0.02: the margin "
+                   "must be at most the target effect (a difference within +-margin counts as none, so a wider "
+                   "margin would call a change worth detecting 'equivalent'); lower study.equivalence_margin to "
+                   "<= 0.02 or raise study.target_effect")

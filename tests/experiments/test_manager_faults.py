@@ -161,6 +161,48 @@ def test_a_full_disk_is_one_line_loses_nothing_and_a_rerun_picks_up(write_study,
     assert (study_dir / "aggregate.json").is_file() and (run_dir / "run.json").read_text() == record
 
 
+def _no_space_at_sync(monkeypatch) -> None:
+    """Every atomic write fails as a real full disk does: at its fsync, whose OSError names no file."""
+    def fsync(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_a_full_disk_names_the_file_it_could_not_write_though_the_os_names_none(write_study, tmp_path, monkeypatch,
+                                                                               capsys):
+    import pickle
+    from experiments.cli import main
+    from experiments.errors import disk_full_line
+    from experiments.execute import execute
+    from experiments.plan import expand
+    from experiments.study import load_study
+    from tests.experiments.conftest import fake_run
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    path, results = write_study(SMALL), tmp_path / "results"
+    specs = expand(load_study(path), results)
+    for spec in specs:
+        fake_run(spec, 0.5 + 0.1 * (spec.variant == "kl") + 0.01 * spec.seed)
+    study_dir = (results / "full").resolve()
+    _no_space_at_sync(monkeypatch)
+    # The manager's own write: the one line names the file, exit 1, no traceback.
+    assert main(["run", str(path), "--results", str(results)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"error: No space left on device writing {study_dir / 'plan.json'}: free some space, then run the same "
+        f"command again (what was written is kept: finished runs are skipped, interrupted ones resume)")
+    assert not list(study_dir.rglob(".*.tmp"))
+    # A Ray task's write: the error it raises carries the file, pickled back to the manager.
+    with pytest.raises(OSError) as raised:
+        execute(specs[0].to_json(), False, 2, {}, str(tmp_path / "cache"))
+    back = pickle.loads(pickle.dumps(raised.value))
+    assert back.errno == errno.ENOSPC and back.filename == str(Path(specs[0].run_dir) / "attempts.json")
+    assert disk_full_line(back).startswith(f"error: No space left on device writing {specs[0].run_dir}/attempts.json: ")
+    # No file to name (an error without a traceback): the results dir it was writing under.
+    bare = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert disk_full_line(bare, str(study_dir)).startswith(f"error: No space left on device writing under {study_dir}: ")
+    assert disk_full_line(OSError(errno.EACCES, "Permission denied")) is None
+
+
 FAILING_ENGINE = """
 import sys
 print("INFO starting the engine", file=sys.stderr)

@@ -217,15 +217,36 @@ def test_plan_refuses_a_run_that_cannot_fit_its_gpu(write_study, tmp_path, monke
     assert len(expand(load_study(path), tmp_path / "r")) == 2
 
 
-def test_a_reward_variant_plans_its_own_runs(write_study, tmp_path):
-    """Every engine scope may be varied, `reward.*` included (one list: rlhf.configurable.SCOPES)."""
+def test_a_task_variant_plans_its_own_runs(write_study, tmp_path):
+    """Every engine scope may be varied, not only `ppo.*` (one list: rlhf.configurable.SCOPES)."""
     from rlhf.configurable import SCOPES
     from experiments.study import ENGINE_SCOPES
     assert ENGINE_SCOPES == tuple(SCOPES)
     path = write_study(STUDY.replace("{'kl': 'ppo.kl_coef = 0.1', 'clip': 'ppo.clip_range = 0.1'}",
+                                     "{'eos': 'task.missing_eos_penalty = 0.25'}").replace("seeds = 3", "seeds = 1"))
+    base, eos = expand(load_study(path), tmp_path)
+    assert eos.variant == "eos" and eos.changes == {"task.missing_eos_penalty": 0.25}
+    assert eos.run_hash != base.run_hash and eos.config_hash != base.config_hash
+    assert "task.missing_eos_penalty = 0.25" in eos.operative_config
+    assert "task.missing_eos_penalty = 0.25" not in base.operative_config
+
+
+def test_a_variant_that_changes_nothing_the_run_uses_is_refused(write_study, tmp_path):
+    """`reward.normalize` shapes the reward model's score: under the tiny default's rule reward it would
+    be a no-op with run hashes of its own. It is refused at planning, naming the variant and the binding."""
+    from experiments.errors import StudyError
+    path = write_study(STUDY.replace("{'kl': 'ppo.kl_coef = 0.1', 'clip': 'ppo.clip_range = 0.1'}",
                                      "{'norm': \"reward.normalize = 'batch'\"}").replace("seeds = 3", "seeds = 1"))
-    base, norm = expand(load_study(path), tmp_path)
-    assert norm.variant == "norm" and norm.changes == {"reward.normalize": "batch"}
-    assert norm.run_hash != base.run_hash and norm.config_hash != base.config_hash
-    assert "reward.normalize = 'batch'" in norm.operative_config
-    assert "reward.normalize = 'batch'" not in base.operative_config
+    with pytest.raises(StudyError, match=r"norm.*reward\.normalize = 'batch' is invalid: is set but reward\.kind = 'rule'"):
+        expand(load_study(path), tmp_path)
+
+
+def test_a_variant_the_trainer_would_refuse_is_refused_at_planning(write_study, tmp_path):
+    """The plan runs the trainer's own policy check (rlhf/placement/memory.py `check_policy`): a LoRA
+    rank above the tiny model's 64-wide layers stops the study before any run, naming the variant."""
+    from experiments.errors import StudyError
+    path = write_study(STUDY.replace("{'kl': 'ppo.kl_coef = 0.1', 'clip': 'ppo.clip_range = 0.1'}",
+                                     "{'wide': 'ppo.lora_rank = 4096'}").replace("seeds = 3", "seeds = 1"))
+    with pytest.raises(StudyError, match=r"study\.variants\['wide'\].*ppo\.lora_rank = 4096 is invalid: above the "
+                                         r"width of the policy's narrowest adapted layer"):
+        expand(load_study(path), tmp_path)

@@ -227,3 +227,36 @@ def test_report_points_to_the_checkpoint_with_the_best_gold(study_dir):
     assert old.best_checkpoints is None and "Best checkpoint" not in render(old)
     assert "Best gold checkpoint" not in render_summary([(study, old)], out.parent)
     assert "Best single checkpoint" not in render_summary([(study, old)], out.parent)
+
+
+def test_report_says_when_the_runs_on_disk_are_stale_as_status_does(write_study, tmp_path, capsys):
+    """`report -b 'ppo.total_steps = 3'` after 5-step runs: `status` with the same -b calls them stale,
+    and `report` reports them as they ran with a notice saying so, never silently."""
+    from experiments.cli import main
+    from experiments.launch import write_plan
+    path, results = write_study(STUDY), tmp_path / "results"
+    study = load_study(path)
+    specs = expand(study, results)
+    for spec in specs:
+        if spec.variant == "broken":
+            fake_run(spec, 0.0, diverged=True)
+        else:
+            fake_run(spec, ACCURACY[spec.variant][spec.seed], kl=0.9 if spec.variant == "hot" and spec.seed == 2 else 0.05)
+    write_plan(results / "synthetic", study, specs, None)  # what `run` records at launch
+    argv = ["report", str(path), "--results", str(results)]
+    assert main(argv) == 0
+    assert "notice" not in capsys.readouterr().out  # the runs are what the study gives now
+
+    changed = ["-b", "ppo.total_steps = 3"]
+    assert main(["status", str(path), "--results", str(results), *changed]) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "20 stale"
+    assert main(argv + changed) == 0
+    out = capsys.readouterr().out
+    notices = [line for line in out.splitlines() if line.startswith("notice:")]
+    assert notices == [f"notice: 20 of 20 runs on disk ran with another configuration than {path} with these -b "
+                       f"bindings gives now (stale in `status`: config, code, data or start changed); this report is "
+                       f"of the runs as last launched; `python -m experiments run {path} -b 'ppo.total_steps = 3' "
+                       f"--results {results}` would rerun them"]
+    assert json.loads((results / "synthetic" / "aggregate.json").read_text())["decision"]["chosen"] == "good"
+    # A study-level binding changes no run: nothing is stale.
+    assert main(argv + ["-b", "study.alpha = 0.1"]) == 0 and "notice" not in capsys.readouterr().out

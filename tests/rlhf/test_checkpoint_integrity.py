@@ -43,6 +43,28 @@ def test_verify_catches_truncation_bitflips_and_missing_files(tmp_path):
     assert checkpoint.verify_checkpoint(ckpt) == "actor/model.safetensors is missing"
 
 
+def test_verify_only_a_subdirectory_checks_its_files_alone(tmp_path):
+    """What an export reads (`only='actor'`): a damaged optimizer state is no reason to refuse the policy."""
+    import pytest
+    from rlhf.config import ConfigError
+    ckpt = fake_checkpoint(tmp_path, 3)
+    (ckpt / "actor_optim.safetensors").write_bytes(b"y" * 100)
+    checkpoint.write_manifest(ckpt)
+    (ckpt / "actor_optim.safetensors").write_bytes(b"y" * 10)
+    assert checkpoint.verify_checkpoint(ckpt) == "actor_optim.safetensors has 10 bytes, the manifest says 100"
+    assert checkpoint.verify_checkpoint(ckpt, only="actor") is None
+    checkpoint.check_start_checkpoint(ckpt, "checkpoint", only="actor")
+    (ckpt / "actor" / "model.safetensors").write_bytes(b"x" * 999 + b"y")
+    assert checkpoint.verify_checkpoint(ckpt, only="actor") == \
+        "actor/model.safetensors does not match its sha256 in the manifest"
+    with pytest.raises(ConfigError) as err:
+        checkpoint.check_start_checkpoint(ckpt, "checkpoint", only="actor", fix="export another step_N")
+    assert str(err.value) == (f"checkpoint = '{ckpt}' is damaged: actor/model.safetensors does not match its sha256 "
+                              f"in the manifest; export another step_N")
+    with pytest.raises(ConfigError, match="start from an intact checkpoint"):  # ppo.init_from: every file
+        checkpoint.check_start_checkpoint(ckpt)
+
+
 def test_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path):
     fake_checkpoint(tmp_path, 3)
     newer = fake_checkpoint(tmp_path, 6)

@@ -1,0 +1,35 @@
+"""A LoRA run gives the same bytes as every other run: peft keeps `target_modules` as a set, whose
+order follows the process's string hashing, so two runs of one config wrote different
+adapter_config.json and manifest.json files until the list was sorted. And a LoRA start continues
+its adapter only at the rank and lora_alpha it was trained with."""
+
+import json
+
+from tests.conftest import run_train
+
+LORA = ["-b", "ppo.lora_rank = 8", "-b", "ppo.total_steps = 2", "-b", "ppo.eval_every = 2", "-b", "ppo.save_every = 2",
+        "-b", "task.eval_size = 16", "--quiet"]
+FILES = ("actor/adapter_config.json", "critic/adapter_config.json", "actor/adapter_model.safetensors",
+         "critic/adapter_model.safetensors", "manifest.json")
+
+
+def test_two_lora_runs_write_the_same_bytes_and_an_adapter_restarts_at_its_own_alpha(tmp_path, monkeypatch):
+    runs = []
+    for hash_seed in ("1", "2"):  # two processes whose set orders differ
+        monkeypatch.setenv("PYTHONHASHSEED", hash_seed)
+        out = tmp_path / f"run{hash_seed}"
+        run_train(["recipes/tiny.gin", *LORA, "-b", "ppo.lora_target_modules = ['v_proj', 'q_proj', 'o_proj']",
+                   "--out", out])
+        runs.append(out / "checkpoints" / "step_2")
+    for name in FILES:
+        assert (runs[0] / name).read_bytes() == (runs[1] / name).read_bytes(), name
+    config = json.loads((runs[0] / "actor" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["o_proj", "q_proj", "v_proj"] and config["lora_alpha"] == 16
+
+    # Another lora_alpha would rescale the saved update: refused, naming the binding and the saved value.
+    proc = run_train(["recipes/tiny.gin", *LORA, "-b", "ppo.lora_target_modules = ['v_proj', 'q_proj', 'o_proj']",
+                      "-b", "ppo.lora_alpha = 32.0", "-b", f"ppo.init_from = '{runs[0]}'", "--out", tmp_path / "bad"],
+                     check=False)
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "ppo.lora_alpha = 32 is invalid" in lines[0] and "set ppo.lora_alpha = 16" in lines[0], lines[0]
