@@ -34,6 +34,68 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 """What a saved tokenizer leaves in its directory (one of them at least)."""
 
 
+SHAPE_FIELDS = (("hidden_size", ("hidden_size", "n_embd", "d_model"), True),
+                ("num_hidden_layers", ("num_hidden_layers", "n_layer", "num_layers"), True),
+                ("num_attention_heads", ("num_attention_heads", "n_head"), True),
+                ("vocab_size", ("vocab_size",), True),
+                ("num_key_value_heads", ("num_key_value_heads",), False),
+                ("head_dim", ("head_dim",), False),
+                ("intermediate_size", ("intermediate_size", "n_inner", "ffn_dim"), False))
+"""(field, the keys config.json may spell it with, required) of a model's shape."""
+
+
+class ShapeError(ValueError):
+    """A model config that is not a shape the engine can take; `predicate` says why, after the
+    config's name ('says hidden_size = 0; allowed: a positive integer')."""
+
+    def __init__(self, predicate: str):
+        super().__init__(f"the model config {predicate}")
+        self.predicate = predicate
+
+
+def text_config(config: dict) -> tuple:
+    """(the language model's config, the prefix naming its fields): a multimodal config's `text_config`."""
+    if isinstance(config.get("text_config"), dict) and config["text_config"]:
+        return config["text_config"], "text_config."
+    return config, ""
+
+
+def shape_fields(config) -> dict:
+    """The shape fields of a model config (a dict; a multimodal config's `text_config` is the
+    language model), each a positive integer, with the heads dividing the width: {field: value}
+    (None for an optional field it leaves out). A ShapeError naming the field and what is allowed
+    otherwise: every config.json the memory plan (rlhf/placement/memory.py) reads and the policy
+    check (`check_policy_dir`) takes goes through here."""
+    if not isinstance(config, dict):
+        raise ShapeError(f"is not a JSON object (it holds a {type(config).__name__}); allowed: a model config "
+                         f"object with model_type, hidden_size, num_hidden_layers, num_attention_heads, vocab_size")
+    c, prefix = text_config(config)
+    values, missing = {}, []
+    for field, keys, required in SHAPE_FIELDS:
+        key = next((k for k in keys if c.get(k) is not None), None)
+        if key is None:
+            values[field] = None
+            if required:
+                missing.append(prefix + field)
+            continue
+        value = c[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ShapeError(f"says {prefix}{key} = {value!r}; allowed: a positive integer")
+        values[field] = value
+    if missing:
+        raise ShapeError(f"has no {', '.join(missing)}; allowed: each a positive integer (the model's shape)")
+    h, heads, kv = values["hidden_size"], values["num_attention_heads"], values["num_key_value_heads"]
+    if values["head_dim"] is None and h % heads:
+        raise ShapeError(f"says {prefix}hidden_size = {h}, not a multiple of {prefix}num_attention_heads = {heads}; "
+                         f"allowed: a hidden_size that num_attention_heads divides (each head is hidden_size / "
+                         f"num_attention_heads wide), or an explicit head_dim")
+    if kv is not None and heads % kv:
+        raise ShapeError(f"says {prefix}num_attention_heads = {heads}, not a multiple of {prefix}num_key_value_heads "
+                         f"= {kv}; allowed: a num_key_value_heads that divides num_attention_heads (grouped-query "
+                         f"attention shares each key/value head among a whole number of query heads)")
+    return values
+
+
 GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 """tokenizer_config.json's class of a tokenizer that is its tokenizer.json and nothing else."""
 
@@ -131,7 +193,7 @@ def check_policy_dir(path: str | Path, binding: str = "model.name_or_path", ppo=
     - config.json present and a JSON object;
     - its `architectures` (when it names them) a model with a language-model head: a sequence
       classifier or a masked LM would load into AutoModelForCausalLM with a freshly initialised head;
-    - its shape (rlhf/placement/memory.py `shape_fields`, what the memory plan reads): positive
+    - its shape (`shape_fields`, what the memory plan reads): positive
       integer sizes, the attention heads dividing hidden_size and the key/value heads dividing them;
     - a `model_type` transformers has a causal LM for, and a config transformers accepts;
     - with `ppo` (a PPOConfig) and LoRA on, `ppo.lora_target_modules` and the ranks against the
@@ -140,7 +202,6 @@ def check_policy_dir(path: str | Path, binding: str = "model.name_or_path", ppo=
     `config`: the config dict to check instead of reading `path`/config.json (the tiny default's or a
     published shape's, which have no directory; `path` then only names it)."""
     import json
-    from rlhf.placement.memory import ShapeError, shape_fields
     if config is None:
         cfg_file = Path(path) / "config.json"
         if not cfg_file.is_file():

@@ -36,6 +36,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from rlhf.config import ConfigError, RunConfig
+from rlhf.models import ShapeError, check_policy_dir, shape_fields, text_config
 
 if TYPE_CHECKING:
     from rlhf.roles import ActorRole, PlacedRole
@@ -159,68 +160,6 @@ def _first(config: dict, *keys, default=None):
     return default
 
 
-SHAPE_FIELDS = (("hidden_size", ("hidden_size", "n_embd", "d_model"), True),
-                ("num_hidden_layers", ("num_hidden_layers", "n_layer", "num_layers"), True),
-                ("num_attention_heads", ("num_attention_heads", "n_head"), True),
-                ("vocab_size", ("vocab_size",), True),
-                ("num_key_value_heads", ("num_key_value_heads",), False),
-                ("head_dim", ("head_dim",), False),
-                ("intermediate_size", ("intermediate_size", "n_inner", "ffn_dim"), False))
-"""(field, the keys config.json may spell it with, required) of a model's shape."""
-
-
-class ShapeError(ValueError):
-    """A model config that is not a shape the engine can take; `predicate` says why, after the
-    config's name ('says hidden_size = 0; allowed: a positive integer')."""
-
-    def __init__(self, predicate: str):
-        super().__init__(f"the model config {predicate}")
-        self.predicate = predicate
-
-
-def _text_config(config: dict) -> tuple:
-    """(the language model's config, the prefix naming its fields): a multimodal config's `text_config`."""
-    if isinstance(config.get("text_config"), dict) and config["text_config"]:
-        return config["text_config"], "text_config."
-    return config, ""
-
-
-def shape_fields(config) -> dict:
-    """The shape fields of a model config (a dict; a multimodal config's `text_config` is the
-    language model), each a positive integer, with the heads dividing the width: {field: value}
-    (None for an optional field it leaves out). A ShapeError naming the field and what is allowed
-    otherwise: every config.json the memory plan reads and the policy check (rlhf/models.py
-    `check_policy_dir`) takes goes through here."""
-    if not isinstance(config, dict):
-        raise ShapeError(f"is not a JSON object (it holds a {type(config).__name__}); allowed: a model config "
-                         f"object with model_type, hidden_size, num_hidden_layers, num_attention_heads, vocab_size")
-    c, prefix = _text_config(config)
-    values, missing = {}, []
-    for field, keys, required in SHAPE_FIELDS:
-        key = next((k for k in keys if c.get(k) is not None), None)
-        if key is None:
-            values[field] = None
-            if required:
-                missing.append(prefix + field)
-            continue
-        value = c[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ShapeError(f"says {prefix}{key} = {value!r}; allowed: a positive integer")
-        values[field] = value
-    if missing:
-        raise ShapeError(f"has no {', '.join(missing)}; allowed: each a positive integer (the model's shape)")
-    h, heads, kv = values["hidden_size"], values["num_attention_heads"], values["num_key_value_heads"]
-    if values["head_dim"] is None and h % heads:
-        raise ShapeError(f"says {prefix}hidden_size = {h}, not a multiple of {prefix}num_attention_heads = {heads}; "
-                         f"allowed: a hidden_size that num_attention_heads divides (each head is hidden_size / "
-                         f"num_attention_heads wide), or an explicit head_dim")
-    if kv is not None and heads % kv:
-        raise ShapeError(f"says {prefix}num_attention_heads = {heads}, not a multiple of {prefix}num_key_value_heads "
-                         f"= {kv}; allowed: a num_key_value_heads that divides num_attention_heads (grouped-query "
-                         f"attention shares each key/value head among a whole number of query heads)")
-    return values
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """What the memory plan needs of a decoder-only transformer (Llama, Qwen2/3, Mistral, Phi-3:
@@ -247,7 +186,7 @@ class ModelShape:
         (`shape_fields`) and for what it cannot model (mixture-of-experts)."""
         c = config.to_dict() if hasattr(config, "to_dict") else dict(config) if isinstance(config, Mapping) else config
         f = shape_fields(c)  # a ShapeError naming the field and what is allowed
-        c, _ = _text_config(c)
+        c, _ = text_config(c)
         experts = _first(c, "num_local_experts", "num_experts", "n_routed_experts", default=0)
         if isinstance(experts, int) and experts > 1:
             raise ShapeError("is a mixture-of-experts model, which the memory plan does not model")
@@ -824,7 +763,6 @@ def check_policy(cfg: RunConfig, policy: Optional[ModelShape] = None) -> None:
     `python -m rlhf.memory` alike (rlhf/models.py `check_policy_dir`: a causal LM, its shape, the LoRA
     bindings against its layers and the critic's): model.name_or_path's config.json, the tiny
     default's shape, or `policy` (a published shape, `--shape`) instead."""
-    from rlhf.models import check_policy_dir
     if policy is not None:
         check_policy_dir(policy.name, "--shape", cfg.ppo, config=policy.config_dict())
     elif cfg.model.name_or_path == "tiny":
