@@ -185,6 +185,21 @@ CAUSAL_LM_ARCHITECTURES = ("ForCausalLM", "LMHeadModel", "WithLMHead", "ForCondi
 """How the architectures of a checkpoint with a language-model head end (config.json)."""
 
 
+def read_model_config(path: str | Path, binding: str, expected: str):
+    """The parsed config.json of model dir `path` (named by `binding`), or a one-line ConfigError:
+    no such file (`expected` says what to give instead), or not JSON."""
+    import json
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{binding} = {str(path)!r} is invalid: not a local model directory (no config.json); "
+                          f"{expected}")
+    try:
+        return json.loads(cfg_file.read_text())
+    except ValueError as err:
+        raise ConfigError(f"{binding} = {str(path)!r}: {cfg_file} is not valid JSON ({err}); allowed: the "
+                          f"config.json transformers saved with the model") from None
+
+
 def check_policy_dir(path: str | Path, binding: str = "model.name_or_path", ppo=None, config=None) -> None:
     """The one check of a policy model before anything loads, made alike by the trainer's start
     (rlhf/placement/memory.py `check_policy`, called by rlhf/trainer.py), `python -m rlhf.memory`
@@ -201,18 +216,9 @@ def check_policy_dir(path: str | Path, binding: str = "model.name_or_path", ppo=
 
     `config`: the config dict to check instead of reading `path`/config.json (the tiny default's or a
     published shape's, which have no directory; `path` then only names it)."""
-    import json
     if config is None:
-        cfg_file = Path(path) / "config.json"
-        if not cfg_file.is_file():
-            raise ConfigError(f"{binding} = {str(path)!r} is invalid: not a local model directory (no config.json); "
-                              f"use 'tiny' or a saved AutoModelForCausalLM checkpoint")
-        try:
-            config = json.loads(cfg_file.read_text())
-        except ValueError as err:
-            raise ConfigError(f"{binding} = {str(path)!r}: {cfg_file} is not valid JSON ({err}); allowed: the "
-                              f"config.json transformers saved with the model") from None
-        where = f"{binding} = {str(path)!r}: {cfg_file}"
+        config = read_model_config(path, binding, "use 'tiny' or a saved AutoModelForCausalLM checkpoint")
+        where = f"{binding} = {str(path)!r}: {Path(path) / 'config.json'}"
     else:
         where = f"{binding} = {str(path)!r}: its model config"
     try:

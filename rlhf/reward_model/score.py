@@ -26,15 +26,10 @@ from rlhf.config import ConfigError
 
 def check_reward_checkpoint(path: str | Path, binding: str = "reward.model_path") -> dict:
     """Reads config.json and checks it is a one-output sequence classifier, before any weights load."""
+    from rlhf.models import read_model_config
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ConfigError(f"{binding} = {str(path)!r} is invalid: not a local model directory (no config.json); "
-                          f"give an AutoModelForSequenceClassification checkpoint with num_labels = 1")
-    try:
-        config = json.loads(cfg_file.read_text())
-    except ValueError as err:
-        raise ConfigError(f"{binding} = {str(path)!r}: config.json is not valid JSON ({err})") from None
+    config = read_model_config(path, binding, "give an AutoModelForSequenceClassification checkpoint with "
+                                              "num_labels = 1")
     archs = config.get("architectures") or []
     if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
         raise ConfigError(f"{binding} = {str(path)!r} is invalid: a {', '.join(archs)} checkpoint is not a sequence "
