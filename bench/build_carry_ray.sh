@@ -1,6 +1,6 @@
 #!/bin/bash
 # Builds, here (no GPU), the four carries that put Ray, W&B, vLLM, gin-config, TRL and verl on the
-# lent GPU machine, one folder per device call (each under 64 MiB with the working tree):
+# GPU machine, one folder per device call (each under 64 MiB with the working tree):
 #   nice -n 10 bash bench/build_carry_ray.sh /tmp/gpu-carry
 #   call1/  Ray's wheelhouse, first batches   -> /tmp/wh
 #   call2/  its last batch + assemble.sh      -> /tmp/wh, then installs /tmp/wh/*.whl into /tmp/site

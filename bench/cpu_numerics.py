@@ -26,7 +26,7 @@ and all steps). `probe-compare` names, stage by stage, the outputs that differ a
 recipes/demo.gin against that reward model) in a scratch directory and hashes each stage's output:
 what a fresh clone's `dvc repro` on that machine would give, without DVC and the study layer.
 
-On the lent GPU machine's CPU (Python 3.12, torch 2.11, transformers 5.17; no gin, rich or pydantic):
+On the GPU machine's CPU (Python 3.12, torch 2.11, transformers 5.17; no gin, rich or pydantic):
 carry them and hide the GPU:
     echo '/.carry/' >> .git/info/exclude
     pip download --no-deps gin-config==0.5.0 rich markdown-it-py mdurl pygments -d .carry

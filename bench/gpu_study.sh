@@ -1,5 +1,5 @@
 #!/bin/bash
-# A tuning round on the lent GPU through the user's command (not a test): a study file, by
+# A tuning round on a GPU machine through the user's command (not a test): a study file, by
 # default recipes/studies/gpu_tiny.gin (baseline + 2 variants x 2 seeds of the tiny default with
 # vLLM, four runs sharing the GPU), run with `python -m experiments run`, then the same command
 # again, which must serve every run from what finished. Needs /tmp/site with Ray, vLLM,

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The device calls of the LoRA and long-response benchmarks on the lent H200, by mode; the modes
+# The device calls of the LoRA and long-response benchmarks on an H200 machine, by mode; the modes
 # named in one call run in order. Every mode first checks that /tmp holds what it needs and exits
 # 3 at once if not (a reply with "warm": false means the machine was replaced: start again from
 # the first call).

@@ -1,9 +1,10 @@
 """`python -m experiments SUBCOMMAND ...`: the manager's one command line.
 
 Study subcommands (`plan`, `run`, `status`, `report`, `advise`) take `STUDY.gin [-b BINDING]...
-[--results DIR]`; the DVC pipeline's other stages (`data`, `sft`, `params`, `export`,
-`summary`, see `experiments/stages.py`; `testsplit` and `heldout`, see `experiments/heldout.py`)
-take their own arguments. Subcommands are registered in `SUBCOMMANDS` (name -> help, handler,
+[--overrides FILE:KEY] [--results DIR]` (--overrides: bindings kept in a YAML file, such as the
+DVC pipeline's per-round overrides in params.yaml); the DVC pipeline's other stages (`data`,
+`sft`, `params`, `export`, `summary`, see `experiments/stages.py`; `testsplit` and `heldout`, see
+`experiments/heldout.py`) take their own arguments. Subcommands are registered in `SUBCOMMANDS` (name -> help, handler,
 extra arguments), so a new step of the loop adds one entry and one module. Exit codes: 0
 success, 1 some runs failed (or nothing could be decided), 2 invalid study, binding or input
 (one line, no traceback), 130 interrupted; a full disk stops the manager with one line naming
@@ -23,7 +24,7 @@ from rich.console import Console
 
 from rlhf.config import ConfigError
 
-from experiments.errors import EXIT_CONFIG, EXIT_ERROR, StudyError, disk_full_line
+from experiments.errors import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED, INTERRUPTED, StudyError, disk_full_line
 
 Hook = Union[str, Callable, None]
 """A function, or 'module:function' imported when its subcommand is used: `data` and `sft` must not
@@ -62,8 +63,12 @@ def _recipe_arguments(needs_data: bool) -> Callable[[argparse.ArgumentParser], N
     return lambda p: _resolve("experiments.stages:add_recipe_arguments")(p, needs_data=needs_data)
 
 
-def _studies_arguments(default_out: str, **kw) -> Callable[[argparse.ArgumentParser], None]:
-    return lambda p: _resolve("experiments.stages:add_studies_arguments")(p, default_out, **kw)
+def _studies_arguments(default_out: str, overrides: bool = False, **kw) -> Callable[[argparse.ArgumentParser], None]:
+    def add(parser: argparse.ArgumentParser) -> None:
+        _resolve("experiments.stages:add_studies_arguments")(parser, default_out, **kw)
+        if overrides:
+            add_overrides_argument(parser)
+    return add
 
 
 SUBCOMMANDS: Dict[str, Subcommand] = {
@@ -83,8 +88,9 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
                        _recipe_arguments(False), study=False, stage=True),
     "sft": Subcommand("pipeline stage: the SFT warm start of the tiny default on the data stage's output",
                       "experiments.stages:cmd_sft", _recipe_arguments(True), study=False, stage=True),
-    "params": Subcommand("pipeline stage: each study's resolved parameters as YAML for `dvc params`",
-                         "experiments.stages:cmd_params", _studies_arguments("params", results=False),
+    "params": Subcommand("pipeline stage: each study's resolved parameters as YAML for `dvc params` (a file "
+                         "edited by hand since it was generated is refused, not overwritten)",
+                         "experiments.stages:cmd_params", _studies_arguments("params", results=False, overrides=True),
                          study=False, stage=True),
     "export": Subcommand("pipeline stage: a finished study's headline metrics and curves for `dvc metrics/plots`, "
                          "its report and per-seed values",
@@ -99,6 +105,31 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
                           "scored on the test split (JSON)", "experiments.heldout:cmd_heldout",
                           "experiments.heldout:add_heldout_arguments", study=False, stage=True),
 }
+
+
+OVERRIDES_HELP = ("FILE:KEY, e.g. params.yaml:round1: the bindings under KEY of a YAML file, as {scope: {parameter: "
+                  "value}} (`dvc exp run -S '++round1.ppo.kl_coef=0.1'` writes them there), applied like -b bindings "
+                  "before those given with -b")
+
+
+def add_overrides_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--overrides", default=None, metavar="FILE:KEY", help=OVERRIDES_HELP)
+
+
+def _apply_overrides(args: argparse.Namespace, command: Subcommand) -> None:
+    """`--overrides FILE:KEY`: its bindings join the -b bindings (before them, so -b wins), checked
+    against each study first (one line naming FILE:KEY)."""
+    spec = getattr(args, "overrides", None)
+    if not spec:
+        return
+    from experiments.study import check_overrides, read_overrides
+    bindings = read_overrides(spec)
+    for path in [args.study] if command.study else args.studies:
+        check_overrides(path, bindings, spec)
+    if command.study:
+        args.bindings = [*bindings, *args.bindings]
+    else:
+        args.binding = [*bindings, *args.binding]
 
 
 def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
@@ -117,6 +148,7 @@ def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
                            help="a gin binding: study.* changes the study, anything else every run's baseline "
                                 "config (repeatable)")
             p.add_argument("--results", default="results", help="results root; the study lives in RESULTS/<name>/")
+            add_overrides_argument(p)
         if command.add_arguments:
             _resolve(command.add_arguments)(p)
     return parser
@@ -132,11 +164,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         console = Console(soft_wrap=True, markup=False, highlight=False, width=200)
     command = SUBCOMMANDS[args.command]
     try:
+        _apply_overrides(args, command)
         handler = _resolve(command.handler)
         return handler(args) if command.stage else handler(args, console)
     except (ConfigError, StudyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    except KeyboardInterrupt:  # Ctrl-C outside a launch's own handling (planning, joining a Ray cluster)
+        print(INTERRUPTED, file=sys.stderr)
+        return EXIT_INTERRUPTED
     except OSError as err:  # a full disk: one line naming the file (or dir) that could not be written
         where = getattr(args, "results", None) or getattr(args, "out", None)
         line = disk_full_line(err, str(Path(where).resolve()) if isinstance(where, str) else None)

@@ -166,8 +166,8 @@ def cmd_report(args: Namespace, console: Console) -> int:
     console.print(f"{decision_line(agg)}; report: {study_dir(study, args.results) / REPORT}", highlight=False)
     if getattr(args, "wandb", False):
         from experiments.wandb_report import DEFINITION, build_report, save_definition
-        from experiments.wandb_sink import logged_in, wandb_mode
-        path = save_definition(build_report(agg, study_dir(study, args.results), study.wandb_project or study.name,
+        from experiments.wandb_sink import logged_in, project_for, wandb_mode
+        path = save_definition(build_report(agg, study_dir(study, args.results), project_for(study),
                                             resume_from=study.resume_from), study_dir(study, args.results) / DEFINITION)
         if wandb_mode() == "online" and logged_in():
             status = publish_wandb_report(study, args, console)
@@ -213,7 +213,8 @@ def add_report_arguments(parser: ArgumentParser) -> None:
 
 def add_run_arguments(parser: ArgumentParser) -> None:
     parser.add_argument("--ray-address", default=None,
-                        help="join this Ray cluster (default: RAY_ADDRESS, else start a local instance)")
+                        help="join this Ray cluster: HOST:PORT as `ray start --head` printed it, from one of the "
+                             "cluster's nodes (default: RAY_ADDRESS, else start a private local instance)")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray instance (default: all)")
     parser.add_argument("--num-gpus", type=float, default=None, help="GPUs of a local Ray instance (default: all)")
     parser.add_argument("--cache-dir", default=None,

@@ -24,13 +24,11 @@ from rich.console import Console
 
 from experiments.adaptive import Measured, extra_seeds, run_looks
 from experiments.collect import collect
-from experiments.errors import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNS_FAILED
+from experiments.errors import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNS_FAILED, INTERRUPTED
 from experiments.launch import LaunchResult, StudyBusy, launch, prune_superseded
 from experiments.plan import RunSpec, expand, study_dir
 from experiments.results import BASELINE, AdaptiveRecord, AdaptiveVariant, RunStatus, SeedPlan
 from experiments.study import Study
-
-INTERRUPTED = "interrupted: run the same command again to resume"
 
 
 def run_study(study: Study, specs: List[RunSpec], args: Namespace, console: Console,
@@ -86,13 +84,7 @@ def run_fixed(study: Study, specs: List[RunSpec], args: Namespace, console: Cons
         return EXIT_INTERRUPTED
     report_pruned(prune_superseded(study_dir(study, args.results), specs), console)
     agg = write_report(study, study_dir(study, args.results), specs, seed_plan=seed_plan)
-    try:
-        from experiments.wandb_sink import log_aggregate_dir, wandb_mode
-        if wandb_mode() != "disabled":
-            log_aggregate_dir(study_dir(study, args.results), study.wandb_project or study.name,
-                              [s.run_hash for s in specs])
-    except Exception as err:  # noqa: BLE001 - W&B must never fail a study
-        console.print(f"warning: W&B aggregate: {err}", highlight=False)
+    log_wandb_aggregate(study, specs, args, console)
     console.print(f"{decision_line(agg)}; report: {study_dir(study, args.results) / REPORT}",
                   highlight=False, soft_wrap=True)
     return EXIT_RUNS_FAILED if result.failed or agg.decision.chosen is None else EXIT_OK
@@ -160,9 +152,23 @@ def _run_adaptive(study: Study, args: Namespace, console: Console, seed_plan: Op
                               confidence=confidence, spend_alpha_over_looks=cfg.spend_alpha_over_looks,
                               variants=decided, looks=ended.looks, runs_used=used, runs_fixed=fixed)
     agg = write_report(full, out, all_specs, adaptive=adaptive, seed_plan=seed_plan)
+    log_wandb_aggregate(study, all_specs, args, console)
     console.print(f"{study.name}: {used} runs instead of {fixed} at a fixed {cfg.max_seeds} seeds "
                   f"({1 - used / fixed:.0%} saved); {decision_line(agg)}", highlight=False)
     return EXIT_RUNS_FAILED if failed or agg.decision.chosen is None else EXIT_OK
+
+
+def log_wandb_aggregate(study: Study, specs: List[RunSpec], args: Namespace, console: Console) -> None:
+    """The study's W&B aggregate run, from the aggregate.json and plots just written (nothing new
+    is logged when they are what was last sent); W&B's own failures are a warning."""
+    from experiments.wandb_sink import log_aggregate_dir, project_for, wandb_mode
+    if wandb_mode() == "disabled":
+        return
+    project = project_for(study)  # a bad WANDB_PROJECT is the user's error, said as one
+    try:
+        log_aggregate_dir(study_dir(study, args.results), project, [s.run_hash for s in specs])
+    except Exception as err:  # noqa: BLE001 - W&B must never fail a study
+        console.print(f"warning: W&B aggregate: {err}", highlight=False)
 
 
 def report_pruned(removed, console: Console) -> None:

@@ -14,10 +14,10 @@ import os
 from typing import Optional
 
 from rlhf.atomic import is_disk_full
-from rlhf.train import EXIT_CONFIG, EXIT_DIVERGED, EXIT_ERROR, EXIT_OK
+from rlhf.train import EXIT_CONFIG, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 
 __all__ = ["StudyError", "EXIT_OK", "EXIT_ERROR", "EXIT_CONFIG", "EXIT_DIVERGED", "EXIT_RUNS_FAILED",
-           "EXIT_INTERRUPTED", "DETERMINISTIC_FAILURES", "unwritten_path", "name_unwritten_path",
+           "EXIT_INTERRUPTED", "INTERRUPTED", "DETERMINISTIC_FAILURES", "unwritten_path", "name_unwritten_path",
            "disk_full_line"]
 
 
@@ -25,8 +25,10 @@ class StudyError(ValueError):
     """A study declaration is invalid; the message names the binding and what is allowed."""
 
 
-EXIT_RUNS_FAILED, EXIT_INTERRUPTED = 1, 130
-"""A command's codes beside the engine's: some runs failed (or nothing could be decided); interrupted."""
+EXIT_RUNS_FAILED = 1
+"""A command's code beside the engine's: some runs failed (or nothing could be decided)."""
+INTERRUPTED = "interrupted: run the same command again to resume"
+"""The line of a command stopped by Ctrl-C (or SIGTERM), with EXIT_INTERRUPTED."""
 DETERMINISTIC_FAILURES = (EXIT_CONFIG, EXIT_DIVERGED)
 """A run's exit codes that a retry would only repeat: a bad configuration and a diverged loss."""
 

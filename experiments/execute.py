@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import datetime as dt
-import fcntl
 import os
 import platform
 import re
@@ -20,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -28,6 +26,7 @@ from typing import Optional
 from experiments.errors import DETERMINISTIC_FAILURES, EXIT_CONFIG, EXIT_DIVERGED, name_unwritten_path
 from experiments.results import RunStatus
 from experiments.rundir import read_json, read_record, write_record
+from rlhf import gpu_gate
 from rlhf.atomic import write_json
 
 STDERR_TAIL = 2000
@@ -78,7 +77,7 @@ def _wandb_streamer(spec: dict, manager: dict):
         if wandb_mode() == "disabled":
             return _NoStreamer()
         run = run_for_spec(spec, operative_flat(spec.get("operative_config", "")), manager.get("wandb_dir"),
-                           manager.get("wandb_project") or spec["study"])
+                           manager["wandb_project"])
         return RunDirStreamer(spec["run_dir"], run)
     except Exception as err:  # noqa: BLE001 - e.g. wandb not installed
         print(f"warning: W&B: {err} (continuing without it)", file=sys.stderr)
@@ -86,18 +85,13 @@ def _wandb_streamer(spec: dict, manager: dict):
 
 
 def operative_flat(text: str) -> dict:
-    """gin's operative config text as {'ppo.kl_coef': 0.05, ...}."""
-    import ast
-    out = {}
-    for line in text.splitlines():
-        if "=" not in line or line.lstrip().startswith("#"):
-            continue
-        key, _, value = line.partition("=")
-        try:
-            out[key.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            out[key.strip()] = value.strip()
-    return out
+    """gin's operative config text as {'ppo.kl_coef': 0.05, ...}, read by gin's own parser (a value
+    may span lines)."""
+    from gin import config_parser
+
+    from rlhf.configurable import statements
+    return {f"{s.scope + '/' if s.scope else ''}{s.selector}.{s.arg_name}": s.value
+            for s in statements(text, "operative config") if isinstance(s, config_parser.BindingStatement)}
 
 
 def _tail(path: Path, limit: int = STDERR_TAIL) -> str:
@@ -195,39 +189,6 @@ def merge_provenance(run_dir: Path, spec: dict, record: dict, manager: dict) -> 
     write_json(path, prov)
 
 
-def wait_for_gpu_start(run_dir: Path, gap_s: float, gate_dir: Optional[str] = None) -> float:
-    """Starts one engine at a time on this task's GPU (CUDA_VISIBLE_DEVICES, which Ray sets for a
-    fractional GPU): waits until the engine started last on it has logged a step, at most `gap_s`
-    seconds after it started, then records this run as the last. Engines that start together
-    each take the others' allocations for their own while measuring the free memory (vLLM then
-    finds none for its cache). Returns the seconds waited; 0 without a GPU or a gap."""
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    if gap_s <= 0 or not gpu or "," in gpu:
-        return 0.0
-    root = Path(gate_dir or tempfile.gettempdir())
-    gate = root / f"rlhf-gpu-start-{os.getuid()}-{socket.gethostname()}-gpu{gpu}.json"
-    t0 = time.monotonic()
-    try:
-        with open(gate.with_suffix(".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # the next starter waits here for this one's turn
-            last = read_json(gate) or {}
-            started = float(last.get("time", 0))
-            while time.time() - started < gap_s and not _logged_since(last.get("run_dir"), started):
-                time.sleep(min(1.0, max(0.01, gap_s - (time.time() - started))))
-            write_json(gate, {"run_dir": str(run_dir), "time": time.time()})
-    except OSError as err:  # the gate is an aid: without it the engine starts now
-        print(f"warning: GPU start gate {gate}: {err} (starting without waiting)", file=sys.stderr)
-    return time.monotonic() - t0
-
-
-def _logged_since(run_dir: Optional[str], since: float) -> bool:
-    """The engine of `run_dir` has written a metrics row since `since` (its start-up is over)."""
-    try:
-        return run_dir is not None and os.path.getmtime(Path(run_dir) / "metrics.jsonl") > since
-    except OSError:
-        return False
-
-
 def _supervise(child: subprocess.Popen, streamer) -> tuple:
     """(exit code, False) once the engine `child` has ended, its new metrics streamed to W&B
     meanwhile; (None, True) when a cancellation (or any exception) came first: the engine is
@@ -276,7 +237,7 @@ def _execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: s
     run_dir = Path(spec["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     if 0 < spec["gpus"] < 1:  # runs share this GPU: their engines start one at a time
-        wait_for_gpu_start(run_dir, manager.get("start_gap_s", 0.0))
+        gpu_gate.wait_to_start(run_dir, manager.get("start_gap_s", 0.0))
     record = _record(spec)
     argv = engine_argv(spec, resume, manager.get("ray_address"))
     entry = {"attempt": attempt, "resumed": resume, "command": argv, "start": now(), "end": None,
@@ -287,6 +248,8 @@ def _execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: s
     threads = str(spec["cpus"])
     env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, RLHF_CACHE=cache_dir,
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    if 0 < spec["gpus"] < 1:  # an engine that ends waits while another starts on its GPU
+        env.update(gpu_gate.engine_env(manager.get("start_gap_s", 0.0)))
     banner = f"=== attempt {attempt} {'(resume) ' if resume else ''}{entry['start']} ===\n"
     start = time.monotonic()
     with open(run_dir / "stdout.log", "a") as out, open(run_dir / "stderr.log", "a") as err:

@@ -29,7 +29,6 @@ from experiments.results import RunStatus, SeedPlan
 from experiments.rundir import (clear_engine_outputs, last_attempt, latest_checkpoint, prune, read_record, state,
                                 supersede, write_record)
 from experiments.study import Study
-from rlhf import numerics
 from rlhf.atomic import is_disk_full, write_json
 from rlhf.run_dir import DirLock, LockBusy
 from rlhf.run_dir import is_locked as lock_is_held
@@ -168,6 +167,27 @@ def _check_resources(study: Study) -> None:
         raise StudyError(f"study.gpus_per_run = {study.gpus_per_run:g} exceeds the cluster's {gpus:g} GPUs")
 
 
+def check_nodes_see(study_path: Path, specs: List[RunSpec]) -> None:
+    """Every other node of the cluster that could run work sees, at the paths this process sees them, what
+    the runs need: this code, their recipes, the working directory their engines start in, and the study's
+    results dir (a file written here now: a shared filesystem). A StudyError naming the node, the path and
+    what a cluster of several nodes needs otherwise; nothing to check on one node."""
+    from rlhf.placement.cluster import paths_missing_on_nodes
+    probe = study_path / f".node-check-{os.getpid()}"
+    needs = {str(probe): "the study's results dir, written here", str(Path(__file__).resolve()): "this code",
+             os.getcwd(): "the working directory", **{s.recipe: "a recipe" for s in specs}}
+    probe.write_text("")
+    try:
+        missing = paths_missing_on_nodes(list(needs))
+    finally:
+        probe.unlink(missing_ok=True)
+    if missing:
+        node, paths = next(iter(missing.items()))
+        raise StudyError(f"the Ray node {node} does not see {paths[0]} ({needs[paths[0]]}); every node that runs "
+                         f"work needs this checkout ({REPO_ROOT}), the recipes, data and working directory at the same "
+                         f"absolute paths as here, and the results dir ({study_path.parent}) on a shared filesystem")
+
+
 def manager_fields(results_dir: Path, argv: Optional[List[str]]) -> dict:
     return {"manager_command": [sys.executable, "-m", "experiments", *(argv or sys.argv[1:])],
             "manager_host": os.uname().nodename, "cwd": os.getcwd(), "results_dir": str(results_dir),
@@ -201,12 +221,17 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
                 _skip(s, display, result)
         if not todo:
             return result
+        from rlhf.placement.cluster import check_address
+        check_address(ray_address)  # a cluster that cannot be joined: one line before anything else is said
         wandb_dir = str(Path(results_dir).resolve() / "wandb")
         wandb_mode = _runs_wandb_mode(display, wandb_dir)
+        from experiments.wandb_sink import project_for
+        wandb_project = project_for(study) if wandb_mode != "disabled" else ""
         with ray_cluster(ray_address, num_cpus, num_gpus) as gcs_address:
             _check_resources(study)
+            check_nodes_see(study_path, todo)
             manager = {**manager_fields(study_path.parent, argv), "ray_address": gcs_address,
-                       "wandb_project": study.wandb_project or study.name, "wandb_dir": wandb_dir,
+                       "wandb_project": wandb_project, "wandb_dir": wandb_dir,
                        "wandb_mode": wandb_mode, "start_gap_s": study.start_gap_s}
             runs = RayRuns(study.name, manager, cache_dir, todo)
             for s in todo:
@@ -218,9 +243,9 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
 
 
 def write_plan(study_path: Path, study: Study, specs: List[RunSpec], seed_plan: Optional[SeedPlan]) -> None:
-    """plan.json: the study, its runs (as files record a spec) and the seed plan, or null."""
+    """plan.json: the study, its file and campaign, its runs (as files record a spec) and the seed plan, or null."""
     write_json(plan_path(study_path), {"study": study.name, "study_file": portable(study.path),
-                                       "runs": [s.record() for s in specs],
+                                       "campaign": study.campaign or None, "runs": [s.record() for s in specs],
                                        "seed_plan": seed_plan.to_json() if seed_plan else None})
 
 
@@ -266,9 +291,11 @@ class RayRuns:
 
     def __init__(self, study_name: str, manager: dict, cache_dir: str, todo: List[RunSpec]):
         import ray
+
+        from rlhf.placement.cluster import forwarded_env
         self.study_name, self.manager, self.cache_dir = study_name, manager, cache_dir
         self.task = ray.remote(execute)
-        self.numerics_env = numerics.forwarded_env()
+        self.env = forwarded_env()
         self.attempts = {s.key: 0 for s in todo}
         self.refs: Dict[object, RunSpec] = {}
 
@@ -279,8 +306,8 @@ class RayRuns:
         local = spec.placement == "local"
         options = dict(num_cpus=spec.cpus if local else 0, num_gpus=spec.gpus if local else 0,
                        max_retries=0, name=f"{self.study_name}:{spec.key}")
-        if self.numerics_env:  # the user's CPU numerics settings reach workers on any node
-            options["runtime_env"] = {"env_vars": self.numerics_env}
+        if self.env:  # the user's CPU numerics, caches and offline settings reach workers on any node
+            options["runtime_env"] = {"env_vars": self.env}
         ref = self.task.options(**options).remote(spec.to_json(), resume, self.attempts[spec.key],
                                                   self.manager, self.cache_dir)
         self.refs[ref] = spec

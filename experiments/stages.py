@@ -19,15 +19,17 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import hashlib
 import io
 import json
+import re
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import yaml
 
 from experiments.paths import portable
-from experiments.results import StudyAggregate, aggregate_path, read_aggregate
+from experiments.results import BASELINE, StudyAggregate, aggregate_path, read_aggregate
 from rlhf.atomic import finite, write_text
 
 
@@ -87,7 +89,8 @@ def cmd_sft(args) -> int:
 def study_params(path: str, bindings: List[str]) -> Dict:
     """A study's resolved settings as nested YAML-able dicts: the baseline's operative config as
     its runs get it, each variant's change, seeds, the decision metric and how it is judged
-    (alpha, analysis, equivalence margin: they change the report, not a run).
+    (alpha, analysis, equivalence margin: they change the report, not a run). `bindings` (`-b`, and
+    those of `--overrides`, e.g. params.yaml:round1) show as the values they set.
 
     A study that resumes a previous round (`study.resume_from`) is resolved as the planner resolves
     it, so the previous round must have run: the baseline carries the resumed setting
@@ -120,31 +123,141 @@ def study_params(path: str, bindings: List[str]) -> Dict:
             "baseline": _nested(flat), "variants": {k: _nested(v) for k, v in variants.items()}}
 
 
-def params_header(path: str, params: Dict) -> str:
-    """The comment above a params file: where it comes from, so nobody edits it instead of the recipe."""
+OVERRIDES_FILE = "params.yaml"
+"""Where the pipeline keeps each round's overrides (dvc.yaml passes `--overrides params.yaml:<round>`):
+DVC's default params file, which `dvc exp run -S` edits."""
+STAMP = "# sha256 of the YAML below (a hand edit is told from a regeneration by it): "
+
+
+def _override_target(params: Dict, spec: Optional[str]) -> Tuple[str, str]:
+    """(file, key) a round's overrides live under: `--overrides FILE:KEY`, else params.yaml:<study name>."""
+    if spec:
+        file, _, key = spec.rpartition(":")
+        return file, key
+    return OVERRIDES_FILE, params["study"]["name"]
+
+
+def set_param_command(file: str, key: str, value) -> str:
+    """The `dvc exp run -S` that sets `key` (e.g. 'round1.ppo.kl_coef') to `value` in `file`: `++` adds
+    the key or changes it (Hydra's override grammar, which DVC's -S speaks); a file other than
+    params.yaml, DVC's default, is named before the key."""
+    where = "" if file == OVERRIDES_FILE else f"{file}:"
+    return f"dvc exp run -S '{where}++{key}={_hydra_value(value)}'"
+
+
+def params_header(path: str, params: Dict, spec: Optional[str] = None) -> str:
+    """The comment above a params file: where it comes from, that it is generated (a hand edit is
+    refused), and how to change a parameter instead."""
     resumed = params["study"]["resume_from"]
     source = f"{portable(path)} and {resumed} (the round it resumes)" if resumed else portable(path)
-    return (f"# {params['study']['name']}'s parameters as its runs get them, resolved by\n"
-            f"# `python -m experiments params` from {source}.\n"
-            f"# DVC reads them as the round's params (`dvc params diff`): edit the recipe, not this file.\n")
+    file, key = _override_target(params, spec)
+    given = f"# with the overrides under {file}:{key}.\n" if spec else ""
+    return (f"# {params['study']['name']}'s parameters as its runs get them, resolved by `python -m experiments params`\n"
+            f"# from {source}{'' if spec else '.'}\n{given}"
+            f"# DVC reads them as the round's params (`dvc params diff`). GENERATED: do not edit; when it is\n"
+            f"# regenerated, a hand edit is refused, not overwritten. Edit the recipe, or override a parameter\n"
+            f"# of this round in {file}, e.g.: {set_param_command(file, f'{key}.ppo.kl_coef', 0.1)}\n")
+
+
+def params_text(path: str, params: Dict, spec: Optional[str] = None) -> str:
+    """The params file: its header, the stamp (sha256 of the YAML), the YAML."""
+    body = yaml.safe_dump(params, sort_keys=True)
+    return f"{params_header(path, params, spec)}{STAMP}{hashlib.sha256(body.encode()).hexdigest()}\n{body}"
+
+
+def _flat_keys(data, prefix: str = "") -> Dict[str, object]:
+    """{'baseline': {'ppo': {'kl_coef': 0.1}}} -> {'baseline.ppo.kl_coef': 0.1} (empty dicts kept as values)."""
+    if not isinstance(data, dict) or not data:
+        return {prefix: data}
+    out: Dict[str, object] = {}
+    for key, value in data.items():
+        out.update(_flat_keys(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _hydra_value(value) -> str:
+    """`value` as DVC's -S (Hydra's override grammar) takes it."""
+    if isinstance(value, str):
+        return value if re.fullmatch(r"[A-Za-z_][\w./-]*", value) and value.lower() not in (
+            "true", "false", "null") else json.dumps(value)
+    return repr(value) if isinstance(value, float) else json.dumps(value)
+
+
+def hand_edit(target: Path, params: Dict, path: str, spec: Optional[str] = None) -> Optional[str]:
+    """Why writing `params` to `target` would lose a hand edit, or None: `target` is absent, holds
+    what was generated (its YAML matches its stamp), or already holds `params`. The line names the
+    first edited key and what to do instead: the `dvc exp run -S` override of params.yaml for a
+    baseline parameter or a study setting, else the recipe."""
+    if not target.is_file():
+        return None
+    text = target.read_text()
+    lines = text.splitlines(keepends=True)
+    header = [line for line in lines if line.startswith("#")]
+    body = "".join(line for line in lines if not line.startswith("#"))
+    stamps = [line[len(STAMP):].strip() for line in header if line.startswith(STAMP)]
+    if stamps and stamps[-1] == hashlib.sha256(body.encode()).hexdigest():
+        return None
+    try:
+        edited = yaml.safe_load(text)
+    except yaml.YAMLError:
+        edited = None
+    if edited == params:
+        return None
+    now, then = _flat_keys(params), _flat_keys(edited if isinstance(edited, dict) else {})
+    key = next((k for k in [*then, *now] if then.get(k, ...) != now.get(k, ...)), "")
+    value = then.get(key, ...)
+    file, round_key = _override_target(params, spec)
+    parts = key.split(".")
+    name = ".".join(parts[1:])
+    from experiments.study import MANAGED_BINDINGS, OVERRIDE_FIXED, STUDY_PARAMETERS
+    overridable = (parts[0] == "baseline" and len(parts) == 3 and name not in MANAGED_BINDINGS) or (
+        parts[0] == "study" and len(parts) == 2 and parts[1] in STUDY_PARAMETERS and key not in OVERRIDE_FIXED)
+    if overridable and value is not ...:
+        scoped = name if parts[0] == "baseline" else key
+        instead = f"set it in {file} instead: {set_param_command(file, f'{round_key}.{scoped}', value)}"
+    else:
+        instead = f"change {portable(path)} instead"
+    shown = f"{key}: {now.get(key)!r} -> {value!r}" if value is not ... else f"{key} removed"
+    return (f"{portable(target)} was edited by hand ({shown}), but it is generated from {portable(path)} by "
+            f"`python -m experiments params` and regenerating it would lose the edit: restore it "
+            f"(git checkout -- {portable(target)}) and {instead}")
 
 
 def cmd_params(args) -> int:
+    """Writes each study's params file; refuses (one line, before writing any) a file edited by hand
+    since it was generated (`hand_edit`), which would otherwise be overwritten without a word."""
+    from experiments.errors import StudyError
+
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    spec = getattr(args, "overrides", None)
+    files = []
     for path in args.studies:
         params = study_params(path, args.binding)
         target = out / f"{params['study']['name']}.yaml"
-        write_text(target, params_header(path, params) + yaml.safe_dump(params, sort_keys=True))
+        problem = hand_edit(target, params, path, spec)
+        if problem:
+            raise StudyError(problem)
+        files.append((target, params_text(path, params, spec)))
+    out.mkdir(parents=True, exist_ok=True)
+    for target, text in files:
+        write_text(target, text)
         print(f"wrote {target}")
     return 0
 
 
 # ----------------------------------------------------------------------------- export
 def headline(aggregate: StudyAggregate) -> Dict:
-    """dvc metrics: per variant n/mean/std/CI and, against the baseline, difference, the deciding
-    analysis and its Holm p, verdict."""
-    out: Dict = {"chosen": aggregate.decision.chosen, "metric": aggregate.metric}
+    """dvc metrics (reports/<study>/metrics.json), under keys that are the same in every round and
+    experiment, so `dvc metrics diff` compares like with like:
+    `metric` (the decision metric's name);
+    `decision`: `chosen` (the variant's name, null when nothing could be decided), `chosen_value` and
+        `baseline_value` (their means of the decision metric), `effect` (chosen - baseline, as the
+        deciding analysis measured it; 0 when the baseline is kept) and `p_value` (its Holm-corrected
+        p; null when the baseline is kept);
+    `baseline` and `chosen`: their rows (n, mean, std, ci95_low, ci95_high, verdict; against the
+        baseline also difference, p_value_holm, analysis, prob_improvement);
+    `variants`: every other variant's row, by name."""
+    rows: Dict[str, Dict] = {}
     for name, v in aggregate.variants.items():
         s = v.summary
         row = {"n": s.n, "mean": s.mean, "std": s.std, "ci95_low": s.ci95[0], "ci95_high": s.ci95[1]}
@@ -153,15 +266,27 @@ def headline(aggregate: StudyAggregate) -> Dict:
             row.update(difference=cmp.difference, p_value_holm=cmp.p_value_holm, analysis=cmp.analysis,
                        prob_improvement=cmp.prob_improvement)
         row["verdict"] = v.verdict
-        out[name] = row
-    return out
+        rows[name] = row
+    chosen = aggregate.decision.chosen
+    variant = aggregate.variants.get(chosen) if chosen is not None else None
+    baseline = aggregate.variants.get(BASELINE)
+    decisive = variant.comparison.decisive if variant is not None and variant.comparison else None
+    decision = {"chosen": chosen,
+                "chosen_value": variant.summary.mean if variant is not None else None,
+                "baseline_value": baseline.summary.mean if baseline is not None else None,
+                "effect": decisive.difference if decisive else (0.0 if chosen == BASELINE else None),
+                "p_value": variant.comparison.p_value_holm if decisive else None}
+    return {"metric": aggregate.metric, "decision": decision, "baseline": rows.get(BASELINE),
+            "chosen": rows.get(chosen) if chosen is not None else None,
+            "variants": {name: row for name, row in rows.items() if name != BASELINE}}
 
 
 CURVE_METRICS = ("reward_mean", "kl_divergence", "clip_fraction", "response_length_mean", "eval/accuracy")
 
 
 def curves(study_dir: Path, aggregate: StudyAggregate) -> List[Dict]:
-    """Mean over seeds per (variant, step) for the curve metrics: rows for `dvc plots`."""
+    """Mean over seeds per (variant, step) for the curve metrics: rows for `dvc plots`, which draws
+    one line per study and variant (dvc.yaml's `plots:` and their template, .dvc/plots/variants.json)."""
     from rlhf.metrics import read_metrics
 
     rows = []
@@ -174,7 +299,7 @@ def curves(study_dir: Path, aggregate: StudyAggregate) -> List[Dict]:
                     if isinstance(value, (int, float)):
                         per_step.setdefault(record["step"], {}).setdefault(metric, []).append(value)
         for step in sorted(per_step):
-            row = {"variant": name, "step": step}
+            row = {"study": aggregate.study, "variant": name, "step": step}
             for metric in CURVE_METRICS:
                 values = per_step[step].get(metric)
                 row[metric.replace("/", "_")] = sum(values) / len(values) if values else ""
@@ -246,7 +371,7 @@ def cmd_export(args) -> int:
     metrics = headline(aggregate)
     write_text(out / "metrics.json", json.dumps(finite(metrics), indent=1, sort_keys=True, allow_nan=False))
     write_text(out / "curves.csv", _csv(curves(study_dir, aggregate),
-                                        ["variant", "step", *[m.replace("/", "_") for m in CURVE_METRICS]]))
+                                        ["study", "variant", "step", *[m.replace("/", "_") for m in CURVE_METRICS]]))
     write_text(out / SEEDS, seeds_table(aggregate, where))
     write_text(out / REPORT, exported_report(aggregate, where))
     import shutil

@@ -102,6 +102,10 @@ class Study:
     retries: int
     alpha: float
     wandb_project: str = ""
+    """The W&B project named by the study itself; '' leaves it to `wandb_sink.project_for`."""
+    campaign: str = ""
+    """The tuning campaign this study is a round of: its rounds share one W&B project named after it.
+    Study-level: no run's hash depends on it (nor on the W&B project)."""
     adaptive_seeds: Optional[AdaptiveSeeds] = None
     """When set, seeds are added to undecided variants up to a maximum (experiments/adaptive.py)."""
     resume_setting: bool = False
@@ -148,9 +152,13 @@ class Study:
             raise _bad("study.gpus_per_run", self.gpus_per_run, "must be a number >= 0 (fractions share a GPU)")
         if not isinstance(self.alpha, float) or not 0 < self.alpha < 1:
             raise _bad("study.alpha", self.alpha, "must be a number in (0, 1)")
-        for key in ("resume_from", "resume_variant", "description", "wandb_project"):
+        for key in ("resume_from", "resume_variant", "description", "wandb_project", "campaign"):
             if not isinstance(getattr(self, key), str):
                 raise _bad(f"study.{key}", getattr(self, key), "must be a string")
+        for key in ("wandb_project", "campaign"):
+            problem = wandb_project_problem(getattr(self, key))
+            if problem:
+                raise _bad(f"study.{key}", getattr(self, key), f"it names a W&B project, which {problem}")
         if not isinstance(self.resume_setting, bool):
             raise _bad("study.resume_setting", self.resume_setting, "must be True or False")
         if not _is_number(self.start_gap_s) or self.start_gap_s < 0:
@@ -185,6 +193,21 @@ class Study:
     def all_variants(self) -> Tuple[Variant, ...]:
         """The baseline first, then the declared variants."""
         return (Variant(BASELINE, ()),) + self.variants
+
+
+WANDB_PROJECT_MAX = 128
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
+"""W&B's rule for a project name (wandb.Settings refuses others): at most 128 characters, none of these."""
+
+
+def wandb_project_problem(name: str) -> str:
+    """What makes `name` no W&B project name ('' when it is one, or empty: no choice made)."""
+    if len(name) > WANDB_PROJECT_MAX:
+        return f"may have at most {WANDB_PROJECT_MAX} characters (it has {len(name)})"
+    bad = sorted({c for c in name if c in WANDB_PROJECT_FORBIDDEN})
+    if bad:
+        return f"may not contain {' '.join(WANDB_PROJECT_FORBIDDEN)} (it contains {' '.join(bad)})"
+    return ""
 
 
 _PILOT = ("must be a previous study's name (its results are RESULTS/<name>) or its results dir "
@@ -246,9 +269,9 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
           metric_from: str = "final", direction: str = "higher", guardrails: Mapping = None,
           resume_from: str = "", resume_variant: str = "", cpus_per_run: int = 1,
           gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, wandb_project: str = "",
-          adaptive_seeds: Mapping = None, resume_setting: bool = False, start_gap_s: float = START_GAP_S,
-          target_effect: float = None, power: float = POWER, pilot: str = "", analysis: str = AUTO,
-          equivalence_margin: float = 0.0, metric_resolution: float = 0.0) -> dict:
+          campaign: str = "", adaptive_seeds: Mapping = None, resume_setting: bool = False,
+          start_gap_s: float = START_GAP_S, target_effect: float = None, power: float = POWER, pilot: str = "",
+          analysis: str = AUTO, equivalence_margin: float = 0.0, metric_resolution: float = 0.0) -> dict:
     """What a study file binds (`study.<parameter> = value`), with its defaults; returns them.
 
     name: the study's name; its results live in RESULTS/<name>/. Required.
@@ -294,7 +317,12 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
         over 128 eval prompts (0, the default: a continuous metric). Seeds that spread less than a
         quarter step are tied: the tests have no spread to judge chance by, and the verdict says
         so ('insufficient data') instead of reading a difference of one step as certain.
-    wandb_project: the W&B project of the study's runs (default: the study's name).
+    campaign: the tuning campaign this study is a round of (e.g. 'rlhf-demo' in every round of the
+        demo): the rounds of one campaign log to one W&B project named after it, each study's runs
+        grouped as `<study>/<variant>`. Changes no run, so no run hash.
+    wandb_project: the W&B project of the study's runs. The first of: this binding, the
+        WANDB_PROJECT environment variable, study.campaign, the study's name
+        (experiments/wandb_sink.py `project_for`). Changes no run, so no run hash.
     adaptive_seeds: {'max_seeds': N} (optional 'min_seeds', 'step', 'spend_alpha_over_looks'): start
         with study.seeds and add seeds to variants whose difference from the baseline is undecided.
         With study.target_effect set, 'max_seeds' may be left out: it is then the seed plan's N
@@ -451,6 +479,7 @@ def _validate(args: dict, path: Path) -> Study:
         resume_from=resume_from, resume_variant=args["resume_variant"], cpus_per_run=args["cpus_per_run"],
         gpus_per_run=float(args["gpus_per_run"]) if _is_number(args["gpus_per_run"]) else args["gpus_per_run"],
         retries=args["retries"], alpha=args["alpha"], wandb_project=args["wandb_project"],
+        campaign=args["campaign"],
         adaptive_seeds=parse_adaptive_seeds(args["adaptive_seeds"], len(seeds),
                                             planned=args["target_effect"] is not None),
         resume_setting=args["resume_setting"], start_gap_s=args["start_gap_s"],
@@ -561,3 +590,85 @@ def _has_reference(value) -> bool:
     if isinstance(value, dict):
         return any(_has_reference(k) or _has_reference(v) for k, v in value.items())
     return not isinstance(value, (str, int, float, bool, type(None)))
+
+
+# ----------------------------------------------------------------------------- overrides
+OVERRIDE_FIXED = ("study.name", "study.resume_from")
+"""Study bindings an overrides file may not change: they wire a round to its results and the one it resumes."""
+
+
+def read_overrides(spec: str) -> Tuple[str, ...]:
+    """`FILE:KEY` (e.g. 'params.yaml:round1'): the bindings under KEY of the YAML file FILE, written
+    as `{scope: {parameter: value}}` (DVC's `dvc exp run -S '++round1.ppo.kl_coef=0.1'` writes them
+    so; a dotted 'scope.parameter: value' also works), as '-b' lines in the file's order. A scope is
+    an engine scope or `study` (but not study.name or study.resume_from); KEY may hold nothing
+    (`round1: {}`). Raises StudyError naming FILE:KEY."""
+    import yaml
+
+    path, sep, key = spec.rpartition(":")
+    if not sep or not path or not key:
+        raise StudyError(f"--overrides {spec!r} is invalid: expected FILE:KEY, e.g. params.yaml:round1")
+    problem = why_not_a_file(Path(path))
+    if problem:
+        raise StudyError(f"--overrides {spec}: {path!r} {problem}; expected a YAML file of per-round overrides")
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise StudyError(f"--overrides {spec}: {path} is not readable YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(data, Mapping) or key not in data:
+        keys = ", ".join(map(str, data)) if isinstance(data, Mapping) else "none"
+        raise StudyError(f"--overrides {spec}: {path} has no key {key!r} (its keys: {keys or 'none'})")
+    held = data[key] or {}
+    shape = "a mapping {scope: {parameter: value}}, e.g. {ppo: {kl_coef: 0.1}} ({} for none)"
+    if not isinstance(held, Mapping):
+        raise StudyError(f"--overrides {spec} = {held!r} is invalid: must be {shape}")
+    flat = {}
+    for scope, params in held.items():
+        if isinstance(scope, str) and "." in scope:
+            flat[scope] = params
+        elif isinstance(params, Mapping) and params:
+            flat.update({f"{scope}.{param}": value for param, value in params.items()})
+        elif not isinstance(params, Mapping):
+            raise StudyError(f"--overrides {spec}: {scope!r} = {params!r} is invalid: must be {shape}")
+    bindings = []
+    for name, value in flat.items():
+        line = f"{name} = {value!r}"
+        if name in OVERRIDE_FIXED:
+            raise StudyError(f"--overrides {spec}: {name} may not be overridden (it wires the round to its results "
+                             f"and to the round it resumes); edit the study recipe")
+        if name.startswith("study."):
+            param = name.split(".", 1)[1]
+            if param not in STUDY_PARAMETERS:
+                close = difflib.get_close_matches(param, STUDY_PARAMETERS, n=1)
+                hint = f" (did you mean study.{close[0]}?)" if close else ""
+                raise StudyError(f"--overrides {spec}: {name} is not a study binding{hint}")
+        else:
+            _engine_binding(line, f"--overrides {spec}")
+        bindings.append(line)
+    return tuple(bindings)
+
+
+def check_overrides(path: str | Path, overrides: Sequence[str], spec: str) -> None:
+    """Loads the study with `overrides` and resolves its baseline and variants, as planning will: an
+    unknown parameter, an invalid value, or a value that makes a variant the baseline (the variant's
+    own change) fails here, in one line naming `spec` (the overrides file and key), before anything
+    runs. A problem the study has without the overrides is left to the usual checks."""
+    from rlhf.config import flat_dict
+    from rlhf.configurable import resolve
+
+    try:
+        overridden = load_study(path, overrides)
+        if any(not line.startswith("study.") for line in overrides):
+            recipe, base = overridden.baseline_recipe, overridden.baseline_bindings
+            flat = flat_dict(resolve(recipe, base)[0])
+            for variant in overridden.variants:
+                if flat_dict(resolve(recipe, [*base, *variant.bindings])[0]) == flat:
+                    raise StudyError(f"it makes study.variants[{variant.name!r}] ({'; '.join(variant.bindings)}) the "
+                                     f"baseline, so the variant would change nothing; override another parameter")
+    except (ConfigError, StudyError) as err:
+        try:
+            plain = load_study(path)
+            resolve(plain.baseline_recipe, plain.baseline_bindings)
+        except (ConfigError, StudyError):
+            return
+        raise StudyError(f"--overrides {spec}: {str(err).replace(' (-b binding)', '')}") from None

@@ -1,10 +1,18 @@
 """W&B as a sink of the experiment manager (the engine never imports wandb).
 
-One W&B run per (variant, seed): project from the study, group `study/variant`, job_type the
-parameter change, config the flat operative config plus seed and provenance, history the
-per-step metrics streamed from the run's `metrics.jsonl`, summary the final metrics. The W&B run
-id comes from the run's content hash, and the last step sent is kept in the run dir
-(`wandb.json`), so a resumed run continues the same W&B run without repeating steps.
+Project: one per tuning campaign (`project_for`): the study's `study.wandb_project`, else
+WANDB_PROJECT, else `study.campaign`, else the study's name. Within it, one W&B run per (variant,
+seed): group `study/variant`, job_type the parameter change, tags study and variant, config the
+operative config nested by gin scope (`{'ppo': {'kl_coef': ...}}`, the form W&B's panels address
+as `ppo.kl_coef`) plus seed, variant, study and provenance, history the per-step metrics streamed
+from the run's `metrics.jsonl`, summary the final metrics. The W&B run id comes from the run's
+content hash, and the last step sent is kept in the run dir (`wandb.json`), so a resumed run
+continues the same W&B run without repeating steps.
+
+One aggregate run per study (group `study`, job_type `aggregate`): the per-variant table, the same
+statistics in its summary, the plots. Its id is the study's; what it last logged is recorded under
+the W&B files (`aggregate_state_path`), so a rerun that changes nothing logs nothing, and a changed
+aggregate continues the same run at the next step.
 
 Mode: `WANDB_MODE` wins (`offline`, `online`, `disabled`); otherwise online when an API key is
 configured, else offline. `WANDB_DIR` is honoured; without it, files go under the study's
@@ -13,6 +21,7 @@ results directory. Any W&B failure is reported once and then ignored: it never k
 
 from __future__ import annotations
 
+import hashlib
 import json
 import netrc
 import os
@@ -20,7 +29,9 @@ import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
+from experiments.errors import StudyError
 from experiments.results import StudyAggregate, aggregate_path
+from experiments.study import Study, wandb_project_problem
 from rlhf.atomic import write_json
 from rlhf.metrics import METRICS_FILE, PERF_SUMMARY, read_metrics
 
@@ -44,6 +55,18 @@ def logged_in() -> bool:
         return False
 
 
+def project_for(study: Study) -> str:
+    """The W&B project of a study's runs, its aggregate run and its Report; the one place that
+    decides it: `study.wandb_project` (the study's own choice), else the WANDB_PROJECT environment
+    variable, else `study.campaign` (the rounds of a tuning campaign share one project), else the
+    study's name. Raises StudyError when WANDB_PROJECT is no W&B project name."""
+    from_env = os.environ.get("WANDB_PROJECT", "").strip()
+    problem = wandb_project_problem(from_env)
+    if problem and not study.wandb_project:
+        raise StudyError(f"WANDB_PROJECT = {from_env!r} is invalid: it names a W&B project, which {problem}")
+    return study.wandb_project or from_env or study.campaign or study.name
+
+
 def files_root(directory: Optional[str]) -> Optional[str]:
     """Where W&B writes its run files (under `<root>/wandb/`): WANDB_DIR when set, else `directory`."""
     return os.environ.get("WANDB_DIR") or directory
@@ -51,6 +74,20 @@ def files_root(directory: Optional[str]) -> Optional[str]:
 
 def _warn(message: str) -> None:
     print(f"warning: W&B: {message} (continuing without it)", file=sys.stderr)
+
+
+def by_scope(flat: Dict) -> Dict:
+    """{'ppo.kl_coef': 0.1} -> {'ppo': {'kl_coef': 0.1}}: W&B stores a nested config key as
+    `ppo.value.kl_coef`, which its panels and filters address as `ppo.kl_coef`; a dotted top-level key
+    they cannot address."""
+    out: Dict = {}
+    for key, value in flat.items():
+        scope, dot, name = key.partition(".")
+        if dot:
+            out.setdefault(scope, {})[name] = value
+        else:
+            out[key] = value
+    return out
 
 
 def _flat(prefix: str, value, out: Dict) -> None:
@@ -167,7 +204,7 @@ class RunDirStreamer:
             # run was opened: send it as config when it appears.
             prov = provenance_config(self.run_dir)
             if prov.get("data_sha256"):
-                self.wandb_run.update_config({f"provenance.{k}": v for k, v in prov.items()})
+                self.wandb_run.update_config({"provenance": prov})
                 self.provenance_sent = True
         if not (self.run_dir / METRICS_FILE).exists():
             return 0
@@ -217,8 +254,7 @@ def provenance_config(run_dir: str | Path) -> Dict:
         return {}
     git = prov.get("git", {})
     return {"git_sha": git.get("sha"), "git_dirty": git.get("dirty"), "data_sha256": prov.get("data_sha256"),
-            "start_checkpoint_sha256": prov.get("start_checkpoint_sha256"),
-            **{f"version.{k}": v for k, v in prov.get("versions", {}).items()},
+            "start_checkpoint_sha256": prov.get("start_checkpoint_sha256"), "versions": prov.get("versions", {}),
             "hostname": prov.get("hardware", {}).get("hostname")}
 
 
@@ -231,38 +267,20 @@ def job_type_for(changes: Dict) -> str:
 
 
 def run_for_spec(spec: Dict, flat_config: Dict, directory: Optional[str], project: str) -> WandbRun:
-    config = {**flat_config, "seed": spec["seed"], "variant": spec["variant"], "study": spec["study"],
-              "run_hash": spec["run_hash"], **{f"provenance.{k}": v for k, v in provenance_config(spec["run_dir"]).items()}}
+    config = {**by_scope(flat_config), "seed": spec["seed"], "variant": spec["variant"], "study": spec["study"],
+              "run_hash": spec["run_hash"], "provenance": provenance_config(spec["run_dir"])}
     return WandbRun(project=project, group=f"{spec['study']}/{spec['variant']}", job_type=job_type_for(spec["changes"]),
                     name=f"{spec['variant']}-seed{spec['seed']}", run_id=f"{spec['study']}-{spec['run_hash'][:12]}",
                     config=config, directory=directory, tags=[spec["study"], spec["variant"]])
-
-
-def log_study_aggregate(*, project: str, study: str, study_hash: str, columns: List[str], rows: List[List],
-                        summary: Dict, images: Iterable[Path], directory: Optional[str]) -> None:
-    """One aggregate run per study: the per-variant statistics table, verdicts and plots."""
-    run = WandbRun(project=project, group=study, job_type="aggregate", name=f"{study}-aggregate",
-                   run_id=f"{study}-aggregate-{study_hash[:12]}", config={"study": study}, directory=directory,
-                   tags=[study, "aggregate"])
-    if not run.active:
-        return
-    try:
-        import wandb
-
-        payload = {"variants": wandb.Table(columns=columns, data=rows)}
-        for image in images:
-            payload[f"plots/{Path(image).stem}"] = wandb.Image(str(image))
-        run.log(payload)
-        run.set_summary(summary)
-    except Exception as err:  # noqa: BLE001
-        _warn(f"aggregate failed: {err}")
-    run.finish()
 
 
 AGGREGATE_COLUMNS = ["variant", "change", "n", "mean", "std", "se", "ci95_low", "ci95_high", "difference",
                      "difference_ci95_low", "difference_ci95_high", "analysis", "p_value_holm", "hedges_g",
                      "prob_improvement", "verdict", "underpowered", "fragile", "guardrails_ok"]
 """The difference's interval and the Holm p are the deciding analysis's (`analysis`)."""
+AGGREGATE_TABLE = "variants"
+"""The aggregate run's table of AGGREGATE_COLUMNS, one row per variant (the Report shows it)."""
+AGGREGATE_JOB_TYPE = "aggregate"
 
 
 def aggregate_rows(aggregate: StudyAggregate) -> List[List]:
@@ -280,17 +298,81 @@ def aggregate_rows(aggregate: StudyAggregate) -> List[List]:
     return rows
 
 
-def log_aggregate_dir(study_dir: str | Path, project: str, run_hashes: Iterable[str]) -> None:
-    """Sends a finished study's aggregate.json and plots as its W&B aggregate run."""
-    import hashlib
+def decision_key(aggregate: StudyAggregate) -> str:
+    """The decision metric's key in each run's W&B summary: summary.json's part and the metric, as
+    `RunDirStreamer.close` flattens them (`final.eval/accuracy`)."""
+    return f"{aggregate.metric_from}.{aggregate.metric}"
 
+
+def aggregate_summary(aggregate: StudyAggregate, rows: List[List]) -> Dict:
+    """The table's values as the aggregate run's summary, `<variant>.<column>` (`baseline.std`,
+    `good.ci95_low`, ...), with the decision (`chosen`) and the metric it was taken on."""
+    summary = {f"{row[0]}.{column}": value for row in rows for column, value in zip(AGGREGATE_COLUMNS[1:], row[1:])}
+    summary.update(chosen=aggregate.decision.chosen, metric=decision_key(aggregate))
+    return summary
+
+
+def aggregate_run_id(study: str) -> str:
+    """The W&B run id of a study's aggregate run: one per study and project."""
+    return f"{study}-aggregate"
+
+
+def aggregate_state_path(directory: str | Path, project: str, study: str) -> Path:
+    """What a study's aggregate run last logged (its content hash, step and mode), kept with the W&B
+    run files (under WANDB_DIR when set), not in the study's results: it records what those files hold."""
+    return Path(files_root(str(directory))) / "wandb" / "aggregates" / project / f"{study}.json"
+
+
+def log_aggregate_dir(study_dir: str | Path, project: str, run_hashes: Iterable[str]) -> bool:
+    """Sends a finished study's aggregate.json and plots as its W&B aggregate run, unless this very
+    content was already sent in this mode (a rerun that changed nothing): then it opens no W&B run
+    and writes no file. A changed aggregate continues the run at the next step. Returns whether it
+    logged."""
     study_dir = Path(study_dir)
     aggregate = StudyAggregate.load(aggregate_path(study_dir))
-    study_hash = hashlib.sha256("".join(sorted(run_hashes)).encode()).hexdigest()
-    summary = {f"{name}.mean": v.summary.mean for name, v in aggregate.variants.items()}
-    summary.update({f"{name}.verdict": v.verdict for name, v in aggregate.variants.items() if v.comparison})
-    summary["chosen"] = aggregate.decision.chosen
-    log_study_aggregate(project=project, study=aggregate.study, study_hash=study_hash, columns=AGGREGATE_COLUMNS,
-                        rows=aggregate_rows(aggregate), summary=summary,
-                        images=sorted((study_dir / "plots").glob("*.png")),
-                        directory=str(study_dir.parent / "wandb"))
+    rows = aggregate_rows(aggregate)
+    summary = aggregate_summary(aggregate, rows)
+    images = sorted((study_dir / "plots").glob("*.png"))
+    config = {"study": aggregate.study,
+              "runs_sha256": hashlib.sha256("".join(sorted(run_hashes)).encode()).hexdigest()}
+    mode = wandb_mode()
+    content = hashlib.sha256(json.dumps(
+        {"project": project, "config": config, "columns": AGGREGATE_COLUMNS, "rows": rows, "summary": summary,
+         "images": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in images}},
+        sort_keys=True, default=str).encode()).hexdigest()
+    directory = study_dir.parent / "wandb"
+    state_path = aggregate_state_path(directory, project, aggregate.study)
+    try:
+        state = json.loads(state_path.read_text())
+    except (OSError, ValueError):
+        state = {}
+    if state.get("content_sha256") == content and state.get("mode") == mode:
+        return False
+    step = int(state.get("step", -1)) + 1
+    run = WandbRun(project=project, group=aggregate.study, job_type=AGGREGATE_JOB_TYPE,
+                   name=f"{aggregate.study}-aggregate", run_id=aggregate_run_id(aggregate.study), config=config,
+                   directory=str(directory), tags=[aggregate.study, AGGREGATE_JOB_TYPE])
+    if not run.active:
+        return False
+    try:
+        import wandb
+
+        payload = {AGGREGATE_TABLE: wandb.Table(columns=AGGREGATE_COLUMNS, data=rows)}
+        for image in images:
+            payload[f"plots/{image.stem}"] = wandb.Image(str(image))
+        run.log(payload, step=step)
+        run.set_summary(summary)
+    except Exception as err:  # noqa: BLE001
+        _warn(f"aggregate failed: {err}")
+        run.finish(exit_code=1)
+        return False
+    logged = run.active
+    run.finish()
+    if logged:
+        try:
+            state_path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(state_path, {"run_id": aggregate_run_id(aggregate.study), "project": project, "mode": mode,
+                                    "content_sha256": content, "step": step})
+        except OSError as err:  # the next rerun logs it again
+            _warn(f"cannot record the aggregate sent ({err})")
+    return logged

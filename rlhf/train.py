@@ -6,9 +6,10 @@ One process writes a run dir at a time (a lock, `rlhf/run_dir.py`). A run dir th
 run is refused unless --resume continues it or --overwrite replaces it; rerunning a completed run
 with the same configuration does nothing.
 
-Exit codes: 0 done, 2 bad configuration or run dir (one line, before any compute), 3 training
-diverged, 4 disk full (one line; nothing half-written is left, --resume continues from the last
-checkpoint), 1 any other error.
+Exit codes: 0 done, 2 bad configuration or run dir (one line, before any compute; a Ray address
+where no cluster this process can join answers is one too), 3 training diverged, 4 disk full (one
+line; nothing half-written is left, --resume continues from the last checkpoint), 130 interrupted
+(Ctrl-C: one line), 1 any other error.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_DIVERGED, EXIT_DISK_FULL = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_DIVERGED, EXIT_DISK_FULL, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 
 
 def parse_args(argv):
@@ -32,8 +33,8 @@ def parse_args(argv):
                    help="replace the run --out holds (its config.gin, metrics.jsonl, summary.json and checkpoints)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.add_argument("--ray-address", default=None,
-                   help="join this Ray cluster (default: RAY_ADDRESS, else a local instance) when "
-                        "ppo.world_size > 1 or ppo.placement is 'colocated' or 'split'")
+                   help="join this Ray cluster, HOST:PORT as `ray start --head` printed it (default: RAY_ADDRESS, "
+                        "else a local instance) when ppo.world_size > 1 or ppo.placement is 'colocated' or 'split'")
     return p.parse_args(argv)
 
 
@@ -71,6 +72,9 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    except KeyboardInterrupt:  # Ctrl-C, while joining Ray or training: what was written stays
+        print(f"interrupted: --resume continues from the latest checkpoint in --out {str(out)!r}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as err:  # a full disk, anywhere in the run: one line, not a traceback
         from rlhf import checkpoint
         message = checkpoint.disk_full_message(err, out)
@@ -83,7 +87,7 @@ def main(argv=None) -> int:
 def train(args, argv, cfg, operative: str, out: Path) -> int:
     """The run, with `out` locked: what `out` already holds decides (resume, refuse, nothing to do,
     replace), then the trainer runs. A ConfigError before the first step is exit 2."""
-    from rlhf import numerics, provenance, run_dir
+    from rlhf import gpu_gate, numerics, provenance, run_dir
     from rlhf.atomic import write_text
     from rlhf.config import ConfigError
     from rlhf.metrics import ConsoleProgress, MetricLogger, run_dir_sinks
@@ -133,14 +137,19 @@ def train(args, argv, cfg, operative: str, out: Path) -> int:
     if not args.quiet:
         sinks.append(ConsoleProgress(cfg.ppo.total_steps, start_step=trainer_step_of(resume_from) or 0))
     logger = MetricLogger(sinks)
+    ended = False
     try:
         summary = trainer.run(logger, resume_from=resume_from)
+        ended = True
     except TrainingDiverged as err:
+        ended = True
         print(f"error: {err}", file=sys.stderr)
         write_text(out / "summary.json", json.dumps({"status": "diverged", "error": str(err)}, indent=1))
         return EXIT_DIVERGED
     finally:
         logger.close()
+        if ended:  # results are written; the memory this engine frees must not land in another's start
+            gpu_gate.wait_for_starter(out)
         trainer.close()
     print(json.dumps({"initial": summary["initial"], "final": summary["final"]}), file=sys.stderr)
     return EXIT_OK

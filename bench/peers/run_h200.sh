@@ -1,5 +1,5 @@
 #!/bin/bash
-# Runs the peer benchmarks and this engine on the same work on the lent H200, one part after the
+# Runs the peer benchmarks and this engine on the same work on an H200 machine, one part after the
 # other, each under its own time limit, all inside one device call (10 minutes at most).
 #
 #   bash bench/peers/run_h200.sh grpo     # TRL GRPOTrainer (no GC, GC) + engine GRPO (local, colocated)

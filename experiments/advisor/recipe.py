@@ -134,6 +134,7 @@ def next_study_text(study_dir: str | Path, advice: Advice, name: Optional[str] =
         *([f"study.equivalence_margin = {agg.equivalence_margin!r}"] if agg.equivalence_margin else []),
         f"study.resume_from = {resume!r}",
         f"study.cpus_per_run = {int(cpus)!r}",
+        *([f"study.campaign = {plan['campaign']!r}"] if plan.get("campaign") else []),  # the same W&B project
     ]
     if target is not None:
         lines += [f"study.target_effect = {target.target_effect!r}", f"study.power = {target.power!r}",

@@ -4,10 +4,15 @@ placement), and a host actor on each bundle.
 The controller (the trainer's process) holds no Ray resources: a study runs each run as a Ray
 task, and a driver that held CPUs while its ranks waited for more would deadlock a small machine.
 Everything a run places lives in its one placement group, reserved all at once or not at all.
+
+How this process comes to Ray (`connect`), the engine's and the manager's alike: a local instance,
+or a cluster given by address (`ray start --head`), checked within seconds first (`check_address`:
+a Ray GCS answers there, its token authentication is met, and this machine is one of its nodes).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from pathlib import Path
@@ -22,47 +27,181 @@ FORWARDED_ENV = ("RLHF_CACHE", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "TRAN
                  "WANDB_MODE", *numerics.FORWARDED_ENV)
 PLACEMENT_TIMEOUT_S = 300
 PROBE_TIMEOUT_S = 5.0
-"""How long a cluster's address may take to accept a connection (ray.init would retry for minutes)."""
+"""How long a cluster's address may take to accept a connection, and then to answer as a Ray cluster's
+GCS (ray.init would retry for minutes, and wait without end on a port that is not Ray's)."""
+NODE_CHECK_TIMEOUT_S = 60.0
+"""How long each node of a joined cluster may take to say which paths it sees (`paths_missing_on_nodes`)."""
+TOKEN_HELP = ("set RAY_AUTH_TOKEN to the cluster's token (`ray get-auth-token` on its head node prints it), or copy "
+              "the head node's ~/.ray/auth_token to this machine (RAY_AUTH_TOKEN_PATH names another file)")
 
 
 def check_address(address: Optional[str]) -> None:
-    """A ConfigError naming the address (`address`, else RAY_ADDRESS) when nothing accepts a
-    connection there within PROBE_TIMEOUT_S; nothing to check without one, or for 'auto' and
-    'local' (Ray resolves those itself, at once)."""
+    """Checks, within seconds, that this process can join the Ray cluster at `address` (else RAY_ADDRESS);
+    nothing to check without one, or for 'auto' and 'local' (Ray resolves those itself, at once).
+
+    In turn: something accepts a TCP connection there (PROBE_TIMEOUT_S); it answers a Ray GCS handshake
+    (PROBE_TIMEOUT_S: an HTTP server or any other service fails here); when the cluster requires token
+    authentication (`ray start --head` turns it on whenever a token exists) and RAY_AUTH_MODE is unset,
+    this process turns token mode on (Ray does the same for address 'auto', never for an explicit one)
+    and the token must be accepted; and this machine runs a node of that cluster (ray.init attaches a
+    driver to a node on its own machine). Each failure is a ConfigError of one line saying what to set,
+    start or fix."""
     given = address or os.environ.get("RAY_ADDRESS") or None
     if not given or given in ("auto", "local"):
         return
-    source = "--ray-address" if address else "RAY_ADDRESS"
+    where = f"{'--ray-address' if address else 'RAY_ADDRESS'} {given!r}"
+    if given.startswith("ray://"):
+        raise ConfigError(f"{where} is a Ray Client address; give the cluster's GCS address HOST:PORT (the one "
+                          f"`ray start --head` prints, port 6379 by default) and run this on a node of the cluster")
     host, sep, port = given.split("://", 1)[-1].rstrip("/").rpartition(":")
     if not sep or not port.isdigit():
         return  # not HOST:PORT: Ray's own error says what it expects
+    host = host.strip("[]")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()
+        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
     except OSError as err:
         reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
-        raise ConfigError(f"{source} {given!r}: no Ray cluster answers there ({reason}, within "
-                          f"{PROBE_TIMEOUT_S:g} s); start one (`ray start --head`), fix the address, or leave "
-                          f"it out to start a local instance") from None
+        raise ConfigError(f"{where}: no Ray cluster answers there ({reason}, within {PROBE_TIMEOUT_S:g} s); "
+                          f"start one (`ray start --head`), fix the address, or leave it out to start a local "
+                          f"instance") from None
+    nodes = _gcs_handshake(where, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    _check_local_node(where, given, nodes)
+
+
+def _gcs_nodes(gcs_address: str) -> list:
+    """The cluster's nodes (GcsNodeInfo) as its GCS lists them, after the handshake Ray's own clients
+    begin with (GetClusterId); grpc.RpcError when it does not answer within PROBE_TIMEOUT_S."""
+    from ray._private.gcs_utils import create_gcs_channel  # token auth and TLS as Ray's own clients set them
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    channel = create_gcs_channel(gcs_address)
+    try:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=PROBE_TIMEOUT_S)
+        reply = stub.GetAllNodeInfo(gcs_service_pb2.GetAllNodeInfoRequest(), timeout=PROBE_TIMEOUT_S)
+        return list(reply.node_info_list)
+    finally:
+        channel.close()
+
+
+def _gcs_handshake(where: str, gcs_address: str) -> list:
+    """`_gcs_nodes`, turning token authentication on when the cluster asks for it and a token is here; a
+    one-line ConfigError for a service that is not a Ray GCS, or a token that is missing or refused."""
+    import grpc
+    from ray._private.authentication import authentication_token_setup as token_setup
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    from ray._raylet import AuthenticationTokenLoader
+    from ray.exceptions import AuthenticationError
+
+    try:
+        try:
+            return _gcs_nodes(gcs_address)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNAUTHENTICATED or is_token_auth_enabled():
+                raise
+            mode = os.environ.get(token_setup.AUTH_MODE_ENV_VAR)
+            if mode is not None:
+                raise ConfigError(f"{where}: the Ray cluster there requires token authentication, but "
+                                  f"{token_setup.AUTH_MODE_ENV_VAR}={mode} here; unset it (or set it to "
+                                  f"'token')") from None
+            if not AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
+                raise ConfigError(f"{where}: the Ray cluster there requires token authentication and this machine "
+                                  f"has no token; {TOKEN_HELP}") from None
+            token_setup._enable_token_auth()  # what ray.init does for 'auto': this process and its children
+            return _gcs_nodes(gcs_address)
+    except AuthenticationError as err:  # a token file named but unreadable
+        raise ConfigError(f"{where}: {err.message}; {TOKEN_HELP}") from None
+    except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise ConfigError(f"{where}: the Ray cluster there refused this machine's token (from {_token_source()}); "
+                              f"{TOKEN_HELP}") from None
+        if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            reason = f"no answer within {PROBE_TIMEOUT_S:g} s"
+        else:  # gRPC's details end with what the other side did wrong, e.g. 'Failed parsing HTTP/2 (...)'
+            reason = f"its answer: {(err.details() or err.code().name).rsplit(': ', 1)[-1].split(' (')[0]}"
+        raise ConfigError(f"{where}: accepts connections but is not a Ray cluster's GCS ({reason}); give the "
+                          f"address `ray start --head` printed (port 6379 by default, not the dashboard's 8265), or "
+                          f"leave it out to start a local instance") from None
+
+
+def _token_source() -> str:
+    """Where Ray reads this process's token from (its order: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return f"RAY_AUTH_TOKEN_PATH={os.environ['RAY_AUTH_TOKEN_PATH']}"
+    return "~/.ray/auth_token"
+
+
+def _check_local_node(where: str, given: str, nodes: list) -> None:
+    """A ConfigError unless a live node of the cluster (`nodes`, from its GCS) runs on this machine: a
+    Ray driver attaches to a node of its own machine (ray.init would look for one for a minute)."""
+    from ray._private.services import find_node_ids  # the raylets running here, as ray.init finds them
+    alive = [n for n in nodes if n.state == 0]  # GcsNodeInfo.ALIVE
+    if not alive or {n.node_id.hex() for n in alive} & set(find_node_ids()):
+        return
+    ips = sorted({n.node_manager_address for n in alive})
+    raise ConfigError(f"{where}: this machine runs no node of the Ray cluster there (its nodes: {', '.join(ips)}); "
+                      f"run this on one of them, or join this machine first: `ray start --address {given}` (with "
+                      f"RAY_AUTH_MODE=token when the cluster uses token authentication)")
 
 
 def connect(address: Optional[str], num_cpus: Optional[float] = None, num_gpus: Optional[float] = None,
             private: bool = False) -> bool:
     """Joins `address` (or RAY_ADDRESS), or else starts a local Ray instance (`private`: one of its
     own even when other Ray clusters run on this machine; `num_cpus` / `num_gpus`: its resources).
-    No dashboard, no log forwarding. Returns True when it started a local instance, False when it
-    joined one or Ray was already up: the one Ray start-up of the engine and the manager. An
-    address where no cluster answers is a ConfigError within seconds (`check_address`)."""
+    No dashboard of its own (a joined `ray start` cluster has one), no log forwarding. Returns True
+    when it started a local instance, False when it joined one or Ray was already up: the one Ray
+    start-up of the engine and the manager. An address where no Ray cluster this process can join
+    answers is a ConfigError within seconds (`check_address`); an interrupt while connecting leaves
+    nothing started."""
     import ray
     if ray.is_initialized():
         return False
     check_address(address)
     address = address or os.environ.get("RAY_ADDRESS") or None
     kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    if address:
-        ray.init(address=address, **kwargs)
-        return False
-    ray.init(address="local" if private else None, num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
-    return True
+    try:
+        if address:
+            ray.init(address=address, **kwargs)
+            return False
+        # A local instance turns token authentication on by default: Ray's notice of it is not this run's news.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+        ray.init(address="local" if private else None, num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+        return True
+    except KeyboardInterrupt:
+        ray.shutdown()
+        raise
+
+
+def paths_missing_on_nodes(paths: List[str]) -> Dict[str, List[str]]:
+    """{node: the paths of `paths` it does not see} for each live node of the cluster with CPUs or GPUs,
+    other than this process's (the node's address and the start of its id); {} on a one-node cluster.
+    Every node that runs work must see the same code, recipes, working directory and results at the
+    same absolute paths. A node that does not answer within NODE_CHECK_TIMEOUT_S is not reported."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    nodes = [n for n in ray.nodes() if n["Alive"] and n["NodeID"] != here
+             and (n["Resources"].get("CPU", 0) > 0 or n["Resources"].get("GPU", 0) > 0)]
+    if not nodes:
+        return {}
+
+    def missing_paths(paths: List[str]) -> List[str]:  # nested: pickled by value, needs no code of this checkout
+        import os
+        return [p for p in paths if not os.path.exists(p)]
+
+    probe = ray.remote(missing_paths)
+    refs = {probe.options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n["NodeID"], soft=False)).remote(list(paths)): n for n in nodes}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=NODE_CHECK_TIMEOUT_S)
+    out = {}
+    for ref in ready:
+        lost = ray.get(ref)
+        if lost:
+            out[f"{refs[ref]['NodeManagerAddress']} ({refs[ref]['NodeID'][:8]})"] = lost
+    return out
 
 
 def device_type(ppo: PPOConfig) -> str:
@@ -106,8 +245,14 @@ def reserve(ppo: PPOConfig, num_bundles: int, device: str):
     return pg
 
 
+def forwarded_env() -> dict:
+    """The variables of FORWARDED_ENV set here: Ray workers on the nodes of a joined cluster start with
+    their node's environment, not this process's."""
+    return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+
+
 def rank_env() -> dict:
-    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    env = forwarded_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     return env
 

@@ -62,7 +62,7 @@ def synthetic_study(root: Path, name: str = "synth", hacked: bool = False) -> Pa
                          variants={"baseline": VariantResult(runs=tuple(runs), completed=len(runs),
                                                              guardrails={"rollout_success_rate": rail})})
     agg.save(study_dir / "aggregate.json")
-    (study_dir / "plan.json").write_text(json.dumps({"study": name, "runs": plan}))
+    (study_dir / "plan.json").write_text(json.dumps({"study": name, "campaign": "camp", "runs": plan}))
     return study_dir
 
 
@@ -77,6 +77,7 @@ def test_advise_writes_a_next_study_that_parses_and_plans(tmp_path, capsys):
     assert variants == {"kl_coef_up": ("ppo.kl_coef = 0.06",),
                         "max_response_length_down": ("ppo.max_response_length = 5",)}
     assert study.name == "synth2" and study.resume_from == str(study_dir.resolve()) and study.seeds == (0, 1)
+    assert study.campaign == "camp"  # the next round logs to the same W&B project
     assert study.baseline_bindings == ("ppo.total_steps = 4", "ppo.eval_every = 2")
     assert [g.describe() for g in study.guardrails] == ["rollout_success_rate >= 0.95"]
     specs = expand(study, tmp_path / "results")

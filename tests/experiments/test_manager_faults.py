@@ -243,16 +243,3 @@ def test_a_failed_runs_cause_is_its_exception_in_the_record_the_status_and_the_r
     assert failure_cause(vllm_v1) == "ValueError: No available memory for the cache blocks."
     assert failure_cause("INFO x\nERROR 12-01 core.py:50] RuntimeError: CUDA error: out of memory\nWARNING bye\n") == \
         "RuntimeError: CUDA error: out of memory"
-
-
-def test_engines_sharing_a_gpu_start_one_at_a_time(tmp_path, monkeypatch):
-    from experiments.execute import wait_for_gpu_start
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    first, second, third = (tmp_path / n for n in ("a", "b", "c"))
-    assert wait_for_gpu_start(first, 0.6, str(tmp_path)) < 0.3  # nothing started on this GPU lately
-    assert 0.5 < wait_for_gpu_start(second, 0.6, str(tmp_path)) < 3  # waits out the gap after the first
-    second.mkdir()
-    (second / "metrics.jsonl").write_text('{"step": 0}\n')  # the second engine has started up
-    assert wait_for_gpu_start(third, 30, str(tmp_path)) < 3  # no need to wait the full gap
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert wait_for_gpu_start(first, 30, str(tmp_path)) == 0  # no GPU: no gate

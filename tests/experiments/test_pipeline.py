@@ -1,9 +1,10 @@
 """The DVC pipeline in a temporary clone: `dvc repro` runs every stage, a second repro does
 nothing, a one-binding change in round 2 reruns exactly round 2 onward (and inside round 2 only
 the runs whose hash changed), DVC's params/metrics/plots views work, and push/pull round-trip
-through a local remote. Without the engine, on synthetic run dirs: what the `params` and `export`
-stages write (a resumed round's params as its runs get them; the exported report and per-seed
-values, the same bytes in every checkout)."""
+through a local remote added to a clone (none is configured). Without the engine, on synthetic
+run dirs: what the `params` and `export` stages write (a resumed round's params as its runs get them; the exported report and per-seed
+values, the same bytes in every checkout). tests/experiments/test_dvc_*.py check DVC's experiment
+workflow (overrides, a hand edit refused, the params stage's dependencies, plots, metrics keys, pull)."""
 
 import argparse
 import csv
@@ -81,7 +82,7 @@ def clone(tmp_path_factory):
     rm = repo / "recipes" / "rm" / "tiny.gin"  # a short reward model, for the same reason
     assert "rm.steps = 1500" in rm.read_text()
     rm.write_text(rm.read_text().replace("rm.steps = 1500", "rm.steps = 20"))
-    sh(f"dvc remote modify --local local url {root / 'remote'}", repo)
+    sh(f"dvc remote add --local -d shared {root / 'remote'}", repo)  # README: no remote is configured
     sh("git add -A && git -c user.name=t -c user.email=t@t commit -qm small", repo)
     env = dict(os.environ, WANDB_MODE="disabled", RLHF_CACHE=str(root / "cache"))
     return repo, root, env
@@ -97,11 +98,11 @@ def test_repro_rerun_and_views(clone):
     assert ran_stages(first) == stages
     for n in (1, 2, 3):
         metrics = json.loads((repo / "reports" / f"round{n}" / "metrics.json").read_text())
-        assert metrics["chosen"] and metrics["baseline"]["n"] == 2
+        assert metrics["decision"]["chosen"] and metrics["baseline"]["n"] == 2
         assert list((repo / "reports" / f"round{n}" / "plots").glob("*.png"))
         assert "## Per-seed values" in (repo / "reports" / f"round{n}" / "report.md").read_text()
         seeds = list(csv.DictReader((repo / "reports" / f"round{n}" / "seeds.csv").open()))
-        assert len(seeds) == 2 * (len(metrics) - 2)  # two seeds per variant ('chosen' and 'metric' besides)
+        assert len(seeds) == 2 * (1 + len(metrics["variants"]))  # two seeds per variant, the baseline's too
     # Round 3's params are what its runs got: round 2's chosen setting and round 2's checkpoints.
     params = yaml.safe_load((repo / "params" / "round3.yaml").read_text())
     round2 = json.loads((repo / "results" / "round2" / "aggregate.json").read_text())
@@ -148,7 +149,7 @@ def test_push_then_pull_in_a_fresh_clone(clone):
     sh("dvc push", repo, env)
     fresh = root / "fresh"
     sh(f"git clone -q {repo} {fresh}", root)
-    sh(f"dvc remote modify --local local url {root / 'remote'}", fresh)
+    sh(f"dvc remote add --local -d shared {root / 'remote'}", fresh)
     sh("dvc pull", fresh, env)
     for path in ("data/arithmetic/train.jsonl", "models/sft/model/model.safetensors", "results/round1/aggregate.json"):
         assert (fresh / path).read_bytes() == (repo / path).read_bytes(), path

@@ -1,4 +1,6 @@
-"""W&B: the offline files of a real study read back; a resumed run continues its W&B run; W&B
+"""W&B: the offline files of two real studies, rounds of one campaign, read back: one project,
+runs grouped by study and variant, the aggregate run's table and summary; a rerun that changes
+nothing logs nothing; WANDB_PROJECT is honoured; a resumed run continues its W&B run; W&B
 failures never reach a run."""
 
 import json
@@ -10,19 +12,35 @@ from pathlib import Path
 
 import pytest
 
-from tests.experiments.wandb_offline import find_runs, read_run
-from experiments.wandb_sink import RunDirStreamer, WandbRun, job_type_for
+from experiments.results import StudyAggregate
+from experiments.wandb_sink import (AGGREGATE_COLUMNS, RunDirStreamer, WandbRun, aggregate_state_path, job_type_for,
+                                    log_aggregate_dir)
 from tests.conftest import REPO
+from tests.experiments.test_wandb_report import finished  # noqa: F401 - a study dir of fake runs, reported
+from tests.experiments.wandb_offline import find_runs, read_run
 
-STUDY = """
+ROUND1 = """
 study.name = 'wb'
+study.campaign = 'wb-campaign'
 study.baseline_recipe = 'tiny.gin'
 study.baseline_bindings = ['ppo.total_steps = 3', 'ppo.eval_every = 3', 'ppo.save_every = 3',
                            'ppo.final_window = 2', 'task.eval_size = 16']
 study.variants = {'clip_up': 'ppo.clip_range = 0.3'}
 study.seeds = 2
-study.wandb_project = 'wb-test'
 """
+
+ROUND2 = """
+study.name = 'wb2'
+study.campaign = 'wb-campaign'
+study.baseline_recipe = 'tiny.gin'
+study.baseline_bindings = ['ppo.total_steps = 2', 'ppo.eval_every = 2', 'ppo.save_every = 2',
+                           'ppo.final_window = 2', 'task.eval_size = 16']
+study.variants = {}
+study.seeds = 1
+study.resume_from = '{results}/wb'
+study.resume_variant = 'baseline'
+"""
+CAMPAIGN = "wb-campaign"
 
 
 def run_study(path: Path, results: Path, env: dict) -> subprocess.CompletedProcess:
@@ -30,39 +48,104 @@ def run_study(path: Path, results: Path, env: dict) -> subprocess.CompletedProce
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
+def _aggregate_files(wandb_dir: Path) -> list:
+    return sorted(p for p in find_runs(wandb_dir) if "-aggregate" in p.name)
+
+
 @pytest.fixture(scope="module")
-def offline_study(tmp_path_factory):
+def campaign(tmp_path_factory):
+    """Round 1 (two variants x two seeds), round 2 resuming it, then round 1 again as it is (nothing
+    to run or send), then round 1 again with WANDB_PROJECT set: the W&B files after each."""
     root = tmp_path_factory.mktemp("wb")
-    (root / "wb.gin").write_text(textwrap.dedent(STUDY))
+    results = root / "results"
+    (root / "wb.gin").write_text(textwrap.dedent(ROUND1))
+    (root / "wb2.gin").write_text(textwrap.dedent(ROUND2).replace("{results}", str(results)))
     env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(root / "wandb"))
-    proc = run_study(root / "wb.gin", root / "results", env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return root
+    env.pop("WANDB_PROJECT", None)
+    out = {"root": root, "results": results}
+    for name, path, extra in (("round1", "wb.gin", {}), ("round2", "wb2.gin", {}), ("rerun", "wb.gin", {}),
+                              ("env", "wb.gin", {"WANDB_PROJECT": "from-env"})):
+        proc = run_study(root / path, results, {**env, **extra})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        out[name] = {"stdout": proc.stdout, "aggregates": _aggregate_files(root / "wandb"),
+                     "runs": find_runs(root / "wandb")}
+    return out
 
 
 @pytest.mark.slow
-def test_offline_runs_read_back(offline_study):
-    runs = [read_run(p) for p in find_runs(offline_study / "wandb")]
+def test_offline_runs_read_back(campaign):
+    runs = [read_run(p) for p in campaign["round1"]["runs"]]
     per_run = [r for r in runs if r["job_type"] != "aggregate"]
-    assert len(per_run) == 4 and all(r["project"] == "wb-test" for r in runs)
+    assert len(per_run) == 4 and all(r["project"] == CAMPAIGN for r in runs)
     assert {r["group"] for r in per_run} == {"wb/baseline", "wb/clip_up"}
     assert {r["job_type"] for r in per_run} == {"baseline", "ppo.clip_range=0.3"}
     for r in per_run:
         clip = 0.3 if r["group"] == "wb/clip_up" else 0.2
-        assert r["config"]["ppo.clip_range"] == clip and r["config"]["seed"] in (0, 1)
-        assert r["config"]["provenance.data_sha256"]
+        # The operative config nested by gin scope: W&B's panels address it as ppo.clip_range.
+        assert r["config"]["ppo"]["clip_range"] == clip and r["config"]["seed"] in (0, 1)
+        assert r["config"]["study"] == "wb" and r["config"]["variant"] == r["group"].split("/")[1]
+        assert r["config"]["provenance"]["data_sha256"] and r["tags"] == ["wb", r["config"]["variant"]]
         steps = [row["_step"] for row in r["history"]]
         assert steps == [0, 1, 2, 3]  # step 0 (initial evaluation) and 3 PPO steps
         assert "reward_mean" in r["history"][1] and "policy_ratio_hist/_type" in r["history"][1]
         assert r["summary"]["status"] == "completed" and "final.eval/accuracy" in r["summary"]
     (aggregate,) = [r for r in runs if r["job_type"] == "aggregate"]
-    assert aggregate["group"] == "wb"
-    table_files = [p for p in Path(offline_study / "wandb").rglob("variants_*.table.json")]
+    assert aggregate["group"] == "wb" and aggregate["id"] == "wb-aggregate" and aggregate["tags"] == ["wb", "aggregate"]
+    table_files = [p for p in Path(campaign["root"] / "wandb").rglob("variants_*.table.json")]
     table = json.loads(table_files[0].read_text())
-    assert table["columns"][:4] == ["variant", "change", "n", "mean"]
+    assert table["columns"] == AGGREGATE_COLUMNS
     assert sorted(row[0] for row in table["data"]) == ["baseline", "clip_up"]
     assert all(row[2] == 2 for row in table["data"])
     assert any(k.startswith("plots/") for k in aggregate["summary"])
+
+
+@pytest.mark.slow
+def test_a_campaign_is_one_wandb_project(campaign):
+    """Both rounds in the campaign's project, each study's runs in their own groups."""
+    runs = [read_run(p) for p in campaign["round2"]["runs"]]
+    assert {r["project"] for r in runs} == {CAMPAIGN}
+    assert sorted((r["group"], r["job_type"]) for r in runs) == [
+        ("wb", "aggregate"), ("wb/baseline", "baseline"), ("wb/baseline", "baseline"),
+        ("wb/clip_up", "ppo.clip_range=0.3"), ("wb/clip_up", "ppo.clip_range=0.3"),
+        ("wb2", "aggregate"), ("wb2/baseline", "baseline")]
+    (round2,) = [r for r in runs if r["group"] == "wb2/baseline"]
+    assert round2["config"]["study"] == "wb2" and round2["config"]["provenance"]["start_checkpoint_sha256"]
+
+
+@pytest.mark.slow
+def test_the_aggregate_summary_holds_each_variants_statistics(campaign):
+    """The aggregate run's summary: the table's values per variant, std and 95% CI included."""
+    aggregate = StudyAggregate.load(campaign["results"] / "wb" / "aggregate.json")
+    (run,) = [read_run(p) for p in campaign["round1"]["aggregates"]]
+    summary = run["summary"]
+    assert summary["chosen"] == aggregate.decision.chosen and summary["metric"] == "final.eval/accuracy"
+    for name, v in aggregate.variants.items():
+        s = v.summary
+        assert s.n == 2 and s.std is not None and s.ci95[0] is not None
+        assert [summary[f"{name}.{k}"] for k in ("n", "mean", "std", "se", "ci95_low", "ci95_high")] == pytest.approx(
+            [s.n, s.mean, s.std, s.se, s.ci95[0], s.ci95[1]])
+    assert summary["clip_up.verdict"] == aggregate.variants["clip_up"].verdict
+    assert "clip_up.difference_ci95_low" in summary and "clip_up.p_value_holm" in summary
+    assert [row["_step"] for row in run["history"]] == [0]
+
+
+@pytest.mark.slow
+def test_a_rerun_that_changes_nothing_logs_nothing(campaign):
+    """Round 1 again, as it is: no run to run, and no new W&B file, not even the aggregate's."""
+    assert "0 completed, 4 already done, 0 failed" in campaign["rerun"]["stdout"]
+    assert campaign["rerun"]["runs"] == campaign["round2"]["runs"]
+    assert campaign["rerun"]["aggregates"] == campaign["round2"]["aggregates"]
+    state = json.loads(aggregate_state_path(campaign["root"] / "wandb", CAMPAIGN, "wb").read_text())
+    assert state["run_id"] == "wb-aggregate" and state["step"] == 0 and state["mode"] == "offline"
+
+
+@pytest.mark.slow
+def test_wandb_project_from_the_environment(campaign):
+    """WANDB_PROJECT wins over the campaign: round 1's aggregate (its runs all done) goes there."""
+    new = sorted(set(campaign["env"]["runs"]) - set(campaign["rerun"]["runs"]))
+    (run,) = [read_run(p) for p in new]
+    assert (run["project"], run["id"], run["job_type"]) == ("from-env", "wb-aggregate", "aggregate")
+    assert [row["_step"] for row in run["history"]] == [0]
 
 
 def _fake_run_dir(path: Path, steps: int) -> None:
@@ -130,3 +213,23 @@ def test_disabled_mode_writes_nothing(tmp_path, monkeypatch):
 def test_job_type_names_the_change():
     assert job_type_for({}) == "baseline"
     assert job_type_for({"ppo.kl_coef": 0.1}) == "ppo.kl_coef=0.1"
+
+
+def test_a_changed_aggregate_continues_its_run_at_the_next_step(finished, monkeypatch):  # noqa: F811
+    """The aggregate run of a study, sent again: unchanged, nothing is opened; changed (here another
+    set of runs), the same W&B run at the next step."""
+    import time
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = finished[2]
+    wandb_dir = out.parent / "wandb"
+    assert log_aggregate_dir(out, "p", ["run-a", "run-b"])
+    assert not log_aggregate_dir(out, "p", ["run-b", "run-a"])
+    assert len(find_runs(wandb_dir)) == 1
+    time.sleep(1.1)  # W&B names an offline run's files by the second it starts
+    assert log_aggregate_dir(out, "p", ["run-a", "run-c"])
+    runs = _read_back(wandb_dir)
+    assert len(runs) == 2 and {(r["id"], r["project"]) for r in runs} == {("synthetic-aggregate", "p")}
+    assert sorted(row["_step"] for r in runs for row in r["history"]) == [0, 1]
+    assert json.loads(aggregate_state_path(wandb_dir, "p", "synthetic").read_text())["step"] == 1
+    assert all(r["summary"]["good.ci95_high"] > r["summary"]["good.mean"] > r["summary"]["good.ci95_low"]
+               for r in runs)

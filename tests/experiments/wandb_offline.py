@@ -52,7 +52,7 @@ def _key(item) -> str:
 
 
 def read_run(path: str | Path) -> Dict:
-    """{'id', 'project', 'group', 'job_type', 'name', 'config': {}, 'history': [rows], 'summary': {}}."""
+    """{'id', 'project', 'group', 'job_type', 'name', 'tags', 'config': {}, 'history': [rows], 'summary': {}}."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     out: Dict = {"config": {}, "history": [], "summary": {}, "path": str(path)}
@@ -66,7 +66,7 @@ def read_run(path: str | Path) -> Dict:
         if kind == "run":
             run = rec.run
             out.update(id=run.run_id, project=run.project, group=run.run_group, job_type=run.job_type,
-                       name=run.display_name)
+                       name=run.display_name, tags=list(run.tags))
             for item in run.config.update:
                 out["config"][_key(item)] = _value(item)
         elif kind == "config":
