@@ -173,7 +173,7 @@ def merge_provenance(run_dir: Path, spec: dict, record: dict, manager: dict) -> 
     prov["manager"] = {
         **manager,
         "study": spec["study"], "variant": spec["variant"], "seed": spec["seed"],
-        # One name per meaning (README, "Provenance"): the engine's own fields say what ran
+        # One name per meaning (docs/studies.md, "Provenance"): the engine's own fields say what ran
         # (config_sha256 of the full operative config, data_sha256 = the plan's data hash,
         # start_checkpoint_sha256, git);
         # the manager's say how the run was identified and planned.

@@ -1,4 +1,5 @@
-"""The tuning advisor: the guide's rules read a study's curves and propose the next round.
+"""The tuning advisor: the rules of the tuning guide (docs/tuning_guide.md) read a study's curves
+and propose the next round.
 
 window.py (the evidence) -> rules.py (the guide's rules) -> advise.py (rank, one per parameter)
 -> recipe.py (the next study's .gin) -> command.py (`python -m experiments advise`).

@@ -1,7 +1,7 @@
 """What every rule shares: the `Suggestion` it returns, the `Rule` base, and the trend tests.
 
 A rule is a frozen dataclass: its fields are its thresholds and step sizes (defaults: the guide's
-numbers, in /shared/TUNING_GUIDE.md terms; where the guide gives no number the default is ours
+numbers, in the terms of docs/tuning_guide.md; where the guide gives no number the default is ours
 and the field's docstring says so), its class attributes say what it reads and which round of
 the guide it belongs to (`kl_and_clip`: round 2; `throughput_and_quality`: round 3; `health`:
 flags, every round). `check(window)` returns a `Suggestion` (ONE parameter to change, its new

@@ -1,4 +1,5 @@
-"""The tuning guide's rules as declared objects: each reads a `Window` and proposes one change.
+"""The rules of the tuning guide (docs/tuning_guide.md) as declared objects: each reads a `Window`
+and proposes one change.
 
 Each rule is a frozen dataclass whose fields are the guide's thresholds and steps (base.py says
 what a rule is and returns). `RULES` lists every rule the advisor applies: the guide's, in the
