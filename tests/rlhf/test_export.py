@@ -23,7 +23,7 @@ from rlhf.placement.context import DeviceContext
 from rlhf.roles.actor import Actor
 from rlhf.tiny import build_char_tokenizer, build_tiny_model
 from tests.conftest import REPO
-from tests.rlhf.test_workers import make_batch
+from tests.rlhf.test_grad_accumulation import make_batch
 
 CPU = DeviceContext(torch.device("cpu"))
 FIX = "export an intact checkpoint (another step_N of the run)"

@@ -19,7 +19,7 @@ from rlhf.roles.critic import Critic
 from rlhf.roles.reference import Reference
 from rlhf.tiny import build_char_tokenizer, build_tiny_model
 from tests.conftest import REPO, VOLATILE, kill_when, run_train
-from tests.rlhf.test_workers import make_batch
+from tests.rlhf.test_grad_accumulation import make_batch
 
 CPU = DeviceContext(torch.device("cpu"))
 LORA = ["-b", "ppo.lora_rank = 8", "-b", "ppo.actor_learning_rate = 3e-3", "-b", "ppo.critic_learning_rate = 9e-3"]
