@@ -33,18 +33,6 @@ from experiments.results import BASELINE, StudyAggregate, aggregate_path, read_a
 from rlhf.atomic import finite, write_text
 
 
-def _nested(flat: Dict[str, object]) -> Dict:
-    """{'ppo.kl_coef': 0.1} -> {'ppo': {'kl_coef': 0.1}}."""
-    out: Dict = {}
-    for key, value in flat.items():
-        node = out
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
-    return out
-
-
 # ----------------------------------------------------------------------------- data + sft
 def cmd_data(args) -> int:
     from rlhf import configurable
@@ -99,7 +87,7 @@ def study_params(path: str, bindings: List[str]) -> Dict:
     from experiments.plan import config_changes, resolve_config
     from experiments.resume_from import resume_checkpoints, resumed_setting, resumed_study
     from experiments.study import load_study
-    from rlhf.config import flat_dict
+    from rlhf.config import flat_dict, nested_dict
 
     declared = load_study(path, bindings)
     starts = resume_checkpoints(declared)
@@ -120,7 +108,7 @@ def study_params(path: str, bindings: List[str]) -> Dict:
                       "alpha": study.alpha, "analysis": study.analysis,
                       "equivalence_margin": study.equivalence_margin,
                       "metric_resolution": study.metric_resolution},
-            "baseline": _nested(flat), "variants": {k: _nested(v) for k, v in variants.items()}}
+            "baseline": nested_dict(flat), "variants": {k: nested_dict(v) for k, v in variants.items()}}
 
 
 OVERRIDES_FILE = "params.yaml"

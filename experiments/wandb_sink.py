@@ -33,6 +33,7 @@ from experiments.errors import StudyError
 from experiments.results import StudyAggregate, aggregate_path
 from experiments.study import Study, wandb_project_problem
 from rlhf.atomic import write_json
+from rlhf.config import nested_dict
 from rlhf.metrics import METRICS_FILE, PERF_SUMMARY, read_metrics
 
 STATE_FILE = "wandb.json"
@@ -74,20 +75,6 @@ def files_root(directory: Optional[str]) -> Optional[str]:
 
 def _warn(message: str) -> None:
     print(f"warning: W&B: {message} (continuing without it)", file=sys.stderr)
-
-
-def by_scope(flat: Dict) -> Dict:
-    """{'ppo.kl_coef': 0.1} -> {'ppo': {'kl_coef': 0.1}}: W&B stores a nested config key as
-    `ppo.value.kl_coef`, which its panels and filters address as `ppo.kl_coef`; a dotted top-level key
-    they cannot address."""
-    out: Dict = {}
-    for key, value in flat.items():
-        scope, dot, name = key.partition(".")
-        if dot:
-            out.setdefault(scope, {})[name] = value
-        else:
-            out[key] = value
-    return out
 
 
 def _flat(prefix: str, value, out: Dict) -> None:
@@ -267,7 +254,7 @@ def job_type_for(changes: Dict) -> str:
 
 
 def run_for_spec(spec: Dict, flat_config: Dict, directory: Optional[str], project: str) -> WandbRun:
-    config = {**by_scope(flat_config), "seed": spec["seed"], "variant": spec["variant"], "study": spec["study"],
+    config = {**nested_dict(flat_config), "seed": spec["seed"], "variant": spec["variant"], "study": spec["study"],
               "run_hash": spec["run_hash"], "provenance": provenance_config(spec["run_dir"])}
     return WandbRun(project=project, group=f"{spec['study']}/{spec['variant']}", job_type=job_type_for(spec["changes"]),
                     name=f"{spec['variant']}-seed{spec['seed']}", run_id=f"{spec['study']}-{spec['run_hash'][:12]}",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any
+from typing import Any, Mapping
 
 
 GPU_TORCH_THREADS = 4
@@ -727,5 +727,18 @@ def flat_dict(cfg: RunConfig) -> dict:
     for scope, values in cfg.to_dict().items():
         for k, v in values.items():
             out[f"{scope}.{k}"] = v
+    return out
+
+
+def nested_dict(flat: Mapping[str, object]) -> dict:
+    """`{'ppo.kl_coef': 0.1}` -> `{'ppo': {'kl_coef': 0.1}}`: flat binding names as one level per dot
+    (a params file, W&B's config, whose panels address `ppo.kl_coef` only in a nested config)."""
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
     return out
 

@@ -108,11 +108,6 @@ def apply(environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
     return added
 
 
-def forwarded_env(environ: Mapping[str, str] = os.environ) -> Dict[str, str]:
-    """The numeric variables set here that another process (a Ray worker on any node) must get."""
-    return {k: environ[k] for k in FORWARDED_ENV if environ.get(k)}
-
-
 def set_threads(torch_threads: int = 0) -> int:
     """Sets torch's intra-op threads: `torch_threads` when given (a `ppo.torch_threads` binding),
     else the profile's pinned count, unless the user set OMP_NUM_THREADS; returns the count."""

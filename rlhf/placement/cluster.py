@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional
 
 from rlhf import numerics
 from rlhf.config import ConfigError, PPOConfig
@@ -245,10 +245,10 @@ def reserve(ppo: PPOConfig, num_bundles: int, device: str):
     return pg
 
 
-def forwarded_env() -> dict:
-    """The variables of FORWARDED_ENV set here: Ray workers on the nodes of a joined cluster start with
-    their node's environment, not this process's."""
-    return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+def forwarded_env(environ: Mapping[str, str] = os.environ) -> dict:
+    """The variables of FORWARDED_ENV set (non-empty) here: Ray workers on the nodes of a joined cluster
+    start with their node's environment, not this process's."""
+    return {k: environ[k] for k in FORWARDED_ENV if environ.get(k)}
 
 
 def rank_env() -> dict:

@@ -76,12 +76,12 @@ def test_fixed_threads_pins_and_restores(monkeypatch):
 
 
 def test_ray_ranks_receive_the_numerics_settings(monkeypatch):
-    from rlhf.placement.cluster import rank_env
+    from rlhf.placement.cluster import forwarded_env, rank_env
     monkeypatch.setenv("MKL_CBWR", "COMPATIBLE,STRICT")
     monkeypatch.setenv("RLHF_NUMERICS", "portable")
     env = rank_env()
     assert env["MKL_CBWR"] == "COMPATIBLE,STRICT" and env["RLHF_NUMERICS"] == "portable"
-    assert numerics.forwarded_env({"MKL_CBWR": "AVX2", "OMP_NUM_THREADS": "4"}) == {"MKL_CBWR": "AVX2"}
+    assert forwarded_env({"MKL_CBWR": "AVX2", "OMP_NUM_THREADS": "4"}) == {"MKL_CBWR": "AVX2"}
 
 
 def test_run_provenance_records_the_settings_and_the_machine(tmp_path):
