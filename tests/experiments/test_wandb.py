@@ -91,8 +91,9 @@ def test_offline_runs_read_back(campaign):
         assert r["summary"]["status"] == "completed" and "final.eval/accuracy" in r["summary"]
     (aggregate,) = [r for r in runs if r["job_type"] == "aggregate"]
     assert aggregate["group"] == "wb" and aggregate["id"] == "wb-aggregate" and aggregate["tags"] == ["wb", "aggregate"]
-    table_files = [p for p in Path(campaign["root"] / "wandb").rglob("variants_*.table.json")]
-    table = json.loads(table_files[0].read_text())
+    (aggregate_file,) = campaign["round1"]["aggregates"]  # round 1's own aggregate run: its table, not round 2's
+    (table_file,) = aggregate_file.parent.rglob("variants_*.table.json")
+    table = json.loads(table_file.read_text())
     assert table["columns"] == AGGREGATE_COLUMNS
     assert sorted(row[0] for row in table["data"]) == ["baseline", "clip_up"]
     assert all(row[2] == 2 for row in table["data"])
