@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Union
 
 from rich.console import Console
 
-from rlhf.config import ConfigError
+from rlhf.errors import ConfigError
 
 from experiments.errors import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED, INTERRUPTED, StudyError, disk_full_line
 

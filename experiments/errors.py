@@ -4,7 +4,7 @@ The bottom of the package (README, "Layout"): every layer raises `StudyError` fo
 cannot use (a study declaration, a binding, a results dir), with one line that names the binding
 or file and what is allowed; the command line (experiments/cli.py) prints that line and exits
 with `EXIT_CONFIG`, before any compute. The codes a run's engine exits with are the engine's
-(rlhf/train.py): 2 means bad input everywhere, so a study and a run say it the same way.
+(rlhf/errors.py): 2 means bad input everywhere, so a study and a run say it the same way.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 from typing import Optional
 
 from rlhf.atomic import is_disk_full
-from rlhf.train import EXIT_CONFIG, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
+from rlhf.errors import EXIT_CONFIG, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 
 __all__ = ["StudyError", "EXIT_OK", "EXIT_ERROR", "EXIT_CONFIG", "EXIT_DIVERGED", "EXIT_RUNS_FAILED",
            "EXIT_INTERRUPTED", "INTERRUPTED", "DETERMINISTIC_FAILURES", "unwritten_path", "name_unwritten_path",

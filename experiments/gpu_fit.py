@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from rlhf.config import ConfigError
+from rlhf.errors import ConfigError
 
 from experiments.errors import StudyError
 from experiments.study import Study

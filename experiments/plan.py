@@ -21,12 +21,12 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from rlhf.config import ConfigError, flat_dict
+from rlhf.config import flat_dict, without_placement
+from rlhf.errors import ConfigError
 from rlhf.configurable import resolve
 from rlhf.data import dataset_hash, load_task
 from rlhf.provenance import run_git  # the engine's one git runner (its provenance uses it too)
 from rlhf.provenance import hash_directory
-from rlhf.train import without_placement
 
 from experiments.errors import StudyError
 from experiments.gpu_fit import check_gpu_memory, check_gpu_share

@@ -26,7 +26,8 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 
 from gin import config_parser
 
-from rlhf.config import ConfigError, why_not_a_file
+from rlhf.config import why_not_a_file
+from rlhf.errors import ConfigError
 from rlhf.configurable import RECIPES_DIR, SCOPES, find_recipe, iter_statements, statements
 from rlhf.metrics import EVAL_METRICS, METRICS, NAMESPACES, is_known_metric
 

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from rlhf.config import ConfigError
+from rlhf.errors import ConfigError
 
 Message = Dict[str, str]
 Prompt = Union[str, List[Message]]

@@ -232,7 +232,7 @@ def damaged_weights(model_dir: str | Path) -> Optional[str]:
 
 def check_weights(model_dir: str | Path, binding: str) -> None:
     """A ConfigError naming the file when a model directory's weights are damaged (a truncated copy)."""
-    from rlhf.config import ConfigError
+    from rlhf.errors import ConfigError
     reason = damaged_weights(model_dir)
     if reason is not None:
         raise ConfigError(f"{binding} = {str(model_dir)!r}: {reason}; copy or write the checkpoint again")
@@ -247,7 +247,7 @@ def check_start_checkpoint(ckpt: str | Path, binding: str = "ppo.init_from", *, 
     sha256), or, without one, by reading its safetensors headers. A ConfigError naming the damaged
     file (`binding`: what named `ckpt`; `fix`: what to do instead). `only`: a subdirectory ('actor')
     whose files alone are read later, so alone verified (an export of the policy)."""
-    from rlhf.config import ConfigError
+    from rlhf.errors import ConfigError
     ckpt = Path(ckpt)
     if (ckpt / MANIFEST).is_file():
         reason = verify_checkpoint(ckpt, full=True, only=only)

@@ -13,12 +13,10 @@ import math
 import os
 from typing import Any, Mapping
 
+from rlhf.errors import ConfigError
 
 GPU_TORCH_THREADS = 4
 """torch's intra-op threads of a one-process GPU run that sets no `ppo.torch_threads`."""
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the binding and what is allowed."""
 
 
 def why_not_a_file(path) -> str | None:
@@ -429,6 +427,13 @@ class PPOConfig:
 # Bindings that say where a run executes, not what it computes: a run may resume under other values.
 PLACEMENT_BINDINGS = ("ppo.world_size", "ppo.placement", "ppo.cpus_per_rank", "ppo.offload_idle_models",
                       "ppo.overlap_rollout")
+
+
+def without_placement(config_text: str) -> str:
+    """The operative config without the bindings that say where a run executes: a checkpoint
+    resumes at any world size and placement."""
+    return "\n".join(line for line in config_text.splitlines()
+                     if not line.strip().startswith(PLACEMENT_BINDINGS))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rlhf.train import EXIT_CONFIG, EXIT_OK  # the engine's exit codes
+from rlhf.errors import EXIT_CONFIG, EXIT_OK
 
 DTYPES = ("float32", "bfloat16")
 EXPORT_FIX = "export an intact checkpoint (another step_N of the run)"
@@ -43,7 +43,7 @@ def export_policy(ckpt: str | Path, out: str | Path, base: str | Path | None = N
     or empty directory, through a temporary folder of this process renamed into place. Every input is
     checked (a ConfigError naming it) before any weights load, but for the LoRA base's shapes, checked
     against the adapter's once the base has loaded, before the merge."""
-    from rlhf.config import ConfigError
+    from rlhf.errors import ConfigError
 
     ckpt = Path(ckpt)
     actor = ckpt / "actor" if (ckpt / "actor").is_dir() else ckpt
@@ -91,7 +91,7 @@ def _check_inputs(actor: Path, ckpt: Path, base) -> dict:
     from transformers import AutoTokenizer
 
     from rlhf.checkpoint import damaged_weights
-    from rlhf.config import ConfigError
+    from rlhf.errors import ConfigError
     from rlhf.models import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TOKENIZER_FILES, check_policy_dir
 
     lora = (actor / ADAPTER_CONFIG).is_file()
@@ -162,7 +162,7 @@ def _check_adapter_fits(actor: Path, model, plan: dict) -> None:
     would raise a size mismatch, or silently skip an adapter whose layer is not there."""
     from safetensors import safe_open
 
-    from rlhf.config import ConfigError
+    from rlhf.errors import ConfigError
     from rlhf.models import ADAPTER_WEIGHTS
     trained: dict = {}
     with safe_open(str(actor / ADAPTER_WEIGHTS), framework="pt") as f:
@@ -195,7 +195,7 @@ def _write(actor: Path, tmp: Path, plan: dict, dtype: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from rlhf.checkpoint import damaged_weights
-    from rlhf.config import ConfigError
+    from rlhf.errors import ConfigError
     from rlhf.models import load_policy
 
     tmp.rmdir()  # copytree and save_pretrained make it
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     p.add_argument("--base", default=None, help="the LoRA base model dir (default: the one the adapter names)")
     p.add_argument("--dtype", default="float32", help="the written weights' dtype: 'float32' (default) or 'bfloat16'")
     args = p.parse_args(argv)
-    from rlhf.config import ConfigError
+    from rlhf.errors import ConfigError
     try:
         import transformers
         transformers.utils.logging.disable_progress_bar()  # stderr: the result, or one line of error

@@ -15,7 +15,8 @@ import dataclasses
 import math
 import sys
 
-EXIT_OK, EXIT_CONFIG = 0, 2
+from rlhf.errors import EXIT_CONFIG, EXIT_OK
+
 DEFAULT_GPU_GIB = 139.0
 """What an H200 leaves usable (of 140 GiB), when this machine has no GPU to ask."""
 MAX_GPU_GIB = 1e5
@@ -44,7 +45,7 @@ def parse_args(argv):
 
 def check_gpu_gib(value: str) -> float:
     """--gpu-memory-gib as a number, or a one-line ConfigError naming the flag and what it takes."""
-    from rlhf.config import ConfigError
+    from rlhf.errors import ConfigError
     try:
         gib = float(value)
     except ValueError:
@@ -102,7 +103,7 @@ def render(plan, cfg, policy, recipe: str, where: str) -> str:
 
 def table(cfg, gib: float) -> str:
     """Rows: published shape x variant; columns: per-GPU peak (GiB) at each world size."""
-    from rlhf.config import ConfigError
+    from rlhf.errors import ConfigError
     from rlhf.placement import memory
     available = int(gib * memory.GIB)
     head = ["| policy shape | params | training | " + " | ".join(
@@ -131,7 +132,7 @@ def table(cfg, gib: float) -> str:
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     from rlhf import configurable
-    from rlhf.config import ConfigError
+    from rlhf.errors import ConfigError
     from rlhf.placement import memory
     bindings = list(args.binding)
     try:

@@ -125,7 +125,7 @@ def prepare_tiny(tiny: TinyModelConfig, sft: SFTConfig, task: TaskConfig,
         if (root / "DONE").is_file():
             return model_dir, tok_dir
         if task.name != "arithmetic":  # RunConfig refuses this before any run gets here
-            from rlhf.config import ConfigError
+            from rlhf.errors import ConfigError
             raise ConfigError(f"task.name = {task.name!r} is invalid: the tiny default is warm-started on the "
                               f"arithmetic task only")
         tmp = Path(str(root) + f".tmp{os.getpid()}")

@@ -20,7 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_DIVERGED, EXIT_DISK_FULL, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+from rlhf.config import without_placement
+from rlhf.errors import EXIT_CONFIG, EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, ConfigError, check_writable
 
 
 def parse_args(argv):
@@ -50,7 +51,6 @@ def main(argv=None) -> int:
         return EXIT_CONFIG
     # Heavy imports after argument parsing so `--help` is instant.
     from rlhf import configurable, run_dir
-    from rlhf.config import ConfigError
 
     out = Path(args.out)
     try:
@@ -89,7 +89,6 @@ def train(args, argv, cfg, operative: str, out: Path) -> int:
     replace), then the trainer runs. A ConfigError before the first step is exit 2."""
     from rlhf import gpu_gate, numerics, provenance, run_dir
     from rlhf.atomic import write_text
-    from rlhf.config import ConfigError
     from rlhf.metrics import ConsoleProgress, MetricLogger, run_dir_sinks
 
     resume_from = None
@@ -159,7 +158,6 @@ def refuse_or_done(out: Path, earlier: str, operative: str) -> bool:
     """Without --resume or --overwrite, into a run dir that holds run `earlier`: True (after a
     notice) when it is this very run, completed; otherwise a ConfigError saying what to pass."""
     from rlhf import checkpoint, run_dir
-    from rlhf.config import ConfigError
     saved = (out / "config.gin").read_text() if (out / "config.gin").is_file() else None
     same = saved is not None and without_placement(saved) == without_placement(operative)
     if earlier == run_dir.COMPLETED and same:
@@ -200,19 +198,6 @@ def config_difference(saved: str | None, operative: str) -> str:
     return "see its config.gin"
 
 
-def check_writable(out: Path) -> None:
-    """The run dir exists (or is made) and takes files: a ConfigError naming it otherwise, before any compute."""
-    from rlhf.config import ConfigError
-    probe = out / f".write_probe_{os.getpid()}"
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError(f"--out {str(out)!r} is not a writable run dir ({err.strerror or type(err).__name__}"
-                          f"{': ' + str(err.filename) if err.filename and str(err.filename) != str(probe) else ''}); "
-                          f"choose a directory you can write") from None
-
 
 def resume_checkpoint(ckpt_root: Path):
     """The newest intact checkpoint; damaged newer ones are reported and moved aside so that no
@@ -228,13 +213,6 @@ def runs_on_gpu(cfg) -> bool:
     import torch
     return torch.cuda.is_available()
 
-
-def without_placement(config_text: str) -> str:
-    """The operative config without the bindings that say where a run executes: a checkpoint
-    resumes at any world size and placement."""
-    from rlhf.config import PLACEMENT_BINDINGS
-    return "\n".join(line for line in config_text.splitlines()
-                     if not line.strip().startswith(PLACEMENT_BINDINGS))
 
 
 def trainer_step_of(ckpt) -> int | None:

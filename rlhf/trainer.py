@@ -47,7 +47,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        from rlhf.config import ConfigError
+        from rlhf.errors import ConfigError
         raise ConfigError("ppo.device = 'cuda' is invalid: no CUDA device is visible; use 'cpu' or 'auto'")
     return torch.device(name)
 
@@ -116,7 +116,7 @@ class PPOTrainer:
         self.train_examples, held = load_task(cfg.task)
         self.eval_examples: List[Example] = held[:cfg.task.eval_size]
         if not self.eval_examples:
-            from rlhf.config import ConfigError
+            from rlhf.errors import ConfigError
             raise ConfigError("the task's held-out split is empty: set task.eval_path or task.eval_fraction")
         self.data_hash = dataset_hash(self.train_examples + held)
         self.sampler = PromptSampler(self.train_examples, seed=self.ppo.seed)
@@ -256,7 +256,7 @@ class PPOTrainer:
         elif self.placement.get("device") != "cuda":
             why_not = "it runs on a GPU only"
         if why_not and ppo.overlap_rollout is True:
-            from rlhf.config import ConfigError
+            from rlhf.errors import ConfigError
             raise ConfigError(f"ppo.overlap_rollout = True is invalid here: {why_not}; use 'auto' or False")
         on = ppo.overlap_rollout is not False and why_not is None
         if on:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional
 
 from rlhf import numerics
-from rlhf.config import ConfigError, PPOConfig
+from rlhf.config import PPOConfig
+from rlhf.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 # Environment the ranks need wherever they run (a joined cluster does not inherit this process's).

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Seque
 import torch
 from torch.distributed.tensor import DTensor
 
-from rlhf.config import ConfigError, RunConfig
+from rlhf.config import RunConfig
+from rlhf.errors import ConfigError
 from rlhf.models import ShapeError, check_policy_dir, shape_fields, text_config
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from rlhf.train import EXIT_CONFIG, EXIT_DISK_FULL, EXIT_OK, check_writable  # the engine's exit codes
+from rlhf.errors import EXIT_CONFIG, EXIT_DISK_FULL, EXIT_OK, ConfigError, check_writable
 
 
 def main(argv=None) -> int:
@@ -32,7 +32,6 @@ def main(argv=None) -> int:
     from pathlib import Path
 
     from rlhf import checkpoint
-    from rlhf.config import ConfigError
     from rlhf.reward_model.config import resolve
     from rlhf.reward_model.train import RewardModelTrainer
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from rlhf.config import ConfigError, _check, _choice, _number, _positive_int
+from rlhf.config import _check, _choice, _number, _positive_int
+from rlhf.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

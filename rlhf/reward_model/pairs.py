@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     from rlhf import numerics
     numerics.apply()  # before torch loads: the same policy samples on every x86-64 CPU
     numerics.set_threads(0)
-    from rlhf.config import ConfigError
+    from rlhf.errors import ConfigError
     from rlhf.data import read_records
     out = Path(args.out)
     try:

@@ -21,7 +21,7 @@ from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 from rlhf.chat import Prompt, PromptRenderer
-from rlhf.config import ConfigError
+from rlhf.errors import ConfigError
 
 
 def check_reward_checkpoint(path: str | Path, binding: str = "reward.model_path") -> dict:

@@ -29,7 +29,7 @@ from transformers.utils import logging as hf_logging
 
 from rlhf import checkpoint as ckpt_io
 from rlhf.chat import PromptRenderer, prompt_key
-from rlhf.config import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.data import PreferencePair, _unit_hash, load_pairs
 from rlhf.models import adamw, check_vocab_fits, enable_gradient_checkpointing
 from rlhf.reward_model.config import RMTrainConfig

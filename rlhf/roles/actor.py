@@ -28,7 +28,7 @@ import torch
 from rlhf import algos, checkpoint
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
-from rlhf.config import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.models import (ADAPTER_CONFIG, add_lora, adapter_files, frozen_base_dtype, load_policy,
                          load_tokenizer, lora_scaling, merged_weights)
 from rlhf.packing import micro_batches

@@ -10,7 +10,7 @@ import torch
 from rlhf import algos, checkpoint
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
-from rlhf.config import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.models import ADAPTER_CONFIG, ValueModel, adapter_files, frozen_base_dtype, is_lora
 from rlhf.packing import micro_batches, packed_row
 from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, on_device, sequence_inputs

@@ -105,7 +105,7 @@ class VLLMRollout:
                  per_request_seeds: bool = False, max_num_seqs: int = 256, dtype: str = "bfloat16",
                  enforce_eager: bool = False, log=print):
         if torch.device(device).type != "cuda":
-            from rlhf.config import ConfigError
+            from rlhf.errors import ConfigError
             raise ConfigError("ppo.rollout_backend = 'vllm' is invalid on the CPU: vLLM needs a CUDA device; "
                               "use ppo.rollout_backend = 'hf' or run on a GPU")
         # Read by vLLM when the engine is built: the engine must live in this process (see above).

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
 from rlhf import checkpoint
-from rlhf.config import ConfigError, RewardConfig, TaskConfig, TinyModelConfig
+from rlhf.config import RewardConfig, TaskConfig, TinyModelConfig
+from rlhf.errors import ConfigError
 from rlhf.metrics import read_metrics
 from rlhf.reward_model.score import RewardModelScorer
 from rlhf.roles.reward_model import check_reward_model

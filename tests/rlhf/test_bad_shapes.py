@@ -10,7 +10,7 @@ import sys
 import pytest
 from transformers import BertConfig, LlamaConfig, LlamaForCausalLM
 
-from rlhf.config import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.models import add_lora, check_lora_targets, check_policy_dir
 from tests.conftest import REPO
 

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from rlhf.chat import PromptRenderer, encode_prompt, render_prompt
-from rlhf.config import ConfigError, TaskConfig
+from rlhf.config import TaskConfig
+from rlhf.errors import ConfigError
 from rlhf.data import Example, detect_format, load_pairs, load_task, read_records, split_examples
 from rlhf.tiny import build_char_tokenizer
 

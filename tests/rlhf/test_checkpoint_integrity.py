@@ -46,7 +46,7 @@ def test_verify_catches_truncation_bitflips_and_missing_files(tmp_path):
 def test_verify_only_a_subdirectory_checks_its_files_alone(tmp_path):
     """What an export reads (`only='actor'`): a damaged optimizer state is no reason to refuse the policy."""
     import pytest
-    from rlhf.config import ConfigError
+    from rlhf.errors import ConfigError
     ckpt = fake_checkpoint(tmp_path, 3)
     (ckpt / "actor_optim.safetensors").write_bytes(b"y" * 100)
     checkpoint.write_manifest(ckpt)

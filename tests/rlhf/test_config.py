@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from rlhf import configurable
-from rlhf.config import ConfigError, PPOConfig
+from rlhf.config import PPOConfig
+from rlhf.errors import ConfigError
 from tests.conftest import REPO, run_train
 
 # Recipes that build on their own. Not here: studies; recipes/rm/ (reward-model training's own `rm`

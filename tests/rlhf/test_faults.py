@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from rlhf import configurable
-from rlhf.config import ConfigError
+from rlhf.errors import ConfigError
 from tests.conftest import run_train
 
 

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from rlhf import configurable
-from rlhf.config import ConfigError, ModelConfig, PPOConfig, RunConfig, SFTConfig, TaskConfig, TinyModelConfig
+from rlhf.config import ModelConfig, PPOConfig, RunConfig, SFTConfig, TaskConfig, TinyModelConfig
+from rlhf.errors import ConfigError
 from rlhf.placement import memory
 from tests.conftest import REPO
 

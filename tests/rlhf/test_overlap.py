@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlhf import configurable
-from rlhf.config import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.placement.proxy import local_proxy
 from rlhf.roles.dispatch import ALL, CALLS, dispatch
 from rlhf.trainer import PPOTrainer

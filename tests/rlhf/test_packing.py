@@ -13,7 +13,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlhf import algos, packing
 from rlhf.batch import Batch
-from rlhf.config import ConfigError, PPOConfig, TinyModelConfig
+from rlhf.config import PPOConfig, TinyModelConfig
+from rlhf.errors import ConfigError
 from rlhf.metrics import read_metrics
 from rlhf.models import ValueModel
 from rlhf.packing import PackedBatch, balanced_partition, budget_partition, micro_batches, pack, real_lengths

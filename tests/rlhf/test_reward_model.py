@@ -15,7 +15,8 @@ from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaF
 
 from rlhf.batch import Batch
 from rlhf.chat import PromptRenderer
-from rlhf.config import ConfigError, RewardConfig, SFTConfig, TaskConfig, TinyModelConfig
+from rlhf.config import RewardConfig, SFTConfig, TaskConfig, TinyModelConfig
+from rlhf.errors import ConfigError
 from rlhf.reward_model.score import RewardModelScorer, check_reward_checkpoint
 from rlhf.tiny import CHARACTERS, build_char_tokenizer, build_tiny_model
 

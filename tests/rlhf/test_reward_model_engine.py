@@ -120,7 +120,7 @@ def test_real_model_recipes_need_only_the_two_paths(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
     from rlhf import configurable
-    from rlhf.config import ConfigError
+    from rlhf.errors import ConfigError
     from rlhf.tiny import build_char_tokenizer
     tok = build_char_tokenizer(tmp_path / "policy")
     config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -93,7 +93,7 @@ def test_role_on_ray_ranks_scores_equal_direct_forward(setup, ray_cpu, world_siz
 
 def test_bad_reward_model_is_one_line_before_any_rank_starts(setup, tmp_path):
     from rlhf import configurable
-    from rlhf.config import ConfigError
+    from rlhf.errors import ConfigError
     from rlhf.placement import role_specs
     from tests.rlhf.test_reward_model import save_rm
     root, tok, _ = setup

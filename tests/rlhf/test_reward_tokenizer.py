@@ -9,7 +9,8 @@ import json
 import pytest
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-from rlhf.config import ConfigError, RewardConfig, TaskConfig
+from rlhf.config import RewardConfig, TaskConfig
+from rlhf.errors import ConfigError
 from rlhf.reward_model.score import PROBE_FILE, PROBE_TEXT, load_reward_tokenizer, write_tokenizer_probe
 from rlhf.roles.reward_model import check_reward_model
 from rlhf.tiny import build_char_tokenizer

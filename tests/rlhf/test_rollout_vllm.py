@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rlhf.batch import Batch
-from rlhf.config import ConfigError, PPOConfig
+from rlhf.config import PPOConfig
+from rlhf.errors import ConfigError
 from rlhf.rollout import SamplingParams, backend_class, derive_seed, rollout_logprob_gap
 from rlhf.rollout.vllm import VLLMRollout, batch_from_token_lists, sampled_logprobs
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from tests.import_graph import cycles, import_graph
+from tests.import_graph import cycles, import_graph, imports, module_name
 
 RLHF = REPO / "rlhf"
 
@@ -19,6 +19,22 @@ def test_engine_has_no_import_cycles():
     assert "rlhf.placement.ray_roles" in graph and "rlhf.rollout.vllm" in graph
     assert cycles(graph) == []
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]  # the check itself finds one
+
+
+ENTRY_POINTS = {"rlhf.train", "rlhf.export", "rlhf.memory", "rlhf.reward_model.__main__"}
+
+
+def test_no_library_module_imports_an_entry_point():
+    """The command lines sit on top: exit codes, ConfigError and check_writable live in
+    rlhf/errors.py, so a library module never reaches up into a CLI for them."""
+    graph = import_graph("rlhf")
+    engine = set(graph)
+    for path in (REPO / "experiments").rglob("*.py"):  # the manager is a library of the engine's too
+        graph[module_name(path)] = imports(path, engine, module_name(path), "rlhf")
+    reaching_up = {(module, entry) for module, imported in graph.items() for entry in imported & ENTRY_POINTS
+                   if module not in ENTRY_POINTS}
+    assert reaching_up == set()
+    assert "rlhf.errors" in graph["rlhf.train"] and graph["rlhf.errors"] == set()
 
 
 @pytest.mark.parametrize("module", ["rlhf.rollout.vllm", "rlhf.rollout.hf", "rlhf.placement.ray_roles",

@@ -14,7 +14,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from rlhf import configurable
 from rlhf.batch import Batch
 from rlhf.chat import PromptRenderer, check_rows
-from rlhf.config import ConfigError, PPOConfig, RewardConfig, TaskConfig
+from rlhf.config import PPOConfig, RewardConfig, TaskConfig
+from rlhf.errors import ConfigError
 from rlhf.data import Example, check_prompt_lengths, load_task
 from rlhf.reward_model.config import RMTrainConfig
 from rlhf.reward_model.score import RewardModelScorer, encode_conversation

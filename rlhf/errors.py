@@ -1,0 +1,46 @@
+"""How the engine fails: its exit codes, the one error a bad input raises, and the check that an
+output dir takes files.
+
+Every layer of `rlhf/` raises `ConfigError` for an input it cannot use, with one line that names
+the binding, flag or file and what is allowed; each entry point (`python -m rlhf.train`,
+`rlhf.reward_model`, `rlhf.export`, `rlhf.memory`) prints that line and exits with `EXIT_CONFIG`,
+before any compute. The experiment manager exits with the same codes (experiments/errors.py), so a
+study and a run say a bad input the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+EXIT_OK = 0
+"""Done."""
+EXIT_ERROR = 1
+"""Any other error (a traceback)."""
+EXIT_CONFIG = 2
+"""A bad configuration, flag, file or run dir: one line, before any compute."""
+EXIT_DIVERGED = 3
+"""Training diverged (a non-finite loss): the run dir says so in its summary.json."""
+EXIT_DISK_FULL = 4
+"""The disk filled: one line naming the file; nothing half-written is left, --resume continues."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C (or SIGTERM): one line; what was written stays."""
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the binding and what is allowed."""
+
+
+def check_writable(out: Path, flag: str = "--out") -> None:
+    """The output dir exists (or is made) and takes files: a ConfigError naming `flag` and the
+    dir otherwise, before any compute."""
+    out = Path(out)
+    probe = out / f".write_probe_{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"{flag} {str(out)!r} is not a writable run dir ({err.strerror or type(err).__name__}"
+                          f"{': ' + str(err.filename) if err.filename and str(err.filename) != str(probe) else ''}); "
+                          f"choose a directory you can write") from None
