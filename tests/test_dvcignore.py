@@ -2,6 +2,7 @@
 rlhf/run_dir.py's MACHINE_RECORDS under results/, and DVC leaves such files out of an output's
 hash (checked with DVC itself on a stage that writes a random one)."""
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -34,3 +35,22 @@ def test_a_machine_record_does_not_change_a_results_hash(tmp_path):
     assert first == second
     (repo / ".dvcignore").write_text("")  # without it the random records would move the hash
     assert _out_hash(repo) != first
+
+
+def test_bytecode_is_not_a_code_change(tmp_path):
+    """Importing the code writes __pycache__/*.pyc next to it; `dvc status` still says the stage
+    that depends on the code is up to date."""
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run(["dvc", "init", "-q"], cwd=repo, check=True)
+    (repo / ".dvcignore").write_text((REPO / ".dvcignore").read_text())
+    (repo / "pkg" / "__init__.py").write_text("")
+    (repo / "pkg" / "mod.py").write_text("VALUE = 1\n")
+    (repo / "dvc.yaml").write_text("stages:\n  use:\n    cmd: python -c 'import pkg.mod' && echo ok > out.txt\n"
+                                   "    deps:\n      - pkg\n    outs:\n      - out.txt\n")
+    subprocess.run(["dvc", "repro", "-q"], cwd=repo, check=True, capture_output=True,
+                   env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
+    assert list((repo / "pkg").rglob("*.pyc")), "the stage's python wrote no bytecode to test with"
+    status = subprocess.run(["dvc", "status", "--json"], cwd=repo, check=True, capture_output=True, text=True)
+    assert status.stdout.strip() in ("{}", "")
