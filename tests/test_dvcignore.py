@@ -4,6 +4,7 @@ hash (checked with DVC itself on a stage that writes a random one)."""
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from rlhf.run_dir import MACHINE_RECORDS
@@ -50,7 +51,9 @@ def test_bytecode_is_not_a_code_change(tmp_path):
     (repo / "dvc.yaml").write_text("stages:\n  use:\n    cmd: python -c 'import pkg.mod' && echo ok > out.txt\n"
                                    "    deps:\n      - pkg\n    outs:\n      - out.txt\n")
     subprocess.run(["dvc", "repro", "-q"], cwd=repo, check=True, capture_output=True,
+                   env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    subprocess.run([sys.executable, "-c", "import pkg.mod"], cwd=repo, check=True,
                    env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
-    assert list((repo / "pkg").rglob("*.pyc")), "the stage's python wrote no bytecode to test with"
+    assert list((repo / "pkg").rglob("*.pyc")), "python wrote no bytecode to test with"
     status = subprocess.run(["dvc", "status", "--json"], cwd=repo, check=True, capture_output=True, text=True)
     assert status.stdout.strip() in ("{}", "")
