@@ -155,7 +155,7 @@ def part_vllm_logprobs(args, assets) -> dict:
     from rlhf.models import load_policy, load_tokenizer
     from rlhf.rollout import SamplingParams
     from rlhf.rollout.vllm import VLLMRollout
-    from rlhf.roles.common import response_logprobs
+    from rlhf.roles.forward import response_logprobs
     from gpu_assets import random_prompts
 
     device = torch.device("cuda")

@@ -115,7 +115,7 @@ def run_actor_variant(name, base_state, config, device, args, compile_: bool, pu
                   tokenizer=SimpleNamespace(pad_token_id=0, eos_token_id=1))  # generation is not timed here
     if pure_bf16:
         actor.optimizer = make_master_adamw()(model.parameters(), lr=1e-6, betas=(0.9, 0.95), eps=1e-8)
-        from rlhf.roles.common import build_scheduler
+        from rlhf.roles.optimizer import build_scheduler
         actor.scheduler = build_scheduler(actor.optimizer, cfg, 100)
     batch = ppo_batch(n, P, R, config.vocab_size, seed=1)
     torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None

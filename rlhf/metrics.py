@@ -58,6 +58,59 @@ def is_known_metric(name: str) -> bool:
     return name in METRICS or (name.startswith(NAMESPACES) and len(name) > name.index("/") + 1)
 
 
+
+def step_record(batch, *, advantages: Dict, critic: Dict, actor: Dict, entropy_old, logprob_gap: float | None,
+                prompt_truncated_fraction: float | None, phase_times: Dict[str, float],
+                phase_memory_gb: Dict[str, float], step_s: float, generate_ahead_s: float, max_rss_gb: float,
+                device_report: Dict[str, float]) -> Dict:
+    """One PPO step's record (without `step`), from what its phases returned: the advantage phase's
+    statistics (`advantages`), the critic's and the actor's update statistics, and the rollout
+    `batch` (scores, masks, `finished`, ...) with `entropy_old` [B, R], the old policy's entropy.
+    The machine's measurements come in as numbers: each phase's wall time and peak memory
+    (`PhaseTimer`), the step's wall time, the part of this rollout that ran during the previous
+    step (`generate_ahead_s`, 0: none), the process's peak RSS and `device_report` (memory and
+    utilisation of every process holding a role). The order of the names is the order of
+    metrics.jsonl's columns."""
+    from rlhf import algos  # torch: the experiment manager reads the names above without it
+
+    record = dict(advantages)
+    if logprob_gap is not None:  # ppo.rollout_logprobs
+        record["rollout/logprob_gap"] = logprob_gap
+    record.update(critic)
+    record.update(actor)
+    mask = batch["response_mask"].float()
+    lengths = mask.sum(-1)
+    finished = batch["finished"]
+    record.update({
+        "reward_mean": float(batch["scores"].mean()),
+        "reward_std": float(batch["scores"].std()) if len(batch) > 1 else 0.0,
+        "accuracy": float(batch["correct"].float().mean()),
+        **({"rollout/rm_score_mean": float(batch["rm_scores"].mean())} if "rm_scores" in batch else {}),
+        "clip_fraction": record.get("actor/clip_fraction"),
+        "clip_fraction_lower": record.get("actor/clip_fraction_lower"),
+        "clip_fraction_upper": record.get("actor/clip_fraction_upper"),
+        "response_length_mean": float(lengths.mean()),
+        "response_clip_ratio": float((~finished).float().mean()),
+        "rollout_success_rate": float((finished & batch["well_formed"]).float().mean()),
+        "actor/entropy_old": float(algos.masked_mean(entropy_old, mask)),
+    })
+    if prompt_truncated_fraction is not None:  # ppo.prompt_truncation allows cutting
+        record["rollout/prompt_truncated_fraction"] = prompt_truncated_fraction
+    tokens = int(batch["prompt_mask"].sum() + mask.sum())
+    record.update({f"timing_s/{k}": v for k, v in phase_times.items()})
+    record.update({f"perf/memory_gb/{k}": v for k, v in phase_memory_gb.items()})
+    record["timing_s/step"] = step_s
+    record["perf/tokens_per_s"] = tokens / step_s
+    if generate_ahead_s:  # the part of this rollout's generation that ran during the previous iteration
+        record["timing_s/generate_ahead"] = generate_ahead_s
+    record["perf/generated_tokens_per_s"] = float(mask.sum()) / max(phase_times["generate"] + generate_ahead_s, 1e-9)
+    record["perf/max_rss_gb"] = max_rss_gb
+    record.update(device_report)
+    if phase_memory_gb:  # the peak is reset at each phase: this step's is the largest phase's
+        record["perf/max_memory_allocated_gb"] = max(record.get("perf/max_memory_allocated_gb", 0.0),
+                                                     *phase_memory_gb.values())
+    return record
+
 class MetricSink(Protocol):
     def write(self, record: Dict) -> None: ...
 

@@ -18,7 +18,7 @@ before each, as in the padded forward) and `PackedRow.unpack` scatters [1, N] ou
 the padded [B, R] layout, zero where response_mask is 0, so the losses read the same shapes.
 
 Everything here is pure tensor and index logic; the forwards that use it are in
-rlhf/roles/common.py (`response_logprobs`) and rlhf/roles/critic.py (`Critic._values`).
+rlhf/roles/forward.py (`response_logprobs`, `response_values`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from rlhf import numerics
 from rlhf.config import TINY_MAX_POSITIONS, SFTConfig, TaskConfig, TinyModelConfig
 from rlhf.data import Example, load_task
+from rlhf.lr_schedule import lr_schedule
 from rlhf.models import adamw
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -81,7 +82,7 @@ def train_sft(model, tokenizer, train: Sequence[Example], cfg: SFTConfig, log=pr
     rng = np.random.default_rng(cfg.seed)
     torch.manual_seed(cfg.seed)
     opt = adamw(model.parameters(), lr=cfg.learning_rate)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    sched = lr_schedule(opt, "constant", warmup_steps=20, total_steps=cfg.steps, warmup_offset=1)
     model.train()
     losses = []
     for step in range(cfg.steps):

@@ -28,7 +28,7 @@ from rlhf.batch import Batch
 from rlhf.config import RunConfig
 from rlhf.chat import PromptRenderer, check_rows, prompt_key
 from rlhf.data import Example, PromptSampler, check_prompt_lengths, dataset_hash, load_task
-from rlhf.metrics import PERF_SUMMARY, MetricLogger, is_machine_metric, read_metrics, window_means
+from rlhf.metrics import PERF_SUMMARY, MetricLogger, is_machine_metric, read_metrics, step_record, window_means
 from rlhf.models import check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles, memory
 from rlhf.placement.context import deterministic_algorithms
@@ -85,11 +85,6 @@ class PhaseTimer:
             if self.device is not None:
                 peak = torch.cuda.max_memory_allocated(self.device) / 2**30
                 self.memory[name] = max(self.memory.get(name, 0.0), peak)
-
-    def record(self) -> Dict[str, float]:
-        out = {f"timing_s/{k}": v for k, v in self.times.items()}
-        out.update({f"perf/memory_gb/{k}": v for k, v in self.memory.items()})
-        return out
 
 
 class PPOTrainer:
@@ -290,7 +285,8 @@ class PPOTrainer:
 
     # ----------------------------------------------------------------- loop
     def train_step(self) -> Dict:
-        """One PPO iteration."""
+        """One PPO iteration: its phases, each timed under its name, then the step's record
+        (rlhf/metrics.py `step_record`)."""
         ppo, step = self.ppo, self.step
         timer = PhaseTimer(self.device)
         start = time.perf_counter()
@@ -323,7 +319,7 @@ class PPOTrainer:
             with timer("values"):
                 batch["values"] = self.critic.compute_values(batch)
         with timer("advantages"):
-            record = self.compute_advantages(batch)
+            advantage_stats = self.compute_advantages(batch)
         # The actor first: the next rollout needs only its new weights, so with overlap it runs
         # while the critic trains (the two updates read the same buffer and touch nothing of each
         # other's, so their order changes no number).
@@ -332,54 +328,31 @@ class PPOTrainer:
                                             kl_coef=self.kl_ctl.value)
         if on_policy:
             batch["old_logprobs"], entropy = actor_stats.pop("old_logprobs"), actor_stats.pop("entropy_old")
-            record.update(self.kl_metrics(batch))  # the same keys, now from the log-probs the update computed
-        logprob_gap = rollout_logprob_gap(batch)  # None unless ppo.rollout_logprobs
-        if logprob_gap is not None:
-            record["rollout/logprob_gap"] = logprob_gap
+            advantage_stats.update(self.kl_metrics(batch))  # the same keys, from the log-probs the update computed
         with timer("sync_weights"):
             self.actor.sync_weights()
         if self._may_run_ahead():
             self._start_next_rollout()
+        critic_stats = {}
         if self.critic is not None:
             with timer("update_critic"):
-                record.update(self.critic.update(batch, shuffle_seed=derive_seed(ppo.seed, step, 2)))
-        record.update(actor_stats)  # after the critic's, as the record has always listed them
-        self.kl_ctl.update(record["kl_divergence"], len(batch))
-
-        mask = batch["response_mask"].float()
-        lengths = mask.sum(-1)
-        finished = batch["finished"]
-        record.update({
-            "reward_mean": float(batch["scores"].mean()),
-            "reward_std": float(batch["scores"].std()) if len(batch) > 1 else 0.0,
-            "accuracy": float(batch["correct"].float().mean()),
-            **({"rollout/rm_score_mean": float(batch["rm_scores"].mean())} if "rm_scores" in batch else {}),
-            "clip_fraction": record.get("actor/clip_fraction"),
-            "clip_fraction_lower": record.get("actor/clip_fraction_lower"),
-            "clip_fraction_upper": record.get("actor/clip_fraction_upper"),
-            "response_length_mean": float(lengths.mean()),
-            "response_clip_ratio": float((~finished).float().mean()),
-            "rollout_success_rate": float((finished & batch["well_formed"]).float().mean()),
-            "actor/entropy_old": float(algos.masked_mean(entropy, mask)),
-        })
-        if ppo.prompt_truncation != "error":  # the share of this rollout's prompts that were cut
-            record["rollout/prompt_truncated_fraction"] = sum(prompt_key(ex.prompt) in self._cut_prompts
-                                                              for ex in prompts) / len(prompts)
-        step_time = time.perf_counter() - start
-        tokens = int(batch["prompt_mask"].sum() + mask.sum())
-        record.update(timer.record())
-        record["timing_s/step"] = step_time
-        record["perf/tokens_per_s"] = tokens / step_time
-        if ahead_s:  # the part of this rollout's generation that ran during the previous iteration
-            record["timing_s/generate_ahead"] = ahead_s
-        record["perf/generated_tokens_per_s"] = float(mask.sum()) / max(timer.times["generate"] + ahead_s, 1e-9)
-        record["perf/max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        record.update(self.roles.device_report())  # on every placement: the processes holding the roles
-        if timer.memory:  # the peak is reset at each phase: this step's is the largest phase's
-            record["perf/max_memory_allocated_gb"] = max(record.get("perf/max_memory_allocated_gb", 0.0),
-                                                         *timer.memory.values())
+                critic_stats = self.critic.update(batch, shuffle_seed=derive_seed(ppo.seed, step, 2))
+        self.kl_ctl.update(advantage_stats["kl_divergence"], len(batch))
+        record = step_record(batch, advantages=advantage_stats, critic=critic_stats, actor=actor_stats,
+                             entropy_old=entropy, logprob_gap=rollout_logprob_gap(batch),
+                             prompt_truncated_fraction=self._truncated_fraction(prompts),
+                             phase_times=timer.times, phase_memory_gb=timer.memory,
+                             step_s=time.perf_counter() - start, generate_ahead_s=ahead_s,
+                             max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                             device_report=self.roles.device_report())
         self._check_finite(record)
         return record
+
+    def _truncated_fraction(self, prompts: List[Example]) -> float | None:
+        """The share of `prompts` that the rollout cut to ppo.max_prompt_length (None under 'error')."""
+        if self.ppo.prompt_truncation == "error":
+            return None
+        return sum(prompt_key(ex.prompt) in self._cut_prompts for ex in prompts) / len(prompts)
 
     @staticmethod
     def _check_finite(record: Dict) -> None:

@@ -350,12 +350,12 @@ def forward_working_bytes(shape: ModelShape, tokens: int, act: int) -> int:
 
 def lm_head_bytes(shape: ModelShape, positions: int, act: int, train: bool, entropy: bool = True) -> int:
     """The LM head runs on response positions only (R + 1 a sequence, `logits_to_keep`), LM_HEAD_CHUNK
-    of them at a time (rlhf/roles/common.py `response_logprobs`): one chunk's logits [chunk, V] in the
+    of them at a time (rlhf/roles/forward.py `response_logprobs`): one chunk's logits [chunk, V] in the
     compute dtype, their fp32 copy and the log-softmax / entropy temporaries (fp32). Forward-only with
     entropy a + 16 bytes an element, without entropy (the reference) a + 8; for a backward the chunk
     is recomputed and its logits' gradient (fp32 and the compute dtype) is live beside it (2a + 24).
     Each position keeps its log-prob and entropy (and their gradients) whole."""
-    from rlhf.roles.common import LM_HEAD_CHUNK
+    from rlhf.roles.forward import LM_HEAD_CHUNK
     chunk = min(positions, LM_HEAD_CHUNK)
     per = 2 * act + 24 if train else act + (16 if entropy else 8)
     return chunk * shape.vocab_size * per + positions * 4 * 8

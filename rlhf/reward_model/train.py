@@ -31,6 +31,7 @@ from rlhf import checkpoint as ckpt_io
 from rlhf.chat import PromptRenderer, prompt_key
 from rlhf.errors import ConfigError
 from rlhf.data import PreferencePair, _unit_hash, load_pairs
+from rlhf.lr_schedule import lr_schedule
 from rlhf.models import adamw, check_vocab_fits, enable_gradient_checkpointing
 from rlhf.reward_model.config import RMTrainConfig
 from rlhf.reward_model.score import (encode_conversation, ensure_pad_id, last_token_scores, load_reward_tokenizer,
@@ -169,17 +170,9 @@ class RewardModelTrainer:
         self.model.train()
         self.optimizer = adamw(self.model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                betas=(0.9, 0.95))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        # Warmup from lr / rm.warmup_steps at the first step, then rm.lr_schedule over rm.steps.
+        self.scheduler = lr_schedule(self.optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.steps, warmup_offset=1)
         self.step = 0
-
-    def _lr_factor(self, step: int) -> float:
-        cfg = self.cfg
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.lr_schedule == "cosine":
-            progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
 
     def batch_indices(self, step: int) -> np.ndarray:
         """Pairs of optimizer step `step` (0-based): a seeded permutation per epoch, from (seed, step) alone."""

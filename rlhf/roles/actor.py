@@ -32,9 +32,12 @@ from rlhf.errors import ConfigError
 from rlhf.models import (ADAPTER_CONFIG, add_lora, adapter_files, frozen_base_dtype, load_policy,
                          load_tokenizer, lora_scaling, merged_weights)
 from rlhf.packing import micro_batches
-from rlhf.roles.common import (StatAccumulator, TrainedRole, global_stats, minibatch_indices, on_device,
-                               response_logprobs)
 from rlhf.roles.dispatch import ALL, CALLS, ROWS, dispatch
+from rlhf.roles.forward import on_device, response_logprobs
+from rlhf.roles.minibatches import mini_batches, minibatch_indices
+from rlhf.roles.optimizer import clip_grad, mean_grad_norm
+from rlhf.roles.role import TrainedRole
+from rlhf.roles.stats import StatAccumulator, global_stats
 from rlhf.rollout import SamplingParams, backend_class
 
 RATIO_BIN_EDGES = [round(0.05 * i, 2) for i in range(41)]  # 0.0 .. 2.0; ratios above 2 land in the last bin
@@ -126,49 +129,61 @@ class Actor(TrainedRole):
 
     @dispatch(ALL)
     def update(self, batch: Batch, shuffle_seed: int, kl_coef: float) -> Dict[str, object]:
-        """PPO update on the rollout buffer (epochs, mini-batches and rank shares as in
-        TrainedRole.optimize). `batch` carries old_logprobs, advantages, response_mask and, when
-        the KL is a loss term, ref_logprobs. Without old_logprobs the update is on-policy
-        (`ppo.on_policy_update`): each micro-batch's own log-probs are the old ones, and the
-        result adds them and the entropy, [B, R] in the buffer's row order (`old_logprobs`,
-        `entropy_old`), for the record."""
+        """The clipped PPO update on the rollout buffer: `ppo_epochs` x mini-batches x micro-batches
+        (rlhf/roles/minibatches.py). Each micro-batch's loss is the policy loss (`ppo.clip_range`,
+        `ppo.dual_clip`) minus `ppo.entropy_coef` x its entropy, plus, when the KL is a loss term
+        (`ppo.kl_mode = 'loss'`), `kl_coef` x its KL to the reference (`ppo.kl_estimator`); after each
+        mini-batch the gradients are clipped (`ppo.max_grad_norm`) and the optimizer and LR schedule
+        step. `kl_coef`: the trainer's KL coefficient this step (`ppo.kl_coef`, adapted when
+        `ppo.adaptive_kl`).
+
+        `batch` carries old_logprobs, advantages, response_mask and, when the KL is a loss term,
+        ref_logprobs. Without old_logprobs the update is on-policy (`ppo.on_policy_update`): each
+        micro-batch's own log-probs are the old ones, and the result adds them and the entropy,
+        [B, R] in the buffer's row order (`old_logprobs`, `entropy_old`), for the record."""
         cfg, ranks = self.cfg, self.ranks
         on_policy = "old_logprobs" not in batch
         if on_policy and not cfg.on_policy_update:
             raise ValueError("an update without old_logprobs must be on-policy (ppo.on_policy_update)")
         self.replica_fresh = False
+        self.model.train()
         stats = StatAccumulator()
+        grad_norms = []
         bins = len(RATIO_BIN_EDGES) - 1
         ratio_counts = torch.zeros(bins, dtype=torch.float32, device=self.device)  # read once, after the loop
         seen: List[tuple] = []  # on-policy: (log-probs, entropy) of each micro-batch, in the order they ran
-
-        def micro_step(micro: Batch, normalizer: float) -> None:
-            mask = micro["response_mask"].to(self.device).float()
-            advantages = micro["advantages"].to(self.device)
-            logprobs, entropy = response_logprobs(self.model, micro, self.device, cfg.temperature,
-                                                  self.autocast_dtype, fused=self.fused)
-            old_logprobs = logprobs.detach() if on_policy else micro["old_logprobs"].to(self.device)
-            if on_policy:
-                seen.append((old_logprobs, entropy.detach()))
-            pg_loss, pg_stats = algos.policy_loss(logprobs, old_logprobs, advantages, mask, cfg.clip_range,
-                                                  cfg.dual_clip, cfg.loss_aggregation, normalizer)
-            entropy_term = algos.aggregate(entropy, mask, cfg.loss_aggregation, normalizer)
-            loss = pg_loss - cfg.entropy_coef * entropy_term
-            if cfg.kl_mode == "loss":
-                kl = algos.kl_penalty(logprobs, micro["ref_logprobs"].to(self.device), cfg.kl_estimator)
-                loss = loss + kl_coef * algos.aggregate(kl, mask, cfg.loss_aggregation, normalizer)
-                pg_stats["kl_loss"] = algos.masked_mean(kl.detach(), mask)
-            loss.backward()
-            with torch.no_grad():
-                ratio = torch.exp(logprobs.detach() - old_logprobs)
-                pg_stats["entropy"] = algos.masked_mean(entropy.detach(), mask)
-                pg_stats["pg_loss"] = algos.masked_mean(-advantages * ratio, mask)
-                # Padding goes to -1, which histc leaves out: no boolean selection (a host wait).
-                ratio_counts.add_(torch.histc(torch.where(mask.bool(), ratio.clamp(0, 2), -1.0).float(),
-                                              bins=bins, min=0, max=2))
-            stats.add(pg_stats, mask.sum())
-
-        grad_norm = self.optimize(batch, shuffle_seed, micro_step)
+        for mini in mini_batches(batch, cfg, shuffle_seed, self.device, ranks):
+            normalizer = mini.loss_normalizer
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in mini.micro_batches:
+                mask = micro["response_mask"].to(self.device).float()
+                advantages = micro["advantages"].to(self.device)
+                logprobs, entropy = response_logprobs(self.model, micro, self.device, cfg.temperature,
+                                                      self.autocast_dtype, fused=self.fused)
+                old_logprobs = logprobs.detach() if on_policy else micro["old_logprobs"].to(self.device)
+                if on_policy:
+                    seen.append((old_logprobs, entropy.detach()))
+                pg_loss, pg_stats = algos.policy_loss(logprobs, old_logprobs, advantages, mask, cfg.clip_range,
+                                                      cfg.dual_clip, cfg.loss_aggregation, normalizer)
+                entropy_term = algos.aggregate(entropy, mask, cfg.loss_aggregation, normalizer)
+                loss = pg_loss - cfg.entropy_coef * entropy_term
+                if cfg.kl_mode == "loss":
+                    kl = algos.kl_penalty(logprobs, micro["ref_logprobs"].to(self.device), cfg.kl_estimator)
+                    loss = loss + kl_coef * algos.aggregate(kl, mask, cfg.loss_aggregation, normalizer)
+                    pg_stats["kl_loss"] = algos.masked_mean(kl.detach(), mask)
+                loss.backward()
+                with torch.no_grad():
+                    ratio = torch.exp(logprobs.detach() - old_logprobs)
+                    pg_stats["entropy"] = algos.masked_mean(entropy.detach(), mask)
+                    pg_stats["pg_loss"] = algos.masked_mean(-advantages * ratio, mask)
+                    # Padding goes to -1, which histc leaves out: no boolean selection (a host wait).
+                    ratio_counts.add_(torch.histc(torch.where(mask.bool(), ratio.clamp(0, 2), -1.0).float(),
+                                                  bins=bins, min=0, max=2))
+                stats.add(pg_stats, mask.sum())
+            grad_norms.append(clip_grad(self.model.parameters(), cfg.max_grad_norm))
+            self.optimizer.step()
+            self.scheduler.step()
+        grad_norm = mean_grad_norm(grad_norms)
         ratio_counts = ranks.sum(ratio_counts.cpu().long())
         out = {f"actor/{k}": v for k, v in global_stats(stats, ranks).items()}
         out["actor/grad_norm"] = grad_norm

@@ -12,9 +12,13 @@ from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.errors import ConfigError
 from rlhf.models import ADAPTER_CONFIG, ValueModel, adapter_files, frozen_base_dtype, is_lora
-from rlhf.packing import micro_batches, packed_row
-from rlhf.roles.common import StatAccumulator, TrainedRole, global_stats, on_device, sequence_inputs
+from rlhf.packing import micro_batches
 from rlhf.roles.dispatch import ALL, ROWS, dispatch
+from rlhf.roles.forward import on_device, response_values
+from rlhf.roles.minibatches import mini_batches
+from rlhf.roles.optimizer import clip_grad, mean_grad_norm
+from rlhf.roles.role import TrainedRole
+from rlhf.roles.stats import StatAccumulator, global_stats
 from rlhf.rollout import derive_seed
 
 
@@ -62,36 +66,21 @@ class Critic(TrainedRole):
         super().__init__(ctx, model, ppo, total_updates)
         self._stream = None  # the CUDA stream the update runs on (see `update`)
 
-    def _values(self, micro: Batch) -> torch.Tensor:
-        row = packed_row(micro, self.device)
-        if row is not None:  # one row without padding (rlhf/packing.py), back to the padded [B, R]
-            with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype,
-                                enabled=self.autocast_dtype is not None):
-                values = self.model(**row.forward_kwargs())
-            return row.unpack(values[0, row.index].float())
-        ids, mask, P = sequence_inputs(micro, self.device)
-        R = micro["response_ids"].shape[1]
-        with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype,
-                            enabled=self.autocast_dtype is not None):
-            values = self.model(ids, mask)
-        return values[:, P - 1:P - 1 + R].float()
-
     @dispatch(ROWS)
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """V(prompt + response[:t]) for every response position t, [B, R]."""
         self.model.eval()
         max_tokens = self.cfg.max_tokens_per_micro_batch
-        return torch.cat([self._values(m) for m in micro_batches(
+        return torch.cat([response_values(self.model, m, self.device, self.autocast_dtype) for m in micro_batches(
             on_device(batch, self.device, max_tokens), self.cfg.forward_batch_size, max_tokens, self.ranks)]).cpu()
 
     @dispatch(ALL)
     def update(self, batch: Batch, shuffle_seed: int) -> Dict[str, float]:
-        """Value regression on the rollout buffer (epochs, mini-batches and rank shares as in
-        TrainedRole.optimize). On a GPU it runs on a CUDA stream of its own, so that in one process
-        it overlaps the next rollout (`ppo.overlap_rollout`), whose engine works and waits on the
-        default stream. Each stream waits for the other's earlier work (weights moved back from
-        an offload, the new weights read by the next value pass)."""
+        """Value regression on the rollout buffer (`_update`). On a GPU it runs on a CUDA stream of its
+        own, so that in one process it overlaps the next rollout (`ppo.overlap_rollout`), whose
+        engine works and waits on the default stream. Each stream waits for the other's earlier work
+        (weights moved back from an offload, the new weights read by the next value pass)."""
         if self.device.type != "cuda":
             return self._update(batch, shuffle_seed)
         if self._stream is None:
@@ -103,22 +92,29 @@ class Critic(TrainedRole):
         return out
 
     def _update(self, batch: Batch, shuffle_seed: int) -> Dict[str, float]:
+        """`ppo_epochs` x mini-batches x micro-batches (rlhf/roles/minibatches.py): each micro-batch's
+        clipped value loss (`ppo.value_clip_range`) is back-propagated, and after each mini-batch the
+        gradients are clipped (`ppo.max_grad_norm`) and the optimizer and LR schedule step."""
         cfg = self.cfg
+        self.model.train()
         stats = StatAccumulator()
-
-        def micro_step(micro: Batch, normalizer: float) -> None:
-            mask = micro["response_mask"].to(self.device).float()
-            returns = micro["returns"].to(self.device)
-            values = self._values(micro)
-            loss, vstats = algos.value_loss(values, micro["values"].to(self.device), returns, mask,
-                                            cfg.value_clip_range, cfg.loss_aggregation, normalizer)
-            loss.backward()
-            vstats["value_loss"] = algos.masked_mean(0.5 * (values.detach() - returns).square(), mask)
-            stats.add(vstats, mask.sum())
-
-        grad_norm = self.optimize(batch, shuffle_seed, micro_step)
+        grad_norms = []
+        for mini in mini_batches(batch, cfg, shuffle_seed, self.device, self.ranks):
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in mini.micro_batches:
+                mask = micro["response_mask"].to(self.device).float()
+                returns = micro["returns"].to(self.device)
+                values = response_values(self.model, micro, self.device, self.autocast_dtype)
+                loss, vstats = algos.value_loss(values, micro["values"].to(self.device), returns, mask,
+                                                cfg.value_clip_range, cfg.loss_aggregation, mini.loss_normalizer)
+                loss.backward()
+                vstats["value_loss"] = algos.masked_mean(0.5 * (values.detach() - returns).square(), mask)
+                stats.add(vstats, mask.sum())
+            grad_norms.append(clip_grad(self.model.parameters(), cfg.max_grad_norm))
+            self.optimizer.step()
+            self.scheduler.step()
         out = {f"critic/{k}": v for k, v in global_stats(stats, self.ranks).items()}
-        out["critic/grad_norm"] = grad_norm
+        out["critic/grad_norm"] = mean_grad_norm(grad_norms)
         out["critic/lr"] = self.scheduler.get_last_lr()[0]
         return out
 

@@ -10,9 +10,10 @@ from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.models import load_policy
 from rlhf.packing import micro_batches
-from rlhf.roles.common import Role, on_device, response_logprobs
 from rlhf.roles.compiled import compile_layers
 from rlhf.roles.dispatch import ROWS, dispatch
+from rlhf.roles.forward import on_device, response_logprobs
+from rlhf.roles.role import Role
 
 
 class Reference(Role):

@@ -11,7 +11,7 @@ import torch
 from rlhf.batch import Batch
 from rlhf.config import RewardConfig, TaskConfig
 from rlhf.rewards import RewardCombiner
-from rlhf.roles.common import Role
+from rlhf.roles.role import Role
 
 
 class Reward(Role):

@@ -15,7 +15,7 @@ from rlhf.batch import Batch
 from rlhf.chat import PromptRenderer
 from rlhf.config import RewardConfig, TaskConfig
 from rlhf.reward_model.score import RewardModelScorer
-from rlhf.roles.common import Role
+from rlhf.roles.role import Role
 from rlhf.roles.dispatch import ROWS, dispatch
 
 

@@ -1,5 +1,5 @@
 """The packed fast path on the CPU: attention by sequence over a packed row (rlhf/attention.py), the LM
-head in chunks (rlhf/roles/common.py), and the on-policy update that skips the old log-prob pass."""
+head in chunks (rlhf/roles/forward.py), and the on-policy update that skips the old log-prob pass."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from rlhf import algos
 from rlhf.attention import PACKED_SDPA, packed_kwargs, use_packed_attention
 from rlhf.packing import PackedBatch
-from rlhf.roles.common import chunked_head_logprobs, response_logprobs
+from rlhf.roles.forward import chunked_head_logprobs, response_logprobs
 from rlhf.roles.compiled import logprobs_and_entropy
 
 CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ def test_varlen_packed_row_matches_padded_rows_forward_and_backward():
 
     from rlhf.attention import _varlen, can_use_varlen, use_packed_attention
     from rlhf.packing import PackedBatch
-    from rlhf.roles.common import response_logprobs
+    from rlhf.roles.forward import response_logprobs
     from tests.rlhf.test_packing import uneven_batch
 
     assert _varlen() is not None, "torch.nn.attention.varlen is missing from this torch"

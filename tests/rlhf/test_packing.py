@@ -20,7 +20,7 @@ from rlhf.models import ValueModel
 from rlhf.packing import PackedBatch, balanced_partition, budget_partition, micro_batches, pack, real_lengths
 from rlhf.placement.context import DeviceContext
 from rlhf.roles.actor import Actor
-from rlhf.roles.common import response_logprobs
+from rlhf.roles.forward import response_logprobs
 from rlhf.roles.critic import Critic
 from rlhf.roles.reference import Reference
 from rlhf.tiny import build_char_tokenizer, build_tiny_model
