@@ -126,3 +126,27 @@ def test_local_placement_spreads_uneven_rows_and_calls_as_declared(parts):
     assert len(got) == 5
     for g, w in zip(got, want):
         assert torch.equal(g["response_ids"], w["response_ids"]) and torch.equal(g["prompt_ids"], w["prompt_ids"])
+
+
+def test_mini_batches_walk_the_buffer_epoch_by_epoch_in_shuffled_order(parts):
+    """`mini_batches` (rlhf/roles/minibatches.py): per epoch, the seeded shuffle cut into
+    mini-batches, each cut into micro-batches in row order, with the mini-batch's token count
+    (token_mean) or non-empty sequence count (seq_mean) as the loss normalizer."""
+    from rlhf.placement.context import SingleRank
+    from rlhf.roles.minibatches import mini_batches, minibatch_indices
+
+    tok, _ = parts
+    batch = make_batch(tok)
+    batch["row"] = torch.arange(len(batch))
+    for aggregation in ("token_mean", "seq_mean"):
+        cfg = PPOConfig(rollout_micro_batch_size=16, num_rollout_batches=1, mini_batch_size=8, micro_batch_size=4,
+                        ppo_epochs=2, loss_aggregation=aggregation)
+        minis = list(mini_batches(batch, cfg, 5, torch.device("cpu"), SingleRank()))
+        expected = minibatch_indices(16, 8, 5) + minibatch_indices(16, 8, 6)
+        assert len(minis) == len(expected) == 4
+        for mini, rows in zip(minis, expected):
+            assert [len(m) for m in mini.micro_batches] == [4, 4]
+            assert torch.cat([m["row"] for m in mini.micro_batches]).tolist() == rows.tolist()
+            mask = batch["response_mask"][rows].float()
+            count = mask.sum() if aggregation == "token_mean" else (mask.sum(-1) > 0).sum()
+            assert mini.loss_normalizer == float(count)

@@ -65,6 +65,29 @@ def test_every_role_is_one_class_and_its_proxy_comes_from_its_declarations():
         assert not (RLHF / gone).exists()
 
 
+
+def test_the_updates_read_top_to_bottom():
+    """The actor's and the critic's updates are their own loops (mini-batches x micro-batches from
+    rlhf/roles/minibatches.py, the loss inline, clip and step after each mini-batch), with no
+    closure handed to a shared loop: a recipe parameter (`ppo.kl_coef` through the `kl_coef`
+    argument) is followed to the line that uses it."""
+    import inspect
+    import textwrap
+
+    from rlhf.roles.actor import Actor
+    from rlhf.roles.critic import Critic
+
+    for fn in (Actor.update, Critic._update):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+        nested = [n for n in ast.walk(tree) if n is not tree and isinstance(n, (ast.FunctionDef, ast.Lambda))]
+        assert nested == [], fn.__qualname__
+        called = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
+                  for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        assert {"mini_batches", "backward", "clip_grad", "step"} <= called, fn.__qualname__
+    source = inspect.getsource(Actor.update)
+    assert "loss = loss + kl_coef * algos.aggregate(kl," in source
+    assert not (RLHF / "roles" / "common.py").exists()
+
 def test_rows_and_calls_split_and_gather_in_order():
     import torch
 

@@ -1,0 +1,50 @@
+"""The step record (rlhf/metrics.py `step_record`): a pure function of what the phases returned."""
+
+import torch
+
+from rlhf.batch import Batch
+from rlhf.metrics import is_known_metric, is_machine_metric, step_record
+
+
+def rollout():
+    return Batch({"scores": torch.tensor([1.0, 0.0, 1.0, 0.0]), "correct": torch.tensor([True, False, True, False]),
+                  "finished": torch.tensor([True, True, False, True]),
+                  "well_formed": torch.tensor([True, False, True, True]),
+                  "prompt_mask": torch.ones(4, 3, dtype=torch.long),
+                  "response_mask": torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])})
+
+
+def record(**overrides):
+    args = dict(advantages={"kl_divergence": 0.5, "kl_coef": 0.1}, critic={"critic/value_loss": 2.0},
+                actor={"actor/pg_loss": 0.25, "actor/clip_fraction": 0.125}, entropy_old=torch.full((4, 3), 2.0),
+                logprob_gap=None, prompt_truncated_fraction=None, phase_times={"generate": 2.0, "update_actor": 1.0},
+                phase_memory_gb={}, step_s=4.0, generate_ahead_s=0.0, max_rss_gb=1.5, device_report={})
+    args.update(overrides)
+    return step_record(rollout(), **args)
+
+
+def test_step_record_from_the_phases_in_metrics_order():
+    out = record()
+    assert list(out)[:4] == ["kl_divergence", "kl_coef", "critic/value_loss", "actor/pg_loss"]
+    assert out["reward_mean"] == 0.5 and out["accuracy"] == 0.5 and out["clip_fraction"] == 0.125
+    assert out["clip_fraction_lower"] is None  # the actor did not report it
+    assert out["response_length_mean"] == 2.0 and out["response_clip_ratio"] == 0.25
+    assert out["rollout_success_rate"] == 0.5 and out["actor/entropy_old"] == 2.0
+    assert out["perf/tokens_per_s"] == (12 + 8) / 4.0 and out["perf/generated_tokens_per_s"] == 8 / 2.0
+    assert out["timing_s/generate"] == 2.0 and "timing_s/generate_ahead" not in out
+    assert "rollout/logprob_gap" not in out and "rollout/prompt_truncated_fraction" not in out
+    assert "perf/max_memory_allocated_gb" not in out
+    assert all(is_known_metric(k) for k in out)
+    computed = [k for k in out if not is_machine_metric(k)]
+    assert computed[-1] == "actor/entropy_old"  # the machine's measurements come last
+
+
+def test_step_record_optional_names():
+    out = record(logprob_gap=0.01, prompt_truncated_fraction=0.25, generate_ahead_s=1.0,
+                 phase_memory_gb={"generate": 3.0, "update_actor": 5.0}, device_report={"perf/gpu_utilization": 0.9})
+    assert list(out).index("rollout/logprob_gap") == 2  # after the advantage phase's names
+    assert out["rollout/prompt_truncated_fraction"] == 0.25
+    assert out["timing_s/generate_ahead"] == 1.0 and out["perf/generated_tokens_per_s"] == 8 / 3.0
+    assert out["perf/memory_gb/update_actor"] == 5.0 and out["perf/max_memory_allocated_gb"] == 5.0
+    assert out["perf/gpu_utilization"] == 0.9
+    assert record()["reward_std"] == float(rollout()["scores"].std())
