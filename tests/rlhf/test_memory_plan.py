@@ -1,4 +1,4 @@
-"""The predicted memory plan (rlhf/placement/memory.py): parameter counts from shapes, bytes per role,
+"""The predicted memory plan (rlhf/memory/): parameter counts from shapes, bytes per role,
 activations under checkpointing / token budgets / FSDP2, the verdict and its suggested fix, the
 `python -m rlhf.memory` command and the check at a run's start. CPU only, no weights."""
 
@@ -12,7 +12,7 @@ import pytest
 from rlhf import configurable
 from rlhf.config import ModelConfig, PPOConfig, RunConfig, SFTConfig, TaskConfig, TinyModelConfig
 from rlhf.errors import ConfigError
-from rlhf.placement import memory
+from rlhf import memory
 from tests.conftest import REPO
 
 GIB = memory.GIB
