@@ -56,8 +56,8 @@ def state_bytes(role: "PlacedRole") -> int:
 def plan_memory(offload_mode, sleep_mode, role_bytes: Dict[str, int], available: int, total: int,
                 can_offload: bool, headroom: Optional[int] = None) -> dict:
     """Whether idle roles leave the device between phases (`ppo.offload_idle_models`) and whether
-    the vLLM engine sleeps between rollouts (`ppo.vllm_sleep`), and why. 'auto' turns either on
-    only when the roles' resident state plus `headroom` (the predicted activations and reserve;
+    the vLLM engine sleeps between rollouts (`ppo.vllm_sleep`), and why. 'auto' (`resolve_auto`) turns
+    either on only when the roles' resident state plus `headroom` (the predicted activations and reserve;
     default a flat ACTIVATION_HEADROOM of the device) does not fit in `available` (what the device
     has beside the awake engine, counting what the roles hold already)."""
     need = sum(role_bytes.values())
