@@ -48,8 +48,8 @@ def model_config(tiny: bool = False, shape: str = "0.5b"):
 
 def parameter_count(config) -> int:
     """Parameters of the model (tied embeddings counted once), from the config alone: the memory
-    plan's arithmetic (rlhf/placement/memory.py), so there is one copy of it."""
-    from rlhf.placement.memory import parameter_count as from_shape
+    plan's arithmetic (rlhf/memory/shapes.py), so there is one copy of it."""
+    from rlhf.memory import parameter_count as from_shape
     return from_shape(config)
 
 

@@ -5,7 +5,7 @@ fine-tuning in fp32 + bf16 autocast, or LoRA with peft on a frozen bf16 base, wi
 transformers' gradient checkpointing) and one PPO-like update step runs through the engine's own
 forward (`rlhf.roles.forward.response_logprobs`: LM head on the response positions, log-probs and
 entropy), backward and fused AdamW step; then a no-grad forward as the old-log-prob pass. The peak
-allocated memory of each is printed beside `rlhf.placement.memory.predict`'s figure for the same
+allocated memory of each is printed beside `rlhf.memory.predict`'s figure for the same
 micro-batch (the actor's resident state + its update / forward micro-batch; no vLLM, no reserve).
 
     python bench/memory_plan.py [--json OUT.json] [--case NAME]... [--tiny]
@@ -80,7 +80,7 @@ def batch(rows: int, prompt: int, response: int, vocab: int, device):
 def measure(name: str, tiny: bool = False) -> dict:
     import torch
     from rlhf.models import adamw
-    from rlhf.placement import memory
+    from rlhf import memory
     from rlhf.roles.forward import response_logprobs
     shape_name, rows, prompt, response, rank, ckpt = CASES[name]
     shape = memory.KNOWN_SHAPES[shape_name]

@@ -80,7 +80,7 @@ def planned_by_phase(recipe_file_text: str, shape: str, available_gib: float, to
     import tempfile
 
     from rlhf import configurable
-    from rlhf.placement import memory
+    from rlhf import memory
     with tempfile.TemporaryDirectory() as tmp:
         recipe = Path(tmp) / "recipe.gin"
         recipe.write_text(recipe_file_text)

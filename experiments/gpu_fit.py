@@ -1,7 +1,7 @@
 """Whether a study's runs fit their GPU, checked at planning rather than found out by a run.
 
 Runs that share a GPU (`study.gpus_per_run` < 1) with vLLM rollouts must fit their vLLM engines
-in their shares, and a run's predicted memory (rlhf/placement/memory.py) must fit its GPU or its
+in their shares, and a run's predicted memory (rlhf/memory/) must fit its GPU or its
 share of one. Both are refused with one line giving the numbers and the bindings that would make
 the run fit. The GPU is this machine's, read through torch (imported only when a check needs it),
 taken as the kind the runs get; without one only the share arithmetic applies, and the engine
@@ -71,7 +71,7 @@ def check_gpu_share(study: Study, cfg, where: str) -> None:
 
 
 def check_gpu_memory(study: Study, cfg, where: str, memory_gib: Optional[float] = None) -> None:
-    """A run whose predicted memory (rlhf/placement/memory.py: every role's weights, gradients,
+    """A run whose predicted memory (rlhf/memory/: every role's weights, gradients,
     optimizer states, activations and the vLLM engine) cannot fit in its GPU, or its share of one
     (study.gpus_per_run < 1), is refused at planning with the bindings that would make it fit.
     Checked when this machine has a GPU (taken as the runs' kind) and the run computes on one; the
@@ -80,7 +80,7 @@ def check_gpu_memory(study: Study, cfg, where: str, memory_gib: Optional[float] 
     on_gpu = study.gpus_per_run > 0 or cfg.ppo.resolved_placement != "local"  # Ray ranks hold their own GPUs
     if memory_gib is None or cfg.ppo.device == "cpu" or not on_gpu:
         return
-    from rlhf.placement import memory
+    from rlhf import memory
     try:
         policy, reward_model = memory.run_shapes(cfg)
     except (ConfigError, ValueError):  # an unreadable model is the run's own one-line error

@@ -180,9 +180,9 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
 
 def check_policy(cfg, where: str) -> None:
     """The variant's policy and LoRA bindings, refused at planning exactly as the trainer's start
-    refuses them (one check: rlhf/placement/memory.py `check_policy`), before any run launches. A
+    refuses them (one check: rlhf/memory/plan.py `check_policy`), before any run launches. A
     policy dir that does not exist yet (an earlier DVC stage writes it) is checked when its runs start."""
-    from rlhf.placement import memory
+    from rlhf import memory
     name = cfg.model.name_or_path
     if name != "tiny" and not (Path(name) / "config.json").is_file():
         return

@@ -116,7 +116,7 @@ class PPOConfig:
     vllm_sleep: object = "auto"
     """vLLM: offload the engine's weights and free its KV cache between rollouts (sleep mode),
     so the update phases get that memory; it wakes before the next weight sync. 'auto' sleeps only
-    when the roles do not fit on the device beside the awake engine (rlhf/placement/memory.py;
+    when the roles do not fit on the device beside the awake engine (rlhf/memory/runtime.py;
     the decision is logged): sleeping and waking cost ~0.2 s a step."""
     vllm_per_request_seeds: bool = False
     """vLLM: True gives every request its own seed (derived from seed, step, call, index); False

@@ -64,7 +64,7 @@ def shape_fields(config) -> dict:
     """The shape fields of a model config (a dict; a multimodal config's `text_config` is the
     language model), each a positive integer, with the heads dividing the width: {field: value}
     (None for an optional field it leaves out). A ShapeError naming the field and what is allowed
-    otherwise: every config.json the memory plan (rlhf/placement/memory.py) reads and the policy
+    otherwise: every config.json the memory plan (rlhf/memory/shapes.py) reads and the policy
     check (`check_policy_dir`) takes goes through here."""
     if not isinstance(config, dict):
         raise ShapeError(f"is not a JSON object (it holds a {type(config).__name__}); allowed: a model config "
@@ -202,7 +202,7 @@ def read_model_config(path: str | Path, binding: str, expected: str):
 
 def check_policy_dir(path: str | Path, binding: str = "model.name_or_path", ppo=None, config=None) -> None:
     """The one check of a policy model before anything loads, made alike by the trainer's start
-    (rlhf/placement/memory.py `check_policy`, called by rlhf/trainer.py), `python -m rlhf.memory`
+    (rlhf/memory/plan.py `check_policy`, called by rlhf/trainer.py), `python -m rlhf.memory`
     and `load_policy`; a one-line ConfigError naming `binding`, the file and what is allowed:
 
     - config.json present and a JSON object;

@@ -22,7 +22,7 @@ from typing import Dict, List
 import torch
 import transformers
 
-from rlhf import algos, checkpoint
+from rlhf import algos, checkpoint, memory
 from rlhf.atomic import write_json
 from rlhf.batch import Batch
 from rlhf.config import RunConfig
@@ -30,7 +30,7 @@ from rlhf.chat import PromptRenderer, check_rows, prompt_key
 from rlhf.data import Example, PromptSampler, check_prompt_lengths, dataset_hash, load_task
 from rlhf.metrics import PERF_SUMMARY, MetricLogger, is_machine_metric, read_metrics, step_record, window_means
 from rlhf.models import check_vocab_fits, load_tokenizer
-from rlhf.placement import build_roles, memory
+from rlhf.placement import build_roles
 from rlhf.placement.context import deterministic_algorithms
 from rlhf.placement.proxy import submit
 from rlhf.rollout import SamplingParams, decode_responses, derive_seed, rollout_logprob_gap
@@ -66,7 +66,7 @@ def resolve_model_paths(cfg: RunConfig, log=print) -> tuple[Path, Path]:
 class PhaseTimer:
     """Wall time of each phase and, for a GPU in this process, the most memory torch held allocated
     during it (`torch.cuda.max_memory_allocated`, reset as each phase starts): what the memory plan's
-    phases predict (rlhf/placement/memory.py), recorded as `perf/memory_gb/<phase>`."""
+    phases predict (rlhf/memory/plan.py), recorded as `perf/memory_gb/<phase>`."""
 
     def __init__(self, device: torch.device | None = None):
         self.times: Dict[str, float] = {}
@@ -124,7 +124,7 @@ class PPOTrainer:
             checkpoint.check_weights(self.model_dir, "model.name_or_path")
         self.start_checkpoint = str(start_dir)
         # The predicted memory plan, before any model is built: on a GPU a run that cannot fit stops
-        # here with one line naming the bindings that would make it fit (rlhf/placement/memory.py).
+        # here with one line naming the bindings that would make it fit (rlhf/memory/plan.py).
         self.memory_plan = memory.preflight(cfg, self.model_dir, self.device if local else None, log)
         roles = build_roles(cfg, model_dir=self.model_dir, tokenizer_dir=self.tokenizer_dir, tokenizer=self.tokenizer,
                             start_dir=start_dir, device=self.device, autocast_dtype=self.autocast_dtype,

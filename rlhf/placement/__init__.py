@@ -52,7 +52,7 @@ def role_specs(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, start_di
 def build_roles(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, tokenizer, start_dir: Path,
                 device: torch.device, autocast_dtype, ray_address: Optional[str] = None, log=print,
                 memory_plan=None) -> Roles:
-    """`memory_plan`: the run's predicted plan (rlhf/placement/memory.py), whose activations the
+    """`memory_plan`: the run's predicted plan (rlhf/memory/plan.py), whose activations the
     offload / sleep decision keeps room for."""
     from rlhf.roles.reward import Reward
     controller = DeviceContext(torch.device("cpu"))

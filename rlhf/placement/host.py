@@ -2,7 +2,7 @@
 
 In colocated placement one host per bundle holds the rank of every model role (one process, one
 CUDA context, one world per rank index); in split placement each role has hosts of its own.
-`call(role, method, ...)` runs a role's method. With offloading on (rlhf/placement/memory.py
+`call(role, method, ...)` runs a role's method. With offloading on (rlhf/memory/runtime.py
 decides), the other roles' device state is first moved to pinned host memory, so only the role
 at work holds device memory.
 """
@@ -16,7 +16,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from rlhf.placement import memory
+from rlhf import memory
 from rlhf.placement.context import ProcessGroupRanks, context_for, deterministic_algorithms
 
 

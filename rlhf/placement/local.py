@@ -8,8 +8,8 @@ from typing import List
 
 import torch
 
+from rlhf import memory
 from rlhf.gpu_monitor import DeviceMonitor
-from rlhf.placement import memory
 from rlhf.placement.context import DeviceContext
 from rlhf.placement.proxy import local_proxy
 from rlhf.roles import RoleSpec, Roles

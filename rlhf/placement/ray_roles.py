@@ -15,7 +15,8 @@ def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, ray_address: Optio
                     memory_plan=None) -> Roles:
     import ray
 
-    from rlhf.placement import cluster, memory
+    from rlhf import memory
+    from rlhf.placement import cluster
     from rlhf.placement.proxy import ray_proxy
 
     ppo = cfg.ppo

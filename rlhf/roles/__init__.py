@@ -29,7 +29,7 @@ from rlhf.rollout import SamplingParams
 class PlacedRole(Protocol):
     """What a placement asks of every role it builds, in the role's own process (not through its
     proxy): the state it holds on its device, which the memory plan measures and offloading moves
-    (rlhf/placement/memory.py `state_bytes`, `Offloader`)."""
+    (rlhf/memory/runtime.py `state_bytes`, rlhf/memory/offload.py `Offloader`)."""
 
     def device_state(self) -> tuple[list, list]: ...
 

@@ -45,7 +45,7 @@ LM_HEAD_CHUNK = 2048
 """Positions whose logits exist at once: the LM head and its log-softmax run over this many positions
 at a time (`response_logprobs`), so a micro-batch never holds its full [positions, V] logits. At a
 152k vocabulary a chunk's fp32 logits are 1.2 GiB; the memory plan counts one chunk
-(rlhf/placement/memory.py `lm_head_bytes`)."""
+(rlhf/memory/formulas.py `lm_head_bytes`)."""
 
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias, tokens: torch.Tensor, temperature: float,

@@ -188,7 +188,7 @@ def test_plan_refuses_a_run_that_cannot_fit_its_gpu(write_study, tmp_path, monke
 
     import experiments.gpu_fit as gpu_fit
     from experiments.cli import main
-    from rlhf.placement.memory import KNOWN_SHAPES
+    from rlhf.memory import KNOWN_SHAPES
     shape = KNOWN_SHAPES["qwen2.5-7b"]
     model = tmp_path / "qwen7b"
     model.mkdir()
@@ -242,7 +242,7 @@ def test_a_variant_that_changes_nothing_the_run_uses_is_refused(write_study, tmp
 
 
 def test_a_variant_the_trainer_would_refuse_is_refused_at_planning(write_study, tmp_path):
-    """The plan runs the trainer's own policy check (rlhf/placement/memory.py `check_policy`): a LoRA
+    """The plan runs the trainer's own policy check (rlhf/memory/plan.py `check_policy`): a LoRA
     rank above the tiny model's 64-wide layers stops the study before any run, naming the variant."""
     from experiments.errors import StudyError
     path = write_study(STUDY.replace("{'kl': 'ppo.kl_coef = 0.1', 'clip': 'ppo.clip_range = 0.1'}",

@@ -1,7 +1,7 @@
 """Bad model shapes, architectures, LoRA bindings and GPU sizes: `python -m rlhf.memory` and the trainer's
 start (`python -m rlhf.train`) refuse exactly the same inputs, each with the same one line (exit 2) naming
 the file, flag or binding and what is allowed, before anything is built (rlhf/models.py
-`check_policy_dir`, through rlhf/placement/memory.py `check_policy`). Config files only, no weights."""
+`check_policy_dir`, through rlhf/memory/plan.py `check_policy`). Config files only, no weights."""
 
 import json
 import subprocess
@@ -35,7 +35,7 @@ def one_line(capsys) -> str:
 
 def plan(capsys, *args) -> tuple:
     """(exit code, the error line) of `python -m rlhf.memory`, in this process."""
-    from rlhf.memory import main
+    from rlhf.memory.__main__ import main
     capsys.readouterr()
     rc = main([str(a) for a in args])
     return rc, one_line(capsys) if rc else None

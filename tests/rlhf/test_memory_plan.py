@@ -1,4 +1,4 @@
-"""The predicted memory plan (rlhf/placement/memory.py): parameter counts from shapes, bytes per role,
+"""The predicted memory plan (rlhf/memory/): parameter counts from shapes, bytes per role,
 activations under checkpointing / token budgets / FSDP2, the verdict and its suggested fix, the
 `python -m rlhf.memory` command and the check at a run's start. CPU only, no weights."""
 
@@ -12,7 +12,7 @@ import pytest
 from rlhf import configurable
 from rlhf.config import ModelConfig, PPOConfig, RunConfig, SFTConfig, TaskConfig, TinyModelConfig
 from rlhf.errors import ConfigError
-from rlhf.placement import memory
+from rlhf import memory
 from tests.conftest import REPO
 
 GIB = memory.GIB
@@ -226,6 +226,21 @@ def test_auto_offload_and_sleep_are_decided_as_the_runtime_decides():
     assert not roomy.offload and not roomy.sleep
     forced = memory.predict(run_config(vllm_sleep=True), SHAPES["qwen2.5-0.5b"], available=H200)
     assert forced.sleep and forced.peak.total <= roomy.peak.total
+
+
+def test_auto_offload_and_sleep_are_one_rule_for_the_prediction_and_the_runtime():
+    """`ppo.offload_idle_models` / `ppo.vllm_sleep`: True or False as bound, 'auto' on only when the
+    roles do not fit; offloading only where the placement can move roles."""
+    from rlhf.memory import plan, runtime
+    assert plan.resolve_auto("auto", "auto", fits=True, can_offload=True) == (False, False)
+    assert plan.resolve_auto("auto", "auto", fits=False, can_offload=True) == (True, True)
+    assert plan.resolve_auto("auto", "auto", fits=False, can_offload=False) == (False, True)
+    assert plan.resolve_auto(True, False, fits=True, can_offload=True) == (True, False)
+    assert plan.resolve_auto(True, True, fits=False, can_offload=False) == (False, True)
+    assert runtime.resolve_auto is plan.resolve_auto
+    decided = runtime.plan_memory("auto", "auto", {"actor": int(10 * GIB)}, available=int(12 * GIB),
+                                  total=int(20 * GIB), can_offload=True, headroom=int(4 * GIB))
+    assert (decided["offload"], decided["rollout_sleep"]) == plan.resolve_auto("auto", "auto", False, True)
 
 
 def test_runtime_plan_counts_the_awake_engine_and_the_predicted_activations():

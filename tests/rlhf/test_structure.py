@@ -21,7 +21,7 @@ def test_engine_has_no_import_cycles():
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]  # the check itself finds one
 
 
-ENTRY_POINTS = {"rlhf.train", "rlhf.export", "rlhf.memory", "rlhf.reward_model.__main__"}
+ENTRY_POINTS = {"rlhf.train", "rlhf.export", "rlhf.memory.__main__", "rlhf.reward_model.__main__"}
 
 
 def test_no_library_module_imports_an_entry_point():

@@ -4,8 +4,8 @@
 
 Prints each role's bytes on one GPU, each phase of a PPO step, and the verdict. Exit codes: 0 it
 fits, 2 it does not (the line names the bindings that would make it fit) or the configuration is
-invalid (one line: the policy is checked as the trainer checks it at its start, rlhf/placement/memory.py
-`check_policy`). The arithmetic is rlhf/placement/memory.py's, the same the trainer checks before launch.
+invalid (one line: the policy is checked as the trainer checks it at its start, rlhf/memory/plan.py
+`check_policy`). The arithmetic is rlhf/memory/'s, the same the trainer checks before launch.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def render(plan, cfg, policy, recipe: str, where: str) -> str:
 def table(cfg, gib: float) -> str:
     """Rows: published shape x variant; columns: per-GPU peak (GiB) at each world size."""
     from rlhf.errors import ConfigError
-    from rlhf.placement import memory
+    from rlhf import memory
     available = int(gib * memory.GIB)
     head = ["| policy shape | params | training | " + " | ".join(
         f"{n} GPU{'s' if n > 1 else ''}" for n in TABLE_WORLD_SIZES) + " |",
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     from rlhf import configurable
     from rlhf.errors import ConfigError
-    from rlhf.placement import memory
+    from rlhf import memory
     bindings = list(args.binding)
     try:
         if args.gpu_memory_gib is not None:

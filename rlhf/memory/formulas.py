@@ -1,0 +1,198 @@
+"""The byte formulas of the memory plan: what one micro-batch of each phase adds on one GPU (activations
+kept for the backward, the LM head's logits, FSDP2's gathered layers, autocast's weight copies, HF
+generate's KV cache), the vLLM engine's share, and each trained role's resident state (`trained_role`).
+Pure arithmetic on a `ModelShape` and the `ppo` bindings: no GPU, no weights.
+
+Bytes per element: `act` is the activations' (2 under bf16 autocast on a GPU, else 4); weights are
+fp32 (4) when trained in full, bf16 (2) for a frozen base on a GPU. Each formula is one micro-batch
+on one GPU; `tokens` counts padded positions (rows x (prompt + response)) or a packed token budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+from rlhf.memory.shapes import ModelShape, lora_targets
+
+GIB = 2 ** 30
+
+def layer_activation_bytes(shape: ModelShape, act: int, lora_rank: int = 0, lora: Sequence[str] = ()) -> int:
+    """Bytes one block keeps for its backward, per token: two RMSNorms' fp32 input and normalised
+    output (16 h); under autocast each projection saves its own cast input (q/k/v: 3 h, gate/up:
+    2 h); the q/k/v outputs, their rotary copies, the attention output and o_proj's input; the MLP's
+    gate, up, SiLU and product (4 f). LoRA adds its own cast copy of o_proj's and down_proj's input
+    and each adapter's rank-r intermediate. Flash/memory-efficient attention keeps no T x T scores
+    (the math kernel would). Checked against a measured peak (module docstring)."""
+    h, f = shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    per_token = 16 * h + act * (3 * h + (q + 2 * kv) + (q + kv) + 2 * q + 2 * h + 4 * f)
+    if lora_rank:
+        lin = shape.linears()
+        per_token += act * (sum(lin[t][0] for t in ("o_proj", "down_proj") if t in lora) + lora_rank * len(lora))
+    return per_token
+
+
+def saved_activation_bytes(shape: ModelShape, tokens: int, act: int, checkpointing: bool, lora_rank: int = 0,
+                           lora: Sequence[str] = (), residual: int = 4) -> int:
+    """Activations kept from the forward to the backward of one micro-batch. Without gradient
+    checkpointing every block's (`layer_activation_bytes`) plus the final norm's; with it each
+    block keeps only its input hidden state (`residual` bytes a value: the weights' dtype, 2 for a
+    bf16 LoRA base) and one block at a time is recomputed in full during the backward."""
+    layer = layer_activation_bytes(shape, act, lora_rank, lora) * tokens
+    if checkpointing:
+        return shape.num_layers * residual * shape.hidden_size * tokens + layer
+    return shape.num_layers * layer + 8 * shape.hidden_size * tokens
+
+
+def backward_working_bytes(shape: ModelShape, tokens: int, act: int) -> int:
+    """The backward's own temporaries: the gradients of one block's activations (about what that block
+    saved) and the residual stream's gradient in and out (fp32)."""
+    return layer_activation_bytes(shape, act) * tokens + 2 * 4 * shape.hidden_size * tokens
+
+
+def forward_working_bytes(shape: ModelShape, tokens: int, act: int) -> int:
+    """A forward-only pass (no grad) keeps nothing for a backward: at most one block's tensors are
+    alive at once (bounded by what that block would save), plus the residual stream in and out."""
+    return layer_activation_bytes(shape, act) * tokens + 2 * 4 * shape.hidden_size * tokens
+
+
+def lm_head_bytes(shape: ModelShape, positions: int, act: int, train: bool, entropy: bool = True) -> int:
+    """The LM head runs on response positions only (R + 1 a sequence, `logits_to_keep`), LM_HEAD_CHUNK
+    of them at a time (rlhf/roles/forward.py `response_logprobs`): one chunk's logits [chunk, V] in the
+    compute dtype, their fp32 copy and the log-softmax / entropy temporaries (fp32). Forward-only with
+    entropy a + 16 bytes an element, without entropy (the reference) a + 8; for a backward the chunk
+    is recomputed and its logits' gradient (fp32 and the compute dtype) is live beside it (2a + 24).
+    Each position keeps its log-prob and entropy (and their gradients) whole."""
+    from rlhf.roles.forward import LM_HEAD_CHUNK
+    chunk = min(positions, LM_HEAD_CHUNK)
+    per = 2 * act + 24 if train else act + (16 if entropy else 8)
+    return chunk * shape.vocab_size * per + positions * 4 * 8
+
+
+def value_head_bytes(rows: int, tokens_per_row: int, train: bool) -> int:
+    """The critic's values [rows, T] in fp32, their clipped copy and the loss's temporaries."""
+    return rows * tokens_per_row * 4 * (4 if train else 1)
+
+
+def autocast_copy_bytes(shape: ModelShape, lm_head: bool) -> int:
+    """bf16 autocast caches a bf16 copy of every fp32 weight that requires grad, from its first use in
+    the forward until the autocast region ends (after the backward): 2 bytes a matmul weight, whole
+    (FSDP2's gathered layers are copied too, so this does not shrink with world_size)."""
+    return 2 * shape.matmul_params(lm_head)
+
+
+def fsdp_gather_bytes(shape: ModelShape, param_bytes: int, world_size: int, train: bool, lm_head: bool) -> int:
+    """FSDP2 (world_size > 1) gathers a block's full weights to use them: the root unit (embeddings,
+    final norm, LM head) stays gathered through forward and backward, and two blocks are gathered at
+    once (the current and the prefetched one); a backward adds their unsharded fp32 gradients."""
+    if world_size <= 1:
+        return 0
+    root = shape.parameter_count(lm_head) - shape.num_layers * shape.layer_params
+    full = (root + 2 * shape.layer_params) * param_bytes
+    return full + ((root + 2 * shape.layer_params) * 4 if train else 0)
+
+
+def hf_generate_bytes(shape: ModelShape, rows: int, prompt: int, response: int, act: int) -> int:
+    """HF generate (rollout_backend 'hf'): the KV cache of one call (rows x (P + R) x layers x K and V),
+    the prefill's working set over the prompts and each step's last-position logits (fp32, sampled
+    from a processed copy)."""
+    kv = shape.num_kv_heads * shape.head_dim
+    cache = rows * (prompt + response) * shape.num_layers * 2 * kv * act
+    return cache + forward_working_bytes(shape, rows * prompt, act) + rows * shape.vocab_size * 4 * 3
+
+
+def engine_bytes(ppo, device_total: int) -> int:
+    """The vLLM engine takes `ppo.vllm_gpu_memory_utilization` of the whole GPU (weights, activations,
+    KV cache) on each GPU of the actor; 0 with HF rollouts."""
+    if ppo.rollout_backend != "vllm":
+        return 0
+    return int(ppo.vllm_gpu_memory_utilization * device_total)
+
+
+def shard(n: int, world_size: int) -> int:
+    """`n` bytes split over `world_size` FSDP2 ranks: one rank's shard, rounded up."""
+    return -(-n // world_size)
+
+
+@dataclasses.dataclass
+class RoleMemory:
+    """One role's bytes on each GPU that holds it (its FSDP2 shard): resident state, and what one
+    micro-batch of its update (`train`) or of its forward-only pass (`forward`) adds."""
+
+    name: str
+    weights: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    replica: int = 0
+    """The HF backend's full rollout copy of a sharded policy (fp32)."""
+    train: int = 0
+    forward: int = 0
+    note: str = ""
+
+    @property
+    def resident(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.replica
+
+    def parts(self) -> str:
+        items = [("weights", self.weights), ("grads", self.grads), ("optimizer", self.optimizer),
+                 ("rollout replica", self.replica)]
+        return " + ".join(f"{k} {v / GIB:.1f}" for k, v in items if v)
+
+
+def micro_batches(ppo, prompt: int, response: int) -> dict:
+    """Rows, tokens and LM-head positions of one update and one forward micro-batch on one rank.
+    Padded: micro_batch_size (forward_batch_size) sequences of prompt + response tokens. Packed
+    (`max_tokens_per_micro_batch`): one row of the budget (at least one whole sequence); its
+    response positions are taken in proportion to max_response_length : max_prompt_length, which
+    prompts shorter than their maximum exceed (the verdict names that risk)."""
+    seq = prompt + response
+    if ppo.max_tokens_per_micro_batch:
+        tokens = max(ppo.max_tokens_per_micro_batch, seq)
+        positions = min(tokens, math.ceil(tokens * (response + 1) / seq))
+        return {"train": (1, tokens, positions), "forward": (1, tokens, positions)}
+    train = min(ppo.micro_batch_size, ppo.mini_batch_size // ppo.world_size)
+    forward = min(ppo.forward_batch_size, shard(ppo.rollout_batch_size, ppo.world_size))
+    return {"train": (train, train * seq, train * (response + 1)),
+            "forward": (forward, forward * seq, forward * (response + 1))}
+
+
+def trained_role(name: str, shape: ModelShape, ppo, rank: int, lm_head: bool, gpu: bool, act: int,
+                  batches: dict, head_params: int = 0) -> RoleMemory:
+    """The actor (lm_head) or the critic (backbone + value head): weights, gradients and AdamW's two
+    moments (fp32 for every trained parameter: 16 bytes a parameter in full fine-tuning), and its
+    micro-batches. With LoRA the base is frozen (bf16 on a GPU) and only the adapters (and a head) train."""
+    n = ppo.world_size
+    params = shape.parameter_count(lm_head) + head_params
+    targets = lora_targets(ppo.lora_target_modules) if rank else ()
+    if rank:
+        base_bytes = 2 if gpu else 4
+        trainable = shape.lora_params(rank, targets) + head_params
+        weights = (params - head_params) * base_bytes + trainable * 4
+    else:
+        base_bytes, trainable, weights = 4, params, params * 4
+    role = RoleMemory(name, weights=shard(weights, n), grads=shard(4 * trainable, n),
+                      optimizer=shard(8 * trainable, n),
+                      note=f"LoRA rank {rank} on {len(targets)} projections" if rank else "full fine-tuning")
+    copies = autocast_copy_bytes(shape, lm_head) if (gpu and act == 2 and not rank) else 0
+    rows, tokens, positions = batches["train"]
+    ckpt = ppo.gradient_checkpointing
+    head = (lm_head_bytes(shape, positions, act, train=True) if lm_head
+            else value_head_bytes(rows, tokens // rows, train=True))
+    saved = saved_activation_bytes(shape, tokens, act, ckpt, rank, targets, residual=base_bytes)
+    working = backward_working_bytes(shape, tokens, act)
+    if ckpt:
+        # The LM head's chunks run (and are recomputed) before the first block's recompute: the two
+        # working sets follow one another above the checkpointed block inputs.
+        layer = layer_activation_bytes(shape, act, rank, targets) * tokens
+        activations = (saved - layer) + max(layer + working, head)
+    else:
+        activations = saved + working + head
+    role.train = activations + copies + fsdp_gather_bytes(shape, base_bytes, n, train=not rank, lm_head=lm_head)
+    rows, tokens, positions = batches["forward"]
+    head_fwd = (lm_head_bytes(shape, positions, act, train=False) if lm_head
+                else value_head_bytes(rows, tokens // rows, train=False))
+    role.forward = (forward_working_bytes(shape, tokens, act) + head_fwd + copies
+                    + fsdp_gather_bytes(shape, base_bytes, n, train=False, lm_head=lm_head))
+    return role
