@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 from experiments.display import StudyDisplay  # noqa: E402
 from experiments.launch import launch  # noqa: E402
 from experiments.plan import expand  # noqa: E402
-from experiments.rundir import read_record  # noqa: E402
+from experiments.run_records import read_record  # noqa: E402
 from experiments.study import load_study  # noqa: E402
 
 STUDY = """

@@ -41,7 +41,7 @@ from experiments.results import (BASELINE, BETTER, DECIDED, EQUIVALENT, INSUFFIC
                                  UNDECIDABLE, VARIANT_FAILED, WELCH, WORSE, BestCheckpoints, CheckpointScore,
                                  Comparison, Decision, GuardrailCheck, Robustness, RunOutcome,
                                  RunStatus, StudyAggregate, Summary, VariantResult)
-from experiments.rundir import GOLD_METRIC
+from experiments.run_records import GOLD_METRIC
 from experiments.resume_from import shared_starts
 from experiments.study import Study, resolve_analysis
 

@@ -21,7 +21,7 @@ from rlhf.config import PPOConfig
 from experiments.errors import StudyError
 from experiments.plan import RunSpec, plan_path
 from experiments.results import RunOutcome, RunStatus, SeedPlan
-from experiments.rundir import best_checkpoint, iter_metrics, last_attempt, read_json, scalar, state, summary
+from experiments.run_records import best_checkpoint, iter_metrics, last_attempt, read_json, scalar, state, summary
 from experiments.study import Study
 
 

@@ -19,7 +19,7 @@ from experiments.errors import EXIT_OK, EXIT_RUNS_FAILED, StudyError
 from experiments.launch import decide, is_locked
 from experiments.plan import expand, study_dir
 from experiments.results import RunStatus
-from experiments.rundir import last_attempt, scalar, state, tail_metrics
+from experiments.run_records import last_attempt, scalar, state, tail_metrics
 from experiments.seed_plan import plan_lines, seed_plan, with_planned_max_seeds
 from experiments.study import load_study
 
@@ -122,7 +122,7 @@ def cmd_status(args: Namespace, console: Console) -> int:
 
 def stale_runs(specs) -> list:
     """The runs of `specs` whose run dir holds a run of another hash (config, code, data or start
-    changed): `status`'s 'stale' (rundir.state), which `run` would move aside and run again."""
+    changed): `status`'s 'stale' (run_records.state), which `run` would move aside and run again."""
     return [s for s in specs if state(s) == RunStatus.STALE]
 
 

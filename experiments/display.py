@@ -17,7 +17,7 @@ from rich.text import Text
 
 from experiments.plan import RunSpec
 from experiments.results import RunStatus
-from experiments.rundir import scalar, tail_metrics
+from experiments.run_records import scalar, tail_metrics
 
 QUEUED, RETRYING, DONE = "queued", "retrying", "done"
 """A run's status in the view besides its RunStatus (running, failed, interrupted): waiting for

@@ -25,7 +25,7 @@ from typing import Optional
 
 from experiments.errors import DETERMINISTIC_FAILURES, EXIT_CONFIG, EXIT_DIVERGED, name_unwritten_path
 from experiments.results import RunStatus
-from experiments.rundir import read_json, read_record, write_record
+from experiments.run_records import read_json, read_record, write_record
 from rlhf import gpu_gate
 from rlhf.atomic import write_json
 

@@ -39,7 +39,7 @@ from rlhf.atomic import write_text
 from experiments.errors import StudyError
 from experiments.paths import portable
 from experiments.results import BASELINE, RunStatus, StudyAggregate, aggregate_path, read_aggregate
-from experiments.rundir import GOLD_METRIC, iter_metrics, latest_checkpoint, scalar, summary
+from experiments.run_records import GOLD_METRIC, iter_metrics, latest_checkpoint, scalar, summary
 
 TEST_FILE = "test.jsonl"
 TEST_SEED_SALT = 104_729

@@ -26,7 +26,7 @@ from experiments.execute import execute, now
 from experiments.paths import portable
 from experiments.plan import REPO_ROOT, RunSpec, plan_path
 from experiments.results import RunStatus, SeedPlan
-from experiments.rundir import (clear_engine_outputs, last_attempt, latest_checkpoint, prune, read_record, state,
+from experiments.run_records import (clear_engine_outputs, last_attempt, latest_checkpoint, prune, read_record, state,
                                 supersede, write_record)
 from experiments.study import Study
 from rlhf.atomic import is_disk_full, write_json
@@ -87,7 +87,7 @@ class StudyLock(DirLock):
 
 
 def prune_superseded(study_path: Path, specs: List[RunSpec]) -> Optional[int]:
-    """Removes the study's runs that are not in its current plan (`rundir.prune`), under the
+    """Removes the study's runs that are not in its current plan (`run_records.prune`), under the
     study's lock; None (and nothing removed) when another manager holds the lock."""
     try:
         with StudyLock(study_path):

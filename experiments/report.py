@@ -18,7 +18,7 @@ from experiments.plan import RunSpec, git_commit
 from experiments.plots import plot_study
 from experiments.results import (BASELINE, EQUIVALENT, PAIRED, WELCH, AdaptiveRecord, CheckpointScore, RunOutcome,
                                  RunStatus, SeedPlan, StudyAggregate, VariantResult, aggregate_path)
-from experiments.rundir import read_json
+from experiments.run_records import read_json
 from experiments.seed_plan import find_pilot, pilot_correlation, plan_line, shortfall
 from experiments.study import Study
 from rlhf.atomic import write_json, write_text
@@ -460,7 +460,7 @@ def render_summary(rounds: Sequence[tuple], results_dir: Path, heldout: Optional
 def _deploy_lines(rounds, results_dir: Path, setting: Dict[str, object], start_values: List[float],
                   start_beside: Dict[str, List[float]], best_overall, heldout: Optional[dict]) -> List[str]:
     """The summary's first screen: the setting to deploy, its checkpoints, its gain over the warm start."""
-    from experiments.rundir import latest_checkpoint
+    from experiments.run_records import latest_checkpoint
 
     last_study, last = rounds[-1]
     chosen = last.chosen

@@ -62,7 +62,7 @@ BASELINE = "baseline"
 
 
 class RunStatus(str, enum.Enum):
-    """A run's state, as its run dir says it (`rundir.state`); the strings the files hold
+    """A run's state, as its run dir says it (`run_records.state`); the strings the files hold
     (run.json's readers, aggregate.json's `runs`), which the members compare equal to."""
 
     COMPLETED = "completed"
@@ -195,7 +195,7 @@ class RunOutcome:
     final: NotInFile[Optional[dict]] = None
     """summary.json's final held-out evaluation, when the run completed."""
     best_checkpoint: NotInFile[Optional[Tuple[int, float]]] = None
-    """(step, gold accuracy) of the run's best evaluated checkpoint (`rundir.best_checkpoint`)."""
+    """(step, gold accuracy) of the run's best evaluated checkpoint (`run_records.best_checkpoint`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", RunStatus(self.status))  # a status written as its string

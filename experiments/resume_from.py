@@ -18,7 +18,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from experiments.errors import StudyError
 from experiments.paths import portable
 from experiments.results import AGGREGATE, RunStatus, StudyAggregate, aggregate_path, read_aggregate
-from experiments.rundir import latest_checkpoint
+from experiments.run_records import latest_checkpoint
 from experiments.study import Study
 
 

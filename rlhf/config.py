@@ -128,7 +128,7 @@ class PPOConfig:
     # --- optimisation ---
     actor_learning_rate: float = 2e-6
     """Adam learning rate of the actor (the policy). The guide: 1e-6 - 5e-6 (2e-6 for a 7B model); a
-    sawtooth reward (rise then crash) says lower it. Small models need far more (recipes/models/tiny.gin)."""
+    sawtooth reward (rise then crash) says lower it. Small models need far more (recipes/models/tiny_llama.gin)."""
     critic_learning_rate: float = 1e-5
     """Adam learning rate of the critic (the value model). The guide: 5e-6 - 1e-5, 2-3x the actor's,
     never more than 3x; a long flat reward says raise it."""

@@ -1,5 +1,5 @@
 """The learning-rate schedule of every model the engine trains: the actor and the critic
-(rlhf/roles/optimizer.py), the reward model (rlhf/reward_model/train.py) and the tiny SFT warm
+(rlhf/roles/optimizer.py), the reward model (rlhf/reward_model/bradley_terry.py) and the tiny SFT warm
 start (rlhf/tiny.py). Linear warmup, then a constant, linear or cosine factor over the rest of
 the run, as a `LambdaLR` whose factor is `lr_factor`.
 

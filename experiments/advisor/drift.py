@@ -26,9 +26,9 @@ import numpy as np
 from scipy import stats as scipy_stats
 
 from experiments import stats
-from experiments.advisor.base import GUIDE_KL_STEP, KLScaling, Rule, combined_p, significant, slope_z
+from experiments.advisor.rule_api import GUIDE_KL_STEP, KLScaling, Rule, combined_p, significant, slope_z
 from experiments.advisor.window import Window
-from experiments.rundir import GOLD_METRIC as GOLD
+from experiments.run_records import GOLD_METRIC as GOLD
 
 ENTROPY = "actor/entropy_old"
 RM_SCORE = "eval/rm_score"

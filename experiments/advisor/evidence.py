@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 from experiments.advisor.advise import advise
 from experiments.advisor.window import AdviceError, load_window
 from experiments.results import BASELINE, StudyAggregate
-from experiments.rundir import scalar, summary
+from experiments.run_records import scalar, summary
 
 
 def _fmt(evidence: Dict) -> str:

@@ -28,7 +28,7 @@ from experiments.advisor.window import AdviceError
 from experiments.paths import portable
 from experiments.plan import plan_path
 from experiments.results import StudyAggregate, aggregate_path, read_aggregate
-from experiments.rundir import read_json
+from experiments.run_records import read_json
 from experiments.seed_plan import make_plan, plan_line
 from experiments.study import BASELINE, MANAGED_BINDINGS, split_binding
 

@@ -111,7 +111,7 @@ def ensure_pad_id(model, tokenizer) -> None:
 def encode_conversation(renderer: PromptRenderer, prompt: Optional[Prompt], response, finished: bool = True,
                         eos_token_id: Optional[int] = None) -> List[int]:
     """Token ids of (prompt, response) as the reward model reads them: the one encoding, used by
-    reward-model training (`rlhf/reward_model/train.py`) and PPO scoring (`RewardModelScorer`) alike.
+    reward-model training (`rlhf/reward_model/bradley_terry.py`) and PPO scoring (`RewardModelScorer`) alike.
 
     With a chat template: the whole conversation through `apply_chat_template` (the response as
     the assistant's turn, closed by the template whether or not it finished: the missing-EOS

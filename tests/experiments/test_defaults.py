@@ -11,7 +11,7 @@ from tests.conftest import REPO
 
 CONFIG = REPO / "rlhf" / "config.py"
 RECIPES = sorted((REPO / "recipes").glob("*.gin")) + sorted((REPO / "recipes" / "base").glob("*.gin")) + \
-    [REPO / "recipes" / "models" / "tiny.gin", REPO / "recipes" / "tasks" / "arithmetic.gin"]
+    [REPO / "recipes" / "models" / "tiny_llama.gin", REPO / "recipes" / "tasks" / "arithmetic.gin"]
 
 
 def test_every_config_field_has_a_docstring():

@@ -19,7 +19,7 @@ from tests.import_graph import cycles, import_graph, layer_violations
 LAYERS = (
     ("errors", "results", "stats", "paths"),
     ("study", "adaptive"),
-    ("rundir",),
+    ("run_records",),
     ("resume_from", "gpu_fit", "plan", "seed_plan"),
     ("collect", "aggregate", "execute", "display", "wandb_sink", "watchdog", "launch"),
     ("report", "plots", "advisor", "stages", "heldout", "wandb_report", "driver"),
@@ -87,7 +87,7 @@ def test_each_run_state_and_study_file_is_written_out_once():
     assert caught == [(1, "failed"), (2, "running"), (3, "stale")]
 
 
-@pytest.mark.parametrize("module", ["experiments.errors", "experiments.adaptive", "experiments.rundir",
+@pytest.mark.parametrize("module", ["experiments.errors", "experiments.adaptive", "experiments.run_records",
                                     "experiments.plan", "experiments.driver", "experiments.advisor.command"])
 def test_each_module_imports_on_its_own(module):
     proc = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=REPO, capture_output=True, text=True)

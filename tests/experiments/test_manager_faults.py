@@ -219,7 +219,7 @@ def test_a_failed_runs_cause_is_its_exception_in_the_record_the_status_and_the_r
     import experiments.execute as execute_module
     from experiments.collect import read_run
     from experiments.plan import expand
-    from experiments.rundir import last_attempt
+    from experiments.run_records import last_attempt
     from experiments.study import load_study
     monkeypatch.setenv("WANDB_MODE", "disabled")
     study = load_study(write_study(SMALL))

@@ -77,9 +77,9 @@ def clone(tmp_path_factory):
     sh(f"git clone -q {REPO} {repo}", root)
     for name, text in SMALL.items():
         (repo / "recipes" / "studies" / name).write_text(text.lstrip())
-    tiny = repo / "recipes" / "models" / "tiny.gin"
+    tiny = repo / "recipes" / "models" / "tiny_llama.gin"
     tiny.write_text(tiny.read_text() + "sft.steps = 40  # a short warm start: the test checks the pipeline, not learning\n")
-    rm = repo / "recipes" / "rm" / "tiny.gin"  # a short reward model, for the same reason
+    rm = repo / "recipes" / "rm" / "tiny_reward_model.gin"  # a short reward model, for the same reason
     assert "rm.steps = 1500" in rm.read_text()
     rm.write_text(rm.read_text().replace("rm.steps = 1500", "rm.steps = 20"))
     sh(f"dvc remote add --local -d shared {root / 'remote'}", repo)  # README: no remote is configured

@@ -7,7 +7,7 @@ from pathlib import Path
 from experiments.cli import main
 from experiments.launch import StudyLock, prune_superseded
 from experiments.plan import expand
-from experiments.rundir import supersede
+from experiments.run_records import supersede
 from experiments.study import load_study
 from tests.experiments.conftest import fake_run
 

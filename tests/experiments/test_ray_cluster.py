@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from experiments.rundir import last_attempt
+from experiments.run_records import last_attempt
 from rlhf.metrics import read_metrics
 from tests.conftest import REPO, assert_same_metrics
 

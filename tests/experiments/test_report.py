@@ -176,7 +176,7 @@ def checkpointed_run(run_dir: Path, gold: dict, checkpoints, damaged=()) -> None
 
 
 def test_best_gold_checkpoint_of_a_run(tmp_path):
-    from experiments.rundir import best_checkpoint
+    from experiments.run_records import best_checkpoint
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

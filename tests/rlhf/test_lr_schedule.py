@@ -61,7 +61,7 @@ def test_every_trainer_builds_its_schedule_with_lr_schedule():
     """The engine's roles, the reward-model trainer and the tiny SFT: one builder, no schedule of their own."""
     import inspect
 
-    import rlhf.reward_model.train as rm_train
+    import rlhf.reward_model.bradley_terry as rm_train
     import rlhf.roles.optimizer as optimizer
     import rlhf.tiny as tiny
     for module in (optimizer, rm_train, tiny):

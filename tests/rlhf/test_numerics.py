@@ -92,7 +92,7 @@ def test_run_provenance_records_the_settings_and_the_machine(tmp_path):
     assert num["profile"] == os.environ.get("RLHF_NUMERICS", "portable")
     if num["profile"] == "portable" and HAS_AVX2:
         assert num["torch_cpu_capability"] == "AVX2" and num["env"]["MKL_CBWR"]
-    assert num["torch_threads"] == 1  # recipes/models/tiny.gin: ppo.torch_threads = 1
+    assert num["torch_threads"] == 1  # recipes/models/tiny_llama.gin: ppo.torch_threads = 1
     hw = prov["hardware"]
     assert hw["cpu_info"]["kernel_flags"] == cpu_info()["kernel_flags"]
     assert hw["blas"].get("blas_info")  # e.g. "mkl"

@@ -19,7 +19,7 @@ from rlhf.errors import ConfigError
 from rlhf.data import Example, check_prompt_lengths, load_task
 from rlhf.reward_model.config import RMTrainConfig
 from rlhf.reward_model.score import RewardModelScorer, encode_conversation
-from rlhf.reward_model.train import RewardModelTrainer
+from rlhf.reward_model.bradley_terry import RewardModelTrainer
 from rlhf.rewards import RewardCombiner
 from rlhf.rollout import decode_responses, encode_prompts
 from rlhf.tiny import CHARACTERS, build_char_tokenizer
