@@ -265,7 +265,7 @@ def main(argv=None) -> int:
             parity = args.rollout_parity and not any("placement" in b for b in extra_bindings)
             profile = (["--profile", str(Path(args.json_dir) / f"profile_{name}_{args.suffix}")]
                        if args.profile and not any("placement" in b for b in extra_bindings) else [])
-            ppo_step.main(["--recipe", str(REPO / "recipes" / "base" / "ppo.gin"), "--steps", str(steps),
+            ppo_step.main(["--recipe", "", "--steps", str(steps),
                            "--json", str(out)] + (["--rollout-parity"] if parity else []) + profile
                           + (["--reward-model", args.reward_model] if args.reward_model else [])
                           + (["--time-budget", str(args.time_budget)] if args.time_budget else [])

@@ -220,7 +220,8 @@ def summarize(records: list, args, argv, cfg, device, torch, setup_s: float, eva
               phase_memory: list, partial: bool) -> dict:
     phases = sorted({k for r in records for k in r if k.startswith("timing_s/")})
     result = {
-        "recipe": str(Path(args.recipe).relative_to(REPO)) if Path(args.recipe).resolve().is_relative_to(REPO) else args.recipe,
+        "recipe": (str(Path(args.recipe).relative_to(REPO))
+                   if args.recipe and Path(args.recipe).resolve().is_relative_to(REPO) else args.recipe),
         "bindings": args.binding,
         "command": "python bench/ppo_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "timed_steps": len(records),
@@ -275,7 +276,8 @@ def summarize(records: list, args, argv, cfg, device, torch, setup_s: float, eva
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--recipe", default=str(REPO / "recipes" / "tiny.gin"))
+    p.add_argument("--recipe", default=str(REPO / "recipes" / "tiny.gin"),
+                   help="a gin recipe; '' for the engine's defaults (rlhf/config.py) and the bindings alone")
     p.add_argument("-b", "--binding", action="append", default=[])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--json", default=str(REPO / "bench" / "results" / "ppo_step_cpu.json"))
@@ -300,11 +302,11 @@ def main(argv=None) -> int:
     # With --profile the profiled iteration is not the run's last, so that a rollout runs ahead
     # into it and out of it as in every middle iteration (ppo.overlap_rollout); it is drained after.
     bindings = args.binding + [f"ppo.total_steps = {args.steps + (3 if args.profile else 1)}"]
-    cfg, _ = configurable.resolve(args.recipe, bindings)
+    cfg, _ = configurable.resolve(args.recipe or None, bindings)
     with tempfile.TemporaryDirectory() as out:
         if args.reward_model:
             path = args.reward_model if args.reward_model != "random" else str(random_reward_model(cfg, Path(out) / "rm"))
-            cfg, _ = configurable.resolve(args.recipe, bindings + ["reward.kind = 'model'", f"reward.model_path = '{path}'"])
+            cfg, _ = configurable.resolve(args.recipe or None, bindings + ["reward.kind = 'model'", f"reward.model_path = '{path}'"])
         t0 = time.perf_counter()
         trainer = PPOTrainer(cfg, Path(out) / "run", log=lambda m: print(m, file=sys.stderr))
         setup_s = time.perf_counter() - t0

@@ -397,7 +397,7 @@ class StudyAggregate:
     seed_plan: Optional[SeedPlan] = None
     best_checkpoints: Optional[BestCheckpoints] = None
     analysis: str = WELCH
-    """The analysis that decided the verdicts ('auto' resolved); older files: Welch's."""
+    """The analysis that decided the verdicts ('auto' resolved)."""
     equivalence_margin: float = 0.0
     """study.equivalence_margin, in the metric's units (0: no equivalence test)."""
     metric_resolution: float = 0.0
@@ -427,6 +427,11 @@ class StudyAggregate:
 
     @classmethod
     def from_json(cls, data: dict) -> "StudyAggregate":
+        """An aggregate as `to_json` writes it: every field present (a file without one was not
+        written by this manager; `python -m experiments report` writes it anew)."""
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data] if isinstance(data, dict) else []
+        if missing:
+            raise ValueError(f"no {', '.join(missing)} (`python -m experiments report` writes the aggregate anew)")
         return _ADAPTER.validate_python(data)
 
     def save(self, path: str | Path) -> None:

@@ -40,13 +40,12 @@ def read_json(path: Path) -> Optional[dict]:
 
 def read_record(run_dir: str | Path) -> Optional[dict]:
     """{run_hash, spec, attempts} of a run dir, None without a run.json; `attempts` are those of
-    the same run hash (an older run.json that holds them itself is read as it is)."""
+    attempts.json for the same run hash."""
     record = read_json(Path(run_dir) / RECORD)
     if record is None:
         return None
-    if "attempts" not in record:
-        kept = read_json(Path(run_dir) / ATTEMPTS) or {}
-        record["attempts"] = kept.get("attempts", []) if kept.get("run_hash") == record.get("run_hash") else []
+    kept = read_json(Path(run_dir) / ATTEMPTS) or {}
+    record["attempts"] = kept.get("attempts", []) if kept.get("run_hash") == record.get("run_hash") else []
     return record
 
 

@@ -123,15 +123,15 @@ def write_manifest(ckpt: str | Path) -> dict:
 def verify_checkpoint(ckpt: str | Path, full: bool = True, only: Optional[str] = None) -> Optional[str]:
     """None when the checkpoint is intact, else why not (one line). Checks every file of the
     manifest: present, of the recorded size and (`full`) of the recorded sha256; sizes alone catch
-    a truncated or partly copied file in a few stat calls. A checkpoint written before manifests
-    existed is checked by reading its JSON and its safetensors headers. `only`: a subdirectory
-    ('actor'): only its files are checked (what an export reads)."""
+    a truncated or partly copied file in a few stat calls. The engine writes the manifest with every
+    checkpoint, so one without it is damaged. `only`: a subdirectory ('actor'): only its files are
+    checked (what an export reads)."""
     root = Path(ckpt)
     if not (root / "state.json").is_file():
         return "no state.json"
     manifest_path = root / MANIFEST
     if not manifest_path.is_file():
-        return _verify_legacy(root if only is None else root / only, root)
+        return f"no {MANIFEST}"
     try:
         files = json.loads(manifest_path.read_text())["files"]
         if only is not None:
@@ -150,14 +150,6 @@ def verify_checkpoint(ckpt: str | Path, full: bool = True, only: Optional[str] =
             if _sha256(root / rel) != meta["sha256"]:
                 return f"{rel} does not match its sha256 in the manifest"
     return None
-
-
-def _verify_legacy(where: Path, root: Path) -> Optional[str]:
-    try:
-        json.loads((root / "state.json").read_text())
-    except ValueError:
-        return "state.json is not valid JSON"
-    return unreadable_safetensors(sorted(where.rglob("*.safetensors")), lambda p: f"{p.relative_to(root)} is unreadable")
 
 
 def unreadable_safetensors(paths, what: Callable[[Path], str]) -> Optional[str]:

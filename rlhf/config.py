@@ -121,9 +121,9 @@ class PPOConfig:
     vllm_per_request_seeds: bool = False
     """vLLM: True gives every request its own seed (derived from seed, step, call, index); False
     seeds the engine's sampler once per call. Both repeat a call's tokens exactly for the same
-    seed; per-request seeds cost ~30% of vLLM's throughput at 256 requests (vLLM draws their noise
-    request by request) and, measured on an H200, still do not make a response independent of
-    its batch (bf16 kernels differ with the batch size)."""
+    seed; per-request seeds cost vLLM throughput (it draws their noise request by request:
+    bench/results/gpu_h200.md) and still do not make a response independent of its batch (bf16
+    kernels differ with the batch size)."""
 
     # --- optimisation ---
     actor_learning_rate: float = 2e-6
@@ -245,8 +245,8 @@ class PPOConfig:
     torch_threads: int = 0
     """CPU threads for torch; on Ray, the threads of each rank. 0: one thread on a CPU run (the
     pinned numerics, rlhf/numerics.py), `GPU_TORCH_THREADS` (4) for a one-process GPU run, whose
-    host threads only launch kernels and share the cores with vLLM (on the H200, 4 threads were as
-    fast as 16 and 8, 2 slower: bench/results/threads/), on Ray `cpus_per_rank`."""
+    host threads only launch kernels and share the cores with vLLM (bench/results/threads/), on Ray
+    `cpus_per_rank`."""
 
     # --- scale-out on Ray (bindings that say where a run executes, not what it computes) ---
     world_size: int = 1

@@ -22,9 +22,9 @@ from rlhf.errors import ConfigError
 def adamw(params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> torch.optim.AdamW:
     """The engine's AdamW, for every model it trains (policy, critic, SFT warm start, reward model):
     torch's fused kernel on CPU and GPU. On a GPU it is one launch for all parameters instead of ~10
-    per tensor; on the CPU it is ~3x faster than the per-tensor loop and, unlike it, gives the same
-    bits on every x86-64 CPU: the loop's `sqrt` goes to MKL's vector maths, whose result differs
-    between Intel and AMD CPUs by an ulp in ~5% of values whatever MKL_CBWR says (measured by
+    per tensor; on the CPU it is faster than the per-tensor loop and, unlike it, gives the same bits
+    on every x86-64 CPU: the loop's `sqrt` goes to MKL's vector maths, whose result differs between
+    Intel and AMD CPUs by an ulp whatever MKL_CBWR says (bench/results/cpu_probe_*/, from
     `bench/cpu_numerics.py probe`), while the fused kernel uses the ISA's exact square root."""
     return torch.optim.AdamW(list(params), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fused=True)
 

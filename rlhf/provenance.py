@@ -136,8 +136,8 @@ def hardware() -> Dict:
 def hardware_fingerprint(provenance: Dict) -> str:
     """One line that tells apart machines whose kernels (and so rounding) can differ: CPU vendor,
     model, family/model numbers and kernel-relevant ISA flags, plus the GPUs. Equal strings mean
-    the same kind of hardware; a provenance.json without the detailed fields (older runs) gives
-    what it has. Takes a run's provenance dict (or one with a "hardware" key)."""
+    the same kind of hardware; a provenance.json without the detailed fields (a machine that does
+    not report them) gives what it has. Takes a run's provenance dict (or one with a "hardware" key)."""
     hw = provenance.get("hardware", provenance) if isinstance(provenance, dict) else {}
     cpu = hw.get("cpu_info") or {}
     parts = [cpu.get("vendor") or "", cpu.get("model_name") or hw.get("cpu") or "unknown CPU"]

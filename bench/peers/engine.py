@@ -117,8 +117,7 @@ def main(argv=None) -> int:
 
     from rlhf import configurable
 
-    recipe = str(common.REPO / "recipes" / "base" / "ppo.gin")
-    cfg, _ = configurable.resolve(recipe, all_bindings + [f"ppo.total_steps = {args.warmup + args.steps}"])
+    cfg, _ = configurable.resolve(None, all_bindings + [f"ppo.total_steps = {args.warmup + args.steps}"])
     print(f"engine {args.algo} {args.placement}: rollout buffer {cfg.ppo.rollout_batch_size}, mini-batch "
           f"{cfg.ppo.mini_batch_size}, micro-batch {cfg.ppo.micro_batch_size}, placement {cfg.ppo.resolved_placement}, "
           f"critic {'yes' if cfg.ppo.adv_estimator == 'gae' else 'no'}, shape {inputs['shape']}, lora rank "
@@ -139,7 +138,7 @@ def main(argv=None) -> int:
         "work": dict(WORK[args.algo], tiny=args.tiny, shape=inputs["shape"], lora_rank=cfg.ppo.lora_rank,
                      lora_alpha=cfg.ppo.lora_alpha if cfg.ppo.lora_rank else None,
                      gradient_checkpointing=cfg.ppo.gradient_checkpointing),
-        "recipe": "recipes/base/ppo.gin",
+        "recipe": "",  # the engine defaults (rlhf/config.py) and the bindings
         "bindings": [b.replace(root, "$ASSETS") for b in all_bindings],
         "versions": common.versions("gin-config"),
         "steps": [],

@@ -31,9 +31,9 @@ RESERVE_BYTES = 1 * GIB
 FRAGMENTATION = 0.05
 """Share of a phase's torch memory added for the caching allocator's fragmentation."""
 SAFETY_MARGIN = 0.05
-"""Share of the GPU a run must leave spare to count as fitting. Measured on an H200, a 0.5B-shape run
-with 2048 new tokens predicted at 137.0 of 139 GiB (1.5% spare) ran out of memory in its actor update:
-whole steps can take more than the per-phase estimate, so a fit closer than this is refused."""
+"""Share of the GPU a run must leave spare to count as fitting: whole steps can take more than the
+per-phase estimate, and a run predicted with less spare ran out of memory (bench/results/gpu_h200.md),
+so a fit closer than this is refused."""
 SLIM_MARGIN = 0.10
 """A run that fits with less than this share of the GPU to spare is flagged as a slim fit."""
 LORA_SUGGESTION = 64

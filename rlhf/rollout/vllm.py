@@ -13,8 +13,8 @@ Why these choices (vLLM 0.24.0):
   seeded once per call from the call's seed (run seed, step, call): the same call gives the same
   tokens. `per_request_seeds=True` gives each request its own seed (`derive_seed(seed, index)`);
   vLLM then draws each seeded request's noise in a Python loop (one kernel per request per
-  token), ~30% of the throughput at 256 requests on an H200, and the tokens still depend on the
-  batch in practice (bf16 kernels differ with the batch size).
+  token), a cost measured in bench/results/gpu_h200.md, and the tokens still depend on the batch in
+  practice (bf16 kernels differ with the batch size).
 - One continuous batch: `generate_calls` hands vLLM every call of an iteration at once (the trainer's
   `ppo.rollout_micro_batch_size` x `ppo.num_rollout_batches` prompts); vLLM keeps up to 256 sequences
   in flight (`max_num_seqs`) within the KV cache of `ppo.vllm_gpu_memory_utilization`. On vLLM,

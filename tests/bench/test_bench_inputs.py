@@ -91,7 +91,7 @@ def test_preset_bindings_validate(preset, tiny):
         base += gpu_ppo.TINY_BINDINGS + p["tiny_bindings"]
     for spec in gpu_ppo.preset_variant_specs(p, tiny):
         extra = [b.strip() for b in spec.partition("=")[2].split(";") if b.strip()]
-        cfg, _ = configurable.resolve(str(REPO / "recipes" / "base" / "ppo.gin"), base + extra + ["ppo.total_steps = 3"])
+        cfg, _ = configurable.resolve(None, base + extra + ["ppo.total_steps = 3"])
         if preset == "lora7b":
             assert cfg.ppo.lora_rank == (8 if tiny else 64) and cfg.ppo.gradient_checkpointing
             assert cfg.ppo.max_response_length == (8 if tiny else 512)
@@ -106,7 +106,7 @@ def test_peer_lora_bindings_validate():
     from rlhf import configurable
     inputs = {"model_dir": "/nonexistent/model", "tokenizer_dir": "/nonexistent/tok", "prompts_jsonl": "/nonexistent/p"}
     b = engine.bindings(inputs, "grpo", "local", lora_rank=64)
-    cfg, _ = configurable.resolve(str(REPO / "recipes" / "base" / "ppo.gin"), b + ["ppo.total_steps = 3"])
+    cfg, _ = configurable.resolve(None, b + ["ppo.total_steps = 3"])
     assert (cfg.ppo.lora_rank, cfg.ppo.lora_alpha, cfg.ppo.gradient_checkpointing, cfg.ppo.torch_compile) == \
         (64, 128.0, True, False)
     lora = trl_grpo.lora_config(type("A", (), {"lora_rank": 64, "lora_alpha": 0.0})())

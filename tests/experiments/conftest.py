@@ -52,6 +52,7 @@ def workdir():
 
 def fake_run(spec, accuracy, kl=0.05, success=1.0, diverged=False):
     """A finished run dir of `spec` as the engine and the manager would leave it (no engine needed)."""
+    from experiments.run_records import write_record
     from rlhf.atomic import write_json
     d = Path(spec.run_dir)
     d.mkdir(parents=True)
@@ -62,7 +63,7 @@ def fake_run(spec, accuracy, kl=0.05, success=1.0, diverged=False):
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "rew')
     attempt = {"attempt": 1, "exit_code": 3 if diverged else 0, "start": "t0", "end": "t1",
                "error": "diverged (exit 3): training diverged: non-finite actor/pg_loss" if diverged else None}
-    write_json(d / "run.json", {"run_hash": spec.run_hash, "attempts": [attempt]})
+    write_record(d, {"run_hash": spec.run_hash, "attempts": [attempt]})
     if not diverged:
         write_json(d / "summary.json", {"status": "completed", "steps": 5, "initial": {"eval/accuracy": 0.3},
                                         "final": {"eval/accuracy": accuracy},

@@ -37,6 +37,3 @@ def test_recipes_restate_no_default(recipe):
                 and type(defaults[f"{s.selector}.{s.arg_name}"]) is type(s.value)]
     assert not restated, f"{recipe.name} restates defaults of rlhf/config.py: {restated}"
 
-
-def test_base_ppo_recipe_binds_nothing():
-    assert not list(iter_statements(REPO / "recipes" / "base" / "ppo.gin"))

@@ -61,7 +61,7 @@ def test_the_params_stage_depends_on_every_source_it_reads(tmp_path):
     read = _read_by(stage, tmp_path) & tracked
     # The trace sees what decides the file: the engine's config defaults, the recipes gin includes,
     # the manager's study and plan code, the overrides.
-    assert {"rlhf/config.py", "rlhf/configurable.py", "recipes/base/ppo.gin", "recipes/demo.gin",
+    assert {"rlhf/config.py", "rlhf/configurable.py", "recipes/models/tiny_llama.gin", "recipes/demo.gin",
             "recipes/studies/round1.gin", "experiments/study.py", "experiments/stages.py", "params.yaml"} <= read
     deps = [Path(d) for d in stage["deps"]]
     missing = sorted(p for p in read if p not in _params_files(stage)

@@ -169,16 +169,6 @@ def test_auto_picks_paired_for_a_fixed_design_and_the_aggregate_round_trips(writ
     assert data["variants"]["near"]["comparison"]["paired"]["correlation"] == pytest.approx(
         sps.pearsonr(NEAR, BASE).statistic)
     assert StudyAggregate.load(path) == agg
-    # A file written before the paired analysis existed reads as Welch's, without a margin.
-    for key in ("analysis", "equivalence_margin"):
-        del data[key]
-    for v in data["variants"].values():
-        if v["comparison"]:
-            for key in ("analysis", "paired", "equivalence_p", "equivalence_p_holm"):
-                del v["comparison"][key]
-    old = StudyAggregate.from_json(data)
-    assert old.analysis == WELCH and old.equivalence_margin == 0.0
-    assert old.variants["near"].comparison.decisive is old.variants["near"].comparison
     # An explicit Welch analysis decides by Welch's test, and records the paired one beside it.
     welch = aggregate(load_study(write_study(STUDY), ["study.analysis = 'welch'"]),
                       results({"baseline": BASE, "near": NEAR, "gain": GAIN}))

@@ -206,10 +206,11 @@ def test_run_records_the_plan_in_plan_json_and_the_aggregate(write_study, tmp_pa
     (results / "p" / "aggregate.json").unlink()
     assert main(["report", str(path), "--results", str(results)]) == 0
     assert load_aggregate(results / "p").seed_plan == plan
-    # An aggregate written before the field existed still loads.
+    # An aggregate without the field was not written by this manager: refused, naming it.
     data = json.loads((results / "p" / "aggregate.json").read_text())
     del data["seed_plan"]
-    assert StudyAggregate.from_json(data).seed_plan is None
+    with pytest.raises(ValueError, match=r"^no seed_plan \(`python -m experiments report` writes the aggregate anew\)$"):
+        StudyAggregate.from_json(data)
 
 
 def test_the_next_round_carries_the_planned_seeds(tmp_path, capsys):

@@ -79,17 +79,17 @@ def test_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path):
     assert [p.name for _, p in checkpoint.list_checkpoints(tmp_path)] == ["step_3"]
 
 
-def test_checkpoint_without_manifest_is_checked_by_reading_it(tmp_path):
+def test_a_checkpoint_without_its_manifest_is_damaged(tmp_path):
+    """The engine writes manifest.json with every checkpoint: a step dir without one (a copy that
+    left it out) is not trusted, whatever its weights look like."""
     from safetensors.torch import save_file
     import torch
     ckpt = tmp_path / "step_2"
     (ckpt / "actor").mkdir(parents=True)
     save_file({"w": torch.zeros(64)}, str(ckpt / "actor" / "model.safetensors"))
     (ckpt / "state.json").write_text('{"step": 2}')
-    assert checkpoint.verify_checkpoint(ckpt) is None
-    data = (ckpt / "actor" / "model.safetensors").read_bytes()
-    (ckpt / "actor" / "model.safetensors").write_bytes(data[: len(data) // 2])
-    assert checkpoint.verify_checkpoint(ckpt).startswith("actor/model.safetensors is unreadable")
+    assert checkpoint.verify_checkpoint(ckpt) == "no manifest.json"
+    assert checkpoint.latest_checkpoint(tmp_path, log=lambda m: None) is None
 
 
 def test_resume_skips_a_truncated_latest_checkpoint_and_matches_an_uninterrupted_run(tmp_path):

@@ -60,9 +60,6 @@ def test_every_role_is_one_class_and_its_proxy_comes_from_its_declarations():
     proxy = RoleProxy("critic", Critic, world_size=1, run=None)
     assert set(proxy.methods) == set(dispatched_methods(Critic))
     assert all(callable(getattr(proxy, m)) for m in proxy.methods)
-    # Nothing else stands in for a role.
-    for gone in ("workers", "distributed"):
-        assert not (RLHF / gone).exists()
 
 
 
