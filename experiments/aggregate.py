@@ -37,12 +37,32 @@ from scipy import special
 
 from experiments import stats
 from experiments.paths import portable
-from experiments.results import (BASELINE, BETTER, DECIDED, EQUIVALENT, INSUFFICIENT, NO_DIFFERENCE, PAIRED,
-                                 UNDECIDABLE, VARIANT_FAILED, WELCH, WORSE, BestCheckpoints, CheckpointScore,
-                                 Comparison, Decision, GuardrailCheck, Robustness, RunOutcome,
-                                 RunStatus, StudyAggregate, Summary, VariantResult)
-from experiments.rundir import GOLD_METRIC
+from experiments.results import (
+    BASELINE,
+    BETTER,
+    DECIDED,
+    EQUIVALENT,
+    INSUFFICIENT,
+    NO_DIFFERENCE,
+    PAIRED,
+    UNDECIDABLE,
+    VARIANT_FAILED,
+    WELCH,
+    WORSE,
+    BestCheckpoints,
+    CheckpointScore,
+    Comparison,
+    Decision,
+    GuardrailCheck,
+    Robustness,
+    RunOutcome,
+    RunStatus,
+    StudyAggregate,
+    Summary,
+    VariantResult,
+)
 from experiments.resume_from import shared_starts
+from experiments.rundir import GOLD_METRIC
 from experiments.study import Study, resolve_analysis
 
 __all__ = ["BETTER", "WORSE", "EQUIVALENT", "NO_DIFFERENCE", "INSUFFICIENT", "VARIANT_FAILED", "UNDECIDABLE",

@@ -22,9 +22,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Union
 
 from rich.console import Console
 
-from rlhf.errors import ConfigError
-
 from experiments.errors import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED, INTERRUPTED, StudyError, disk_full_line
+from rlhf.errors import ConfigError
 
 Hook = Union[str, Callable, None]
 """A function, or 'module:function' imported when its subcommand is used: `data` and `sft` must not

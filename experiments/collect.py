@@ -16,13 +16,12 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from rlhf.config import PPOConfig
-
 from experiments.errors import StudyError
 from experiments.plan import RunSpec, plan_path
 from experiments.results import RunOutcome, RunStatus, SeedPlan
 from experiments.rundir import best_checkpoint, iter_metrics, last_attempt, read_json, scalar, state, summary
 from experiments.study import Study
+from rlhf.config import PPOConfig
 
 
 def load_plan(study_dir: Path) -> List[RunSpec]:

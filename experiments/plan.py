@@ -21,18 +21,19 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from rlhf.config import flat_dict, without_placement
-from rlhf.errors import ConfigError
-from rlhf.configurable import resolve
-from rlhf.data import dataset_hash, load_task
-from rlhf.provenance import run_git  # the engine's one git runner (its provenance uses it too)
-from rlhf.provenance import hash_directory
-
 from experiments.errors import StudyError
 from experiments.gpu_fit import check_gpu_memory, check_gpu_share
 from experiments.paths import spec_record
 from experiments.resume_from import resume_checkpoints, resumed_study
 from experiments.study import BASELINE, Study, Variant, split_binding
+from rlhf.config import flat_dict, without_placement
+from rlhf.configurable import resolve
+from rlhf.data import dataset_hash, load_task
+from rlhf.errors import ConfigError
+from rlhf.provenance import (
+    hash_directory,
+    run_git,  # the engine's one git runner (its provenance uses it too)
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PATHS = ("rlhf",)

@@ -16,8 +16,20 @@ from experiments.collect import collect, load_plan, load_seed_plan
 from experiments.paths import portable
 from experiments.plan import RunSpec, git_commit
 from experiments.plots import plot_study
-from experiments.results import (BASELINE, EQUIVALENT, PAIRED, WELCH, AdaptiveRecord, CheckpointScore, RunOutcome,
-                                 RunStatus, SeedPlan, StudyAggregate, VariantResult, aggregate_path)
+from experiments.results import (
+    BASELINE,
+    EQUIVALENT,
+    PAIRED,
+    WELCH,
+    AdaptiveRecord,
+    CheckpointScore,
+    RunOutcome,
+    RunStatus,
+    SeedPlan,
+    StudyAggregate,
+    VariantResult,
+    aggregate_path,
+)
 from experiments.rundir import read_json
 from experiments.seed_plan import find_pilot, pilot_correlation, plan_line, shortfall
 from experiments.study import Study

@@ -16,12 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from rlhf.config import without_placement
-from rlhf.errors import EXIT_CONFIG, EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, ConfigError, check_writable
+from rlhf.errors import (
+    EXIT_CONFIG,
+    EXIT_DISK_FULL,
+    EXIT_DIVERGED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    ConfigError,
+    check_writable,
+)
 
 
 def parse_args(argv):

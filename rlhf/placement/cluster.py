@@ -262,6 +262,7 @@ def start_hosts(pg, bundles: List[int], ppo: PPOConfig, device: str) -> list:
     """One host actor per bundle index in `bundles` (rank r on bundles[r]), joined into one world."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     from rlhf.placement.host import RankHost
     remote = ray.remote(RankHost)
     threads = ppo.torch_threads or max(1, int(ppo.cpus_per_rank))
