@@ -60,7 +60,8 @@ def read_run(spec: RunSpec, study: Study) -> RunOutcome:
     its error; a run that never logged the metric stays completed (the verdict says 'undecidable')."""
     st = state(spec)
     s = summary(spec.run_dir) if st == RunStatus.COMPLETED else None
-    value, guards, error = None, {}, None
+    guards: Dict[str, Optional[float]] = {}
+    value, error = None, None
     if s is not None:
         logged = s.get(study.metric_from) or {}
         value = scalar(logged.get(study.metric))

@@ -267,7 +267,7 @@ def _data_hash(task, known: Dict[str, str]) -> str:
 def _checkpoint_hashes(cfg, known: Dict[str, str]) -> dict:
     """Hashes of the local checkpoints a run reads besides its start (the policy, the reward
     model), each read once: retraining one of them reruns the runs that use it."""
-    paths = {"model": cfg.model.name_or_path if cfg.model.name_or_path != "tiny" else "",
+    paths: Dict[str, Optional[str]] = {"model": cfg.model.name_or_path if cfg.model.name_or_path != "tiny" else "",
              "reward_model": cfg.reward.model_path if cfg.reward.uses_model else ""}
     for path in paths.values():
         if path and path not in known:
