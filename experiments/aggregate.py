@@ -399,7 +399,8 @@ def aggregate(study: Study, results: Sequence[RunOutcome], provenance: Optional[
 
 def decide(variants: Dict[str, VariantResult], higher: bool, metric: str = "the decision metric") -> Decision:
     """The chosen variant: the best `better` one with clean guardrails and every run completed, else the
-    baseline (an `equivalent` variant is no reason to change: the baseline stays). No choice (None) when no run completed, or none logged the metric."""
+    baseline (an `equivalent` variant is no reason to change: the baseline stays). No choice (None) when no run
+    completed, or none logged the metric."""
     flagged = tuple(sorted(n for n, v in variants.items() if not v.guardrails_ok))
     if not any(v.completed for v in variants.values()):
         return Decision(None, "no decision: no run completed", flagged)

@@ -157,7 +157,8 @@ def _verify_legacy(where: Path, root: Path) -> Optional[str]:
         json.loads((root / "state.json").read_text())
     except ValueError:
         return "state.json is not valid JSON"
-    return unreadable_safetensors(sorted(where.rglob("*.safetensors")), lambda p: f"{p.relative_to(root)} is unreadable")
+    return unreadable_safetensors(sorted(where.rglob("*.safetensors")),
+                                  lambda p: f"{p.relative_to(root)} is unreadable")
 
 
 def unreadable_safetensors(paths, what: Callable[[Path], str]) -> Optional[str]:
