@@ -39,8 +39,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import torch
-
     from gpu_assets import build_assets, random_prompts
+
     from rlhf.models import load_tokenizer
     from rlhf.rollout import SamplingParams
     from rlhf.rollout.vllm import VLLMRollout

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -50,11 +49,11 @@ def generated_tokens(batch) -> int:
 def part_vllm(args, assets) -> dict:
     import torch
     import vllm
+    from gpu_assets import random_prompts
 
     from rlhf.models import load_policy, load_tokenizer
     from rlhf.rollout import SamplingParams
     from rlhf.rollout.vllm import VLLMRollout
-    from gpu_assets import random_prompts
 
     device = torch.device("cuda")
     tok = load_tokenizer(assets["tokenizer_dir"])
@@ -151,12 +150,12 @@ def _gen(rollout, per_request, prompts, sampling, seed):
 
 def part_vllm_logprobs(args, assets) -> dict:
     import torch
+    from gpu_assets import random_prompts
 
     from rlhf.models import load_policy, load_tokenizer
+    from rlhf.roles.forward import response_logprobs
     from rlhf.rollout import SamplingParams
     from rlhf.rollout.vllm import VLLMRollout
-    from rlhf.roles.forward import response_logprobs
-    from gpu_assets import random_prompts
 
     device = torch.device("cuda")
     tok = load_tokenizer(assets["tokenizer_dir"])
@@ -189,11 +188,11 @@ def part_vllm_logprobs(args, assets) -> dict:
 
 def part_hf(args, assets, static: bool) -> dict:
     import torch
+    from gpu_assets import random_prompts
 
     from rlhf.models import load_policy, load_tokenizer
     from rlhf.rollout import SamplingParams
     from rlhf.rollout.hf import HFRollout
-    from gpu_assets import random_prompts
 
     device = torch.device("cuda")
     tok = load_tokenizer(assets["tokenizer_dir"])

@@ -18,15 +18,13 @@ actor computes the LM head only at response positions, and attention is causal.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
-import tempfile
 import time
 import traceback
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -155,7 +153,7 @@ def run_actor_variant(name, base_state, config, device, args, compile_: bool, pu
     }
     if device.type == "cuda":
         out["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-    del actor, model
+    actor = model = None  # frees the weights: the closures above hold these same cells
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -192,7 +190,7 @@ def run_lm_reference(base_state, config, device, args):
     tokens = B * T
     out = {"variant": "lm_step_reference", "sequences": B, "seq_len": T, "step_s": s, "tokens_per_s": tokens / s,
            "mfu": model_flops(n_params, config, tokens, T) / s / (PEAK_TFLOPS * 1e12)}
-    del model, opt
+    model = opt = None  # frees the weights: step() holds these same cells
     return out
 
 
@@ -211,9 +209,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import torch
-    from transformers import AutoModelForCausalLM
-
     from gpu_assets import model_config
+    from transformers import AutoModelForCausalLM
 
     device = torch.device(args.device)
     config = model_config(args.tiny)

@@ -68,6 +68,7 @@ def build(shape, rank: int, ckpt: bool, device):
 
 def batch(rows: int, prompt: int, response: int, vocab: int, device):
     import torch
+
     from rlhf.batch import Batch
     g = torch.Generator().manual_seed(0)
     prompt_mask = torch.ones(rows, prompt, dtype=torch.long)
@@ -79,8 +80,9 @@ def batch(rows: int, prompt: int, response: int, vocab: int, device):
 
 def measure(name: str, tiny: bool = False) -> dict:
     import torch
-    from rlhf.models import adamw
+
     from rlhf import memory
+    from rlhf.models import adamw
     from rlhf.roles.forward import response_logprobs
     shape_name, rows, prompt, response, rank, ckpt = CASES[name]
     shape = memory.KNOWN_SHAPES[shape_name]
@@ -127,7 +129,7 @@ def measure(name: str, tiny: bool = False) -> dict:
         torch.cuda.synchronize()
         out["measured_forward_gib"] = torch.cuda.max_memory_allocated() / memory.GIB
     out["seconds"] = time.perf_counter() - t0
-    del model, optimizer
+    model = optimizer = None  # frees the weights: update() holds these same cells
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out

@@ -177,10 +177,10 @@ def profiled_step(trainer, out_dir: Path) -> dict:
     import gzip
     import shutil
 
+    import profile_phases
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import profile_phases
     import rlhf.trainer as trainer_module
 
     orig = trainer_module.PhaseTimer.__call__

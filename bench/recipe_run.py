@@ -79,8 +79,7 @@ def planned_by_phase(recipe_file_text: str, shape: str, available_gib: float, to
     when awake and the phase's micro-batch (its reserve is headroom, not an allocation)."""
     import tempfile
 
-    from rlhf import configurable
-    from rlhf import memory
+    from rlhf import configurable, memory
     with tempfile.TemporaryDirectory() as tmp:
         recipe = Path(tmp) / "recipe.gin"
         recipe.write_text(recipe_file_text)
@@ -110,8 +109,8 @@ def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dic
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("step", 0) > 0] \
         if (run_dir / "metrics.jsonl").is_file() else []
     steady = records[1:] or records
-    med = (lambda key: round(statistics.median([r[key] for r in steady if key in r]), 3)
-           if any(key in r for r in steady) else None)
+    def med(key):
+        return round(statistics.median([r[key] for r in steady if key in r]), 3) if any(key in r for r in steady) else None
     phases = sorted({k[len("timing_s/"):] for r in steady for k in r if k.startswith("timing_s/")})
     provenance = json.loads((run_dir / "provenance.json").read_text()) if (run_dir / "provenance.json").is_file() else {}
     predicted = (provenance.get("placement") or {}).get("memory_predicted") or {}

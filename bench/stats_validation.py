@@ -72,8 +72,19 @@ sys.path.insert(0, str(REPO))
 
 from experiments import stats  # noqa: E402
 from experiments.aggregate import verdicts  # noqa: E402
-from experiments.results import (BASELINE, BETTER, PAIRED, WELCH, WORSE, Comparison, Decision,  # noqa: E402
-                                 PairedComparison, RunOutcome, StudyAggregate, VariantResult)
+from experiments.results import (  # noqa: E402
+    BASELINE,
+    BETTER,
+    PAIRED,
+    WELCH,
+    WORSE,
+    Comparison,
+    Decision,
+    PairedComparison,
+    RunOutcome,
+    StudyAggregate,
+    VariantResult,
+)
 from experiments.seed_plan import make_plan  # noqa: E402
 
 ALPHA = 0.05

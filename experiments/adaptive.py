@@ -48,6 +48,7 @@ class AdaptiveSeeds:
 
     @property
     def looks(self) -> int:
+        assert self.max_seeds is not None, "max_seeds is planned before the looks are counted"
         return 1 + math.ceil((self.max_seeds - self.min_seeds) / self.step)
 
     def confidence(self, alpha: float, n_variants: int) -> float:
@@ -65,8 +66,9 @@ def parse_adaptive_seeds(value, initial_seeds: int, planned: bool = False) -> Op
     allowed = {f.name for f in dataclasses.fields(AdaptiveSeeds)}
     unknown = set(value) - allowed
     if unknown or ("max_seeds" not in value and not planned):
-        raise StudyError(f"study.adaptive_seeds = {dict(value)!r} is invalid: needs 'max_seeds' (or study.target_effect, "
-                         f"whose seed plan then gives it); allowed keys: {', '.join(sorted(allowed))}")
+        raise StudyError(f"study.adaptive_seeds = {dict(value)!r} is invalid: needs 'max_seeds' "
+                         "(or study.target_effect, whose seed plan then gives it); "
+                         f"allowed keys: {', '.join(sorted(allowed))}")
     cfg = {"min_seeds": initial_seeds, "max_seeds": None, **value}
     for key in ("max_seeds", "min_seeds", "step"):
         v = cfg.get(key, 1)
@@ -119,6 +121,8 @@ def run_looks(cfg: AdaptiveSeeds, variants: Sequence[str], confidence: float,
     `measure(n, active)` gives the values of the baseline and of the variants still undecided at n
     seeds (None: stop now, and return None); a variant stops at the look whose interval excludes
     zero, or at max_seeds. `on_look(look, n, decisions)` hears each look as it ends."""
+    max_seeds = cfg.max_seeds
+    assert max_seeds is not None, "max_seeds is planned before the looks run"
     n, active, stopped, looks = cfg.min_seeds, list(variants), {}, []
     while True:
         measured = measure(n, active)
@@ -128,14 +132,14 @@ def run_looks(cfg: AdaptiveSeeds, variants: Sequence[str], confidence: float,
         look = decide_look(values, baseline, confidence)
         looks.append({"seeds": n, "active": list(active), "intervals": look})
         for name, d in look.items():
-            if d["decided"] or n >= cfg.max_seeds:
+            if d["decided"] or n >= max_seeds:
                 stopped[name] = (d, len(looks))
         if on_look is not None:
             on_look(len(looks), n, look)
         active = [v for v in active if v not in stopped]
         if not active:
             return Looks(stopped=stopped, looks=tuple(looks), seeds=n)
-        n = min(n + cfg.step, cfg.max_seeds)
+        n = min(n + cfg.step, max_seeds)
 
 
 def simulate(draw: Callable[[str, int], float], variants: Sequence[str], cfg: AdaptiveSeeds,
@@ -153,6 +157,7 @@ def simulate(draw: Callable[[str, int], float], variants: Sequence[str], cfg: Ad
         return {v: values[v] for v in active}, values[BASELINE]
 
     ended = run_looks(cfg, variants, cfg.confidence(alpha, len(variants)), measure)
+    assert ended is not None and cfg.max_seeds is not None, "measure never stops the looks; run_looks needs max_seeds"
     used = sum(len(v) for v in values.values())
     return {"variants": {name: d for name, (d, _) in ended.stopped.items()}, "runs_used": used,
             "runs_fixed": (1 + len(variants)) * cfg.max_seeds, "baseline_seeds": len(values[BASELINE])}

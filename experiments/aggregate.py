@@ -37,12 +37,32 @@ from scipy import special
 
 from experiments import stats
 from experiments.paths import portable
-from experiments.results import (BASELINE, BETTER, DECIDED, EQUIVALENT, INSUFFICIENT, NO_DIFFERENCE, PAIRED,
-                                 UNDECIDABLE, VARIANT_FAILED, WELCH, WORSE, BestCheckpoints, CheckpointScore,
-                                 Comparison, Decision, GuardrailCheck, Robustness, RunOutcome,
-                                 RunStatus, StudyAggregate, Summary, VariantResult)
-from experiments.run_records import GOLD_METRIC
+from experiments.results import (
+    BASELINE,
+    BETTER,
+    DECIDED,
+    EQUIVALENT,
+    INSUFFICIENT,
+    NO_DIFFERENCE,
+    PAIRED,
+    UNDECIDABLE,
+    VARIANT_FAILED,
+    WELCH,
+    WORSE,
+    BestCheckpoints,
+    CheckpointScore,
+    Comparison,
+    Decision,
+    GuardrailCheck,
+    Robustness,
+    RunOutcome,
+    RunStatus,
+    StudyAggregate,
+    Summary,
+    VariantResult,
+)
 from experiments.resume_from import shared_starts
+from experiments.run_records import GOLD_METRIC
 from experiments.study import Study, resolve_analysis
 
 __all__ = ["BETTER", "WORSE", "EQUIVALENT", "NO_DIFFERENCE", "INSUFFICIENT", "VARIANT_FAILED", "UNDECIDABLE",
@@ -379,7 +399,8 @@ def aggregate(study: Study, results: Sequence[RunOutcome], provenance: Optional[
 
 def decide(variants: Dict[str, VariantResult], higher: bool, metric: str = "the decision metric") -> Decision:
     """The chosen variant: the best `better` one with clean guardrails and every run completed, else the
-    baseline (an `equivalent` variant is no reason to change: the baseline stays). No choice (None) when no run completed, or none logged the metric."""
+    baseline (an `equivalent` variant is no reason to change: the baseline stays). No choice (None) when no run
+    completed, or none logged the metric."""
     flagged = tuple(sorted(n for n, v in variants.items() if not v.guardrails_ok))
     if not any(v.completed for v in variants.values()):
         return Decision(None, "no decision: no run completed", flagged)

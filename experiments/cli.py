@@ -22,16 +22,15 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Union
 
 from rich.console import Console
 
+from experiments.errors import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED, INTERRUPTED, StudyError, disk_full_line
 from rlhf.errors import ConfigError
 
-from experiments.errors import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED, INTERRUPTED, StudyError, disk_full_line
-
-Hook = Union[str, Callable, None]
+Hook = Union[str, Callable]
 """A function, or 'module:function' imported when its subcommand is used: `data` and `sft` must not
 pay for (or need) Ray, W&B and scipy, which only the study subcommands use."""
 
 
-def _resolve(hook: Hook) -> Optional[Callable]:
+def _resolve(hook: Hook) -> Callable:
     if not isinstance(hook, str):
         return hook
     module, _, name = hook.partition(":")
@@ -42,7 +41,7 @@ class Subcommand(NamedTuple):
     help: str
     handler: Hook
     """(args, console) -> exit code."""
-    add_arguments: Hook = None
+    add_arguments: Optional[Hook] = None
     study: bool = True
     """Takes the study arguments (STUDY.gin, -b, --results); False: only its own."""
     stage: bool = False
@@ -96,7 +95,8 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
                          "its report and per-seed values",
                          "experiments.stages:cmd_export", _studies_arguments("reports", many=False),
                          study=False, stage=True),
-    "summary": Subcommand("pipeline stage: the tuning path over all rounds (markdown)", "experiments.stages:cmd_summary",
+    "summary": Subcommand("pipeline stage: the tuning path over all rounds (markdown)",
+                          "experiments.stages:cmd_summary",
                           _studies_arguments("reports/summary.md", heldout=True), study=False, stage=True),
     "testsplit": Subcommand("pipeline stage: the task's held-out rows no run evaluates, as a test split (JSONL)",
                             "experiments.heldout:cmd_testsplit", "experiments.heldout:add_testsplit_arguments",

@@ -16,13 +16,12 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from rlhf.config import PPOConfig
-
 from experiments.errors import StudyError
 from experiments.plan import RunSpec, plan_path
 from experiments.results import RunOutcome, RunStatus, SeedPlan
 from experiments.run_records import best_checkpoint, iter_metrics, last_attempt, read_json, scalar, state, summary
 from experiments.study import Study
+from rlhf.config import PPOConfig
 
 
 def load_plan(study_dir: Path) -> List[RunSpec]:
@@ -61,7 +60,8 @@ def read_run(spec: RunSpec, study: Study) -> RunOutcome:
     its error; a run that never logged the metric stays completed (the verdict says 'undecidable')."""
     st = state(spec)
     s = summary(spec.run_dir) if st == RunStatus.COMPLETED else None
-    value, guards, error = None, {}, None
+    guards: Dict[str, Optional[float]] = {}
+    value, error = None, None
     if s is not None:
         logged = s.get(study.metric_from) or {}
         value = scalar(logged.get(study.metric))

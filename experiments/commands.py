@@ -183,6 +183,7 @@ def cmd_report(args: Namespace, console: Console) -> int:
 def publish_wandb_report(study, args: Namespace, console: Console) -> int:
     """Creates the study's W&B Report from its saved definition (`report --wandb` wrote it)."""
     import os
+
     from experiments.wandb_report import DEFINITION, default_entity, load_definition
     from experiments.wandb_sink import logged_in
     path = study_dir(study, args.results) / DEFINITION

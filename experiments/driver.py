@@ -105,7 +105,9 @@ def _run_adaptive(study: Study, args: Namespace, console: Console, seed_plan: Op
     from experiments.report import write_report
 
     cfg = study.adaptive_seeds
-    seeds = extra_seeds(study.seeds, cfg.max_seeds)
+    assert cfg is not None and cfg.max_seeds is not None, "an adaptive study with its max_seeds planned"
+    max_seeds = cfg.max_seeds
+    seeds = extra_seeds(study.seeds, max_seeds)
     confidence = cfg.confidence(study.alpha, len(study.variants))
     specs_by_key: Dict[str, RunSpec] = {}
     failed = {}
@@ -147,13 +149,13 @@ def _run_adaptive(study: Study, args: Namespace, console: Console, seed_plan: Op
     report_pruned(prune_superseded(out, all_specs), console)
     full = dataclasses.replace(study, seeds=tuple(seeds[:max(d.n for d in decided.values())
                                                         if decided else ended.seeds]))
-    used, fixed = len(all_specs), (1 + len(study.variants)) * cfg.max_seeds
-    adaptive = AdaptiveRecord(max_seeds=cfg.max_seeds, min_seeds=cfg.min_seeds, step=cfg.step,
+    used, fixed = len(all_specs), (1 + len(study.variants)) * max_seeds
+    adaptive = AdaptiveRecord(max_seeds=max_seeds, min_seeds=cfg.min_seeds, step=cfg.step,
                               confidence=confidence, spend_alpha_over_looks=cfg.spend_alpha_over_looks,
                               variants=decided, looks=ended.looks, runs_used=used, runs_fixed=fixed)
     agg = write_report(full, out, all_specs, adaptive=adaptive, seed_plan=seed_plan)
     log_wandb_aggregate(study, all_specs, args, console)
-    console.print(f"{study.name}: {used} runs instead of {fixed} at a fixed {cfg.max_seeds} seeds "
+    console.print(f"{study.name}: {used} runs instead of {fixed} at a fixed {max_seeds} seeds "
                   f"({1 - used / fixed:.0%} saved); {decision_line(agg)}", highlight=False)
     return EXIT_RUNS_FAILED if failed or agg.decision.chosen is None else EXIT_OK
 

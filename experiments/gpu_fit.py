@@ -13,10 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from rlhf.errors import ConfigError
-
 from experiments.errors import StudyError
 from experiments.study import Study
+from rlhf.errors import ConfigError
 
 
 def _weights_gib(model_path: str) -> Optional[float]:

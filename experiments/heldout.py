@@ -34,12 +34,11 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rlhf.atomic import write_text
-
 from experiments.errors import StudyError
 from experiments.paths import portable
 from experiments.results import BASELINE, RunStatus, StudyAggregate, aggregate_path, read_aggregate
 from experiments.run_records import GOLD_METRIC, iter_metrics, latest_checkpoint, scalar, summary
+from rlhf.atomic import write_text
 
 TEST_FILE = "test.jsonl"
 TEST_SEED_SALT = 104_729

@@ -26,8 +26,16 @@ from experiments.execute import execute, now
 from experiments.paths import portable
 from experiments.plan import REPO_ROOT, RunSpec, plan_path
 from experiments.results import RunStatus, SeedPlan
-from experiments.run_records import (clear_engine_outputs, last_attempt, latest_checkpoint, prune, read_record, state,
-                                supersede, write_record)
+from experiments.run_records import (
+    clear_engine_outputs,
+    last_attempt,
+    latest_checkpoint,
+    prune,
+    read_record,
+    state,
+    supersede,
+    write_record,
+)
 from experiments.study import Study
 from rlhf.atomic import is_disk_full, write_json
 from rlhf.run_dir import DirLock, LockBusy

@@ -21,18 +21,19 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from rlhf.config import flat_dict, without_placement
-from rlhf.errors import ConfigError
-from rlhf.configurable import resolve
-from rlhf.data import dataset_hash, load_task
-from rlhf.provenance import run_git  # the engine's one git runner (its provenance uses it too)
-from rlhf.provenance import hash_directory
-
 from experiments.errors import StudyError
 from experiments.gpu_fit import check_gpu_memory, check_gpu_share
 from experiments.paths import spec_record
 from experiments.resume_from import resume_checkpoints, resumed_study
 from experiments.study import BASELINE, Study, Variant, split_binding
+from rlhf.config import flat_dict, without_placement
+from rlhf.configurable import resolve
+from rlhf.data import dataset_hash, load_task
+from rlhf.errors import ConfigError
+from rlhf.provenance import (
+    hash_directory,
+    run_git,  # the engine's one git runner (its provenance uses it too)
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PATHS = ("rlhf",)
@@ -266,7 +267,7 @@ def _data_hash(task, known: Dict[str, str]) -> str:
 def _checkpoint_hashes(cfg, known: Dict[str, str]) -> dict:
     """Hashes of the local checkpoints a run reads besides its start (the policy, the reward
     model), each read once: retraining one of them reruns the runs that use it."""
-    paths = {"model": cfg.model.name_or_path if cfg.model.name_or_path != "tiny" else "",
+    paths: Dict[str, Optional[str]] = {"model": cfg.model.name_or_path if cfg.model.name_or_path != "tiny" else "",
              "reward_model": cfg.reward.model_path if cfg.reward.uses_model else ""}
     for path in paths.values():
         if path and path not in known:

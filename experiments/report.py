@@ -16,8 +16,20 @@ from experiments.collect import collect, load_plan, load_seed_plan
 from experiments.paths import portable
 from experiments.plan import RunSpec, git_commit
 from experiments.plots import plot_study
-from experiments.results import (BASELINE, EQUIVALENT, PAIRED, WELCH, AdaptiveRecord, CheckpointScore, RunOutcome,
-                                 RunStatus, SeedPlan, StudyAggregate, VariantResult, aggregate_path)
+from experiments.results import (
+    BASELINE,
+    EQUIVALENT,
+    PAIRED,
+    WELCH,
+    AdaptiveRecord,
+    CheckpointScore,
+    RunOutcome,
+    RunStatus,
+    SeedPlan,
+    StudyAggregate,
+    VariantResult,
+    aggregate_path,
+)
 from experiments.run_records import read_json
 from experiments.seed_plan import find_pilot, pilot_correlation, plan_line, shortfall
 from experiments.study import Study
@@ -179,14 +191,15 @@ def decision_table(agg: StudyAggregate) -> List[str]:
         change = "; ".join(v.bindings) or "–"
         if v.coupled:
             change += " (coupled)"
-        diff = f"{_fmt(own.difference)} {_ci(own.difference_ci95)}" if c else "–"
+        diff = f"{_fmt(own.difference)} {_ci(own.difference_ci95)}" if own is not None else "–"
         lines.append(f"| {name} | `{change}` | {s.n}/{len(v.runs)}{_units(agg)} | {_fmt(s.mean)} | {_fmt(s.std)} | "
                      f"{_fmt(s.se)} | {_fmt(s.median)} | {_fmt(s.iqm)} | {_ci(s.ci95)} | {diff} | "
                      f"{c.analysis if c else '–'} | "
                      f"{_fmt(c.p_value_holm if c else None)} | {_fmt(c.hedges_g if c else None, 3)} | "
                      f"{_fmt(c.prob_improvement if c else None, 3)} | "
-                     f"{_fmt(own.min_detectable_effect if c else None)} | "
-                     f"{_fmt(own.seeds_needed if c else None)} | {_verdict_text(v, agg.equivalence_margin)} |")
+                     f"{_fmt(own.min_detectable_effect if own is not None else None)} | "
+                     f"{_fmt(own.seeds_needed if own is not None else None)} | "
+                     f"{_verdict_text(v, agg.equivalence_margin)} |")
     beside = beside_metrics(agg)
     if beside:
         lines += ["", f"Beside {agg.metric} (final held-out, mean +- std over the completed seeds):", "",
@@ -213,7 +226,7 @@ def explanations(agg: StudyAggregate) -> List[str]:
         if v.explanation:
             said = v.explanation.startswith(v.verdict)  # "equivalent within ±0.02 (...)" names itself
             line = f"- `{name}`: {v.explanation}" if said else f"- `{name}`: {v.verdict}: {v.explanation}"
-            if v.fragile:
+            if v.fragile and v.robustness is not None:
                 line += f"; fragile: {fragile_text(v.robustness)}"
             lines.append(line + ".")
     return lines
@@ -288,10 +301,12 @@ def provenance_lines(agg: StudyAggregate) -> List[str]:
     prov = agg.provenance or {}
     if prov:
         code = prov.get("code_version") or {}
+        dirty = code.get("engine_dirty", code.get("dirty"))
+        data_sha = ", ".join(h[:16] for h in prov.get("data_sha256", []))
         lines += ["", "## Provenance", "",
                   f"- engine files sha256 {str(code.get('engine_sha256'))[:16]}"
-                  f"{' (engine files modified since the last commit)' if code.get('engine_dirty', code.get('dirty')) else ''}",
-                  f"- recipe: {prov.get('recipe')}; data sha256: {', '.join(h[:16] for h in prov.get('data_sha256', []))}"]
+                  f"{' (engine files modified since the last commit)' if dirty else ''}",
+                  f"- recipe: {prov.get('recipe')}; data sha256: {data_sha}"]
         if prov.get("init_from"):
             lines.append(f"- started from: {', '.join(prov['init_from'])}")
         lines.append(f"- the machines' records (git commit, versions, hardware, command): {MACHINE_PROVENANCE} "

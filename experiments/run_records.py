@@ -15,15 +15,14 @@ import time
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, Optional, Tuple
 
+from experiments.paths import spec_record
+from experiments.results import RunStatus
 from rlhf.atomic import write_json
 from rlhf.checkpoint import latest_checkpoint as engine_latest_checkpoint  # the engine's checkpoint layout
 from rlhf.checkpoint import list_checkpoints, verify_checkpoint
 from rlhf.metrics import last_record, read_metrics
 from rlhf.run_dir import COMPLETED as ENGINE_COMPLETED  # summary.json's status of a finished run
 from rlhf.run_dir import remove_outputs  # the engine owns its run dir's layout
-
-from experiments.paths import spec_record
-from experiments.results import RunStatus
 
 RECORD, ATTEMPTS = "run.json", "attempts.json"
 """The manager's record of a run, in two files: `run.json` (the run's hash and spec: what it is,

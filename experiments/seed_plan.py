@@ -133,7 +133,8 @@ def seed_plan(study: Study, results_dir: str | Path) -> Optional[SeedPlan]:
         at_run = stats.power(plan.target_effect, plan.sigma, planned, planned, plan.alpha / plan.comparisons,
                              paired=plan.correlation is not None,
                              correlation=stats.design_correlation(plan.correlation))
-        plan = dataclasses.replace(plan, seeds_run=planned, power_at_seeds_run=at_run if math.isfinite(at_run) else None)
+        plan = dataclasses.replace(plan, seeds_run=planned,
+                                   power_at_seeds_run=at_run if math.isfinite(at_run) else None)
     return plan
 
 

@@ -18,8 +18,16 @@ from typing import Iterable, Sequence
 
 import gin
 
-from rlhf.config import (ModelConfig, PPOConfig, RewardConfig, RunConfig, SFTConfig, TaskConfig, TinyModelConfig,
-                         why_not_a_file)
+from rlhf.config import (
+    ModelConfig,
+    PPOConfig,
+    RewardConfig,
+    RunConfig,
+    SFTConfig,
+    TaskConfig,
+    TinyModelConfig,
+    why_not_a_file,
+)
 from rlhf.errors import ConfigError
 
 SCOPES = {

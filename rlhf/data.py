@@ -225,7 +225,8 @@ def verl_to_examples(records: Sequence[dict], where: str) -> List[Example]:
                               f"it has keys {sorted(row)}"
                               + (f" (reward_model has {sorted(rm)})" if isinstance(rm, dict) else ""))
         truth = rm["ground_truth"]
-        truth = truth if isinstance(truth, str) else json.dumps(truth) if isinstance(truth, (list, dict)) else str(truth)
+        if not isinstance(truth, str):
+            truth = json.dumps(truth) if isinstance(truth, (list, dict)) else str(truth)
         out.append(Example(_prompt_value(row["prompt"], at), truth, _source(row.get("data_source")), where=at))
     return out
 

@@ -55,6 +55,8 @@ class UtilizationMonitor:
 
     def sample(self) -> None:
         """Takes one reading into the current window (the thread calls this every `interval_s`)."""
+        if self._read is None:  # off: nothing to read
+            return
         try:
             value = float(self._read())
         except Exception:  # a failing reading must never stop training

@@ -27,8 +27,8 @@ Measured with `bench/cpu_numerics.py` (results in bench/results/): under `portab
 (Zen 4, AVX-512) and an Intel Xeon (Sapphire Rapids, AVX-512 + AMX) give bit-identical data,
 initial weights, gradients, SFT warm start and PPO metrics; under `avx2` and `native` they part at
 the first matmul. A variable the user set always wins over the profile. The variables are read
-when torch loads its libraries, so `apply()` must run before `import torch`: the engine's entry points (`python -m rlhf.train`,
-the pipeline's SFT stage), the tests' conftest and the Ray ranks (through the forwarded
+when torch loads its libraries, so `apply()` must run before `import torch`: the engine's entry points
+(`python -m rlhf.train`, the pipeline's SFT stage), the tests' conftest and the Ray ranks (through the forwarded
 environment) call it or inherit its result. `settings()` is what provenance records.
 """
 

@@ -39,7 +39,7 @@ def git_info(root: Path = REPO_ROOT) -> Dict:
 
 
 def package_versions() -> Dict[str, Optional[str]]:
-    out = {"python": sys.version.split()[0]}
+    out: Dict[str, Optional[str]] = {"python": sys.version.split()[0]}
     for name in PACKAGES:
         try:
             out[name] = importlib.metadata.version(name)

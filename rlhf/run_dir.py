@@ -80,6 +80,7 @@ class DirLock:
             self.path.unlink()  # while still held: a waiter that opened it sees it is gone
         except FileNotFoundError:
             pass
+        assert self.fd is not None, "__exit__ follows __enter__"
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = None

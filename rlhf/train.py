@@ -16,12 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
+from typing import List
 
 from rlhf.config import without_placement
-from rlhf.errors import EXIT_CONFIG, EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, ConfigError, check_writable
+from rlhf.errors import (
+    EXIT_CONFIG,
+    EXIT_DISK_FULL,
+    EXIT_DIVERGED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    ConfigError,
+    check_writable,
+)
 
 
 def parse_args(argv):
@@ -89,7 +97,7 @@ def train(args, argv, cfg, operative: str, out: Path) -> int:
     replace), then the trainer runs. A ConfigError before the first step is exit 2."""
     from rlhf import gpu_gate, numerics, provenance, run_dir
     from rlhf.atomic import write_text
-    from rlhf.metrics import ConsoleProgress, MetricLogger, run_dir_sinks
+    from rlhf.metrics import ConsoleProgress, MetricLogger, MetricSink, run_dir_sinks
 
     resume_from = None
     try:
@@ -132,7 +140,7 @@ def train(args, argv, cfg, operative: str, out: Path) -> int:
         prov = {**json.loads(prov_path.read_text()), **prov}
     write_text(prov_path, json.dumps(prov, indent=1))
 
-    sinks = list(run_dir_sinks(out, truncate_after_step=trainer_step_of(resume_from)))
+    sinks: List[MetricSink] = list(run_dir_sinks(out, truncate_after_step=trainer_step_of(resume_from)))
     if not args.quiet:
         sinks.append(ConsoleProgress(cfg.ppo.total_steps, start_step=trainer_step_of(resume_from) or 0))
     logger = MetricLogger(sinks)

@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     inputs = common.build_inputs(args.assets, tiny=args.tiny, shape=args.shape)
     common.check_assets(inputs)
     tokenizer = AutoTokenizer.from_pretrained(inputs["model_dir"], local_files_only=True)
-    prompts = [l for l in common.prompt_texts(common.N_PROMPTS, inputs["prompt_tokens"], vocab_size=inputs["vocab_size"])]
+    prompts = [text for text in common.prompt_texts(common.N_PROMPTS, inputs["prompt_tokens"], vocab_size=inputs["vocab_size"])]
     dataset = Dataset.from_dict({"prompt": prompts})
 
     # Phases: TRL's profiling blocks, summed per optimizer step; nested names keep their parent.

@@ -185,7 +185,6 @@ def compose_only(ovr: list[str]) -> None:
     """Compose verl's Hydra config with the overrides and run verl's own validation (CPU, no Ray)."""
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
-
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 

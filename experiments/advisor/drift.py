@@ -307,7 +307,8 @@ class OverOptimisation(KLScaling, Rule):
                      f"(KL ~ 1/kl_coef^2).")
         text += f" Bracket: {steps}, one variant each"
         if kl and kl > self.kl_target:
-            text += f": the first is at least the x{sizing['kl_band_factor']:.2g} that brings KL to {_fmt(self.kl_target)}"
+            text += (f": the first is at least the x{sizing['kl_band_factor']:.2g} that brings KL to "
+                     f"{_fmt(self.kl_target)}")
             if "kl_mde" in sizing:
                 text += f", moving KL by more than the {_fmt(sizing['kl_mde'])} the seeds can detect"
         text += "."

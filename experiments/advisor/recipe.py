@@ -21,8 +21,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from rlhf.configurable import RECIPES_DIR
-
 from experiments.advisor.advise import Advice
 from experiments.advisor.window import AdviceError
 from experiments.paths import portable
@@ -31,6 +29,7 @@ from experiments.results import StudyAggregate, aggregate_path, read_aggregate
 from experiments.run_records import read_json
 from experiments.seed_plan import make_plan, plan_line
 from experiments.study import BASELINE, MANAGED_BINDINGS, split_binding
+from rlhf.configurable import RECIPES_DIR
 
 
 def _key(binding: str) -> str:

@@ -15,8 +15,19 @@ from typing import ClassVar, Optional, Tuple
 
 import numpy as np
 
-from experiments.advisor.rule_api import (GROUPS, GUIDE_KL_STEP, HEALTH, STABILITY, THROUGHPUT, KLScaling, Rule, Suggestion,
-                                      excess, reward_trend, significant)
+from experiments.advisor.rule_api import (
+    GROUPS,
+    GUIDE_KL_STEP,
+    HEALTH,
+    STABILITY,
+    THROUGHPUT,
+    KLScaling,
+    Rule,
+    Suggestion,
+    excess,
+    reward_trend,
+    significant,
+)
 from experiments.advisor.drift import EntropyBlowUp, EntropyCollapse, OverOptimisation
 from experiments.advisor.window import Window
 

@@ -26,9 +26,9 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from experiments.errors import StudyError
 from experiments.results import EQUIVALENT, WORSE, RunStatus, StudyAggregate, aggregate_path, read_aggregate
 from experiments.run_records import iter_metrics, read_json, scalar
-from experiments.errors import StudyError
 from experiments.study import split_binding
 
 DEFAULT_WINDOW = 50

@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from rlhf import numerics
 from rlhf.config import PPOConfig
@@ -78,8 +78,10 @@ def _gcs_nodes(gcs_address: str) -> list:
     channel = create_gcs_channel(gcs_address)
     try:
         stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
-        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=PROBE_TIMEOUT_S)
-        reply = stub.GetAllNodeInfo(gcs_service_pb2.GetAllNodeInfoRequest(), timeout=PROBE_TIMEOUT_S)
+        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(),  # pyright: ignore[reportAttributeAccessIssue] (protobuf-generated)
+                          timeout=PROBE_TIMEOUT_S)
+        request = gcs_service_pb2.GetAllNodeInfoRequest()  # pyright: ignore[reportAttributeAccessIssue] (protobuf-generated)
+        reply = stub.GetAllNodeInfo(request, timeout=PROBE_TIMEOUT_S)
         return list(reply.node_info_list)
     finally:
         channel.close()
@@ -91,7 +93,7 @@ def _gcs_handshake(where: str, gcs_address: str) -> list:
     import grpc
     from ray._private.authentication import authentication_token_setup as token_setup
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
-    from ray._raylet import AuthenticationTokenLoader
+    from ray._raylet import AuthenticationTokenLoader  # pyright: ignore[reportAttributeAccessIssue] (compiled, no stub)
     from ray.exceptions import AuthenticationError
 
     try:
@@ -161,7 +163,7 @@ def connect(address: Optional[str], num_cpus: Optional[float] = None, num_gpus: 
         return False
     check_address(address)
     address = address or os.environ.get("RAY_ADDRESS") or None
-    kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    kwargs: Dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         if address:
             ray.init(address=address, **kwargs)
@@ -258,10 +260,11 @@ def rank_env() -> dict:
     return env
 
 
-def start_hosts(pg, bundles: List[int], ppo: PPOConfig, device: str) -> list:
+def start_hosts(pg, bundles: List[int], ppo: PPOConfig, device: str) -> Tuple[list, list]:
     """One host actor per bundle index in `bundles` (rank r on bundles[r]), joined into one world."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     from rlhf.placement.host import RankHost
     remote = ray.remote(RankHost)
     threads = ppo.torch_threads or max(1, int(ppo.cpus_per_rank))

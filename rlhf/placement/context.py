@@ -21,7 +21,6 @@ from rlhf.batch import Batch
 from rlhf.roles.dispatch import even_shares
 
 
-
 def deterministic_algorithms(device_type: str) -> None:
     """Deterministic algorithms (warn only) for a process that computes on `device_type`, as every
     engine process asks (the trainer's, each Ray rank's). On a GPU without deterministic mode's NaN

@@ -12,7 +12,7 @@ from rlhf import memory
 from rlhf.gpu_monitor import DeviceMonitor
 from rlhf.placement.context import DeviceContext
 from rlhf.placement.proxy import local_proxy
-from rlhf.roles import RoleSpec, Roles
+from rlhf.roles import Roles, RoleSpec
 
 
 def build_local_roles(specs: List[RoleSpec], *, device: torch.device, autocast_dtype, log=print,

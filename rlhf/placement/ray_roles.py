@@ -8,7 +8,7 @@ from typing import List, Optional
 
 from rlhf.config import RunConfig
 from rlhf.gpu_monitor import merge_device_reports
-from rlhf.roles import RoleSpec, Roles
+from rlhf.roles import Roles, RoleSpec
 
 
 def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, ray_address: Optional[str], log=print,

@@ -234,7 +234,8 @@ class VLLMRollout:
         else:
             params = self._sampling_params(sampling, None)
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                torch.manual_seed(calls[0][1])  # also seeds this process's CUDA generator, which the engine samples with
+                # also seeds this process's CUDA generator, which the engine samples with
+                torch.manual_seed(calls[0][1])
                 outputs = self.llm.generate(requests, params, use_tqdm=False)
         batches, start = [], 0
         for prompt_ids, prompt_mask, reqs in encoded:

@@ -83,6 +83,7 @@ def test_full_vocabulary_tokenizer_covers_the_7b_vocabulary(tmp_path):
 @pytest.mark.parametrize("preset", ["lora7b", "long2k"])
 def test_preset_bindings_validate(preset, tiny):
     import gpu_ppo
+
     from rlhf import configurable
     p = gpu_ppo.PRESETS[preset]
     assets = {"model_dir": "/nonexistent/model", "tokenizer_dir": "/nonexistent/tokenizer"}
@@ -103,6 +104,7 @@ def test_preset_bindings_validate(preset, tiny):
 def test_peer_lora_bindings_validate():
     import engine
     import trl_grpo
+
     from rlhf import configurable
     inputs = {"model_dir": "/nonexistent/model", "tokenizer_dir": "/nonexistent/tok", "prompts_jsonl": "/nonexistent/p"}
     b = engine.bindings(inputs, "grpo", "local", lora_rank=64)

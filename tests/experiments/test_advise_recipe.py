@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from experiments.cli import main
+from experiments.errors import StudyError
 from experiments.plan import expand
 from experiments.results import Decision, GuardrailCheck, RunOutcome, StudyAggregate, VariantResult
-from experiments.errors import StudyError
 from experiments.study import load_study
-from tests.experiments.conftest import fake_checkpoint
 from rlhf.configurable import RECIPES_DIR
+from tests.experiments.conftest import fake_checkpoint
 
 CONFIG_GIN = """# Parameters for ppo:
 ppo.actor_learning_rate = 0.0003

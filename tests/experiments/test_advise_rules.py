@@ -7,13 +7,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from experiments import stats
 from experiments.advisor import AdviceError, Window, advise, build_rules
 from experiments.advisor.advise import parse_threshold
 from experiments.advisor.drift import EntropyBlowUp, EntropyCollapse, OverOptimisation
-from experiments.advisor.rules import (RULES, ClipTooFew, ClipTooMany, FlatReward, GpuMemory, GpuUtilisation,
-                                       KLTooHigh, KLTooLow, ResponseLength, RewardSawtooth, RewardVariance,
-                                       RolloutSuccess)
-from experiments import stats
+from experiments.advisor.rules import (
+    RULES,
+    ClipTooFew,
+    ClipTooMany,
+    FlatReward,
+    GpuMemory,
+    GpuUtilisation,
+    KLTooHigh,
+    KLTooLow,
+    ResponseLength,
+    RewardSawtooth,
+    RewardVariance,
+    RolloutSuccess,
+)
 
 STEPS, SEEDS = 50, 3
 CONFIG = {"ppo.kl_coef": 0.1, "ppo.clip_range": 0.1, "ppo.actor_learning_rate": 2e-6,

@@ -183,6 +183,7 @@ def test_more_seeds_than_a_plan_proposes_is_one_line_before_planning(capsys, tmp
     """study.seeds = 100000 planned for ~25 minutes, silently. A count or a list above stats.MAX_SEEDS
     (the most seeds per variant a seed plan proposes, and the advisor writes) is refused at once."""
     import time
+
     from experiments import stats, study
     assert study.MAX_SEEDS == stats.MAX_SEEDS == 10000
     value = seeds if seeds.isdigit() else repr(list(range(10001)))

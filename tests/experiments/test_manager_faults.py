@@ -171,6 +171,7 @@ def _no_space_at_sync(monkeypatch) -> None:
 def test_a_full_disk_names_the_file_it_could_not_write_though_the_os_names_none(write_study, tmp_path, monkeypatch,
                                                                                capsys):
     import pickle
+
     from experiments.cli import main
     from experiments.errors import disk_full_line
     from experiments.execute import execute
@@ -232,6 +233,7 @@ def test_a_failed_runs_cause_is_its_exception_in_the_record_the_status_and_the_r
     assert read_run(spec, study).error == cause  # the report
     import ray
     from ray.exceptions import RayTaskError
+
     from experiments.launch import _outcome
     raised = RayTaskError("execute", "Traceback ...", ValueError("boom\nmore")).as_instanceof_cause()
     monkeypatch.setattr(ray, "get", lambda ref: (_ for _ in ()).throw(raised))

@@ -9,8 +9,8 @@ import pytest
 from experiments.errors import StudyError
 from experiments.plan import expand
 from experiments.study import BASELINE, load_study
-from tests.experiments.conftest import fake_checkpoint, previous_study_aggregate
 from rlhf.provenance import hash_directory
+from tests.experiments.conftest import fake_checkpoint, previous_study_aggregate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -219,8 +219,8 @@ def test_plan_refuses_a_run_that_cannot_fit_its_gpu(write_study, tmp_path, monke
 
 def test_a_task_variant_plans_its_own_runs(write_study, tmp_path):
     """Every engine scope may be varied, not only `ppo.*` (one list: rlhf.configurable.SCOPES)."""
-    from rlhf.configurable import SCOPES
     from experiments.study import ENGINE_SCOPES
+    from rlhf.configurable import SCOPES
     assert ENGINE_SCOPES == tuple(SCOPES)
     path = write_study(STUDY.replace("{'kl': 'ppo.kl_coef = 0.1', 'clip': 'ppo.clip_range = 0.1'}",
                                      "{'eos': 'task.missing_eos_penalty = 0.25'}").replace("seeds = 3", "seeds = 1"))

@@ -15,11 +15,18 @@ import pytest
 
 from experiments import stats
 from experiments.cli import main
-from experiments.plan import expand
-from experiments.results import (Comparison, Decision, RunOutcome, SeedPlan, StudyAggregate, VariantResult,
-                                 load_aggregate)
-from experiments.seed_plan import make_plan, plan_line, seed_plan, with_planned_max_seeds
 from experiments.errors import StudyError
+from experiments.plan import expand
+from experiments.results import (
+    Comparison,
+    Decision,
+    RunOutcome,
+    SeedPlan,
+    StudyAggregate,
+    VariantResult,
+    load_aggregate,
+)
+from experiments.seed_plan import make_plan, plan_line, seed_plan, with_planned_max_seeds
 from experiments.study import load_study
 from tests.experiments.conftest import fake_run
 from tests.experiments.test_advise_recipe import synthetic_study

@@ -21,8 +21,15 @@ from scipy import optimize
 from scipy import stats as sps
 
 from experiments import stats
-from experiments.results import (BASELINE, Comparison, Decision, PairedComparison, RunOutcome, StudyAggregate,
-                                 VariantResult)
+from experiments.results import (
+    BASELINE,
+    Comparison,
+    Decision,
+    PairedComparison,
+    RunOutcome,
+    StudyAggregate,
+    VariantResult,
+)
 from experiments.seed_plan import make_plan
 
 TARGET = stats.POWER

@@ -13,8 +13,14 @@ from pathlib import Path
 import pytest
 
 from experiments.results import StudyAggregate
-from experiments.wandb_sink import (AGGREGATE_COLUMNS, RunDirStreamer, WandbRun, aggregate_state_path, job_type_for,
-                                    log_aggregate_dir)
+from experiments.wandb_sink import (
+    AGGREGATE_COLUMNS,
+    RunDirStreamer,
+    WandbRun,
+    aggregate_state_path,
+    job_type_for,
+    log_aggregate_dir,
+)
 from tests.conftest import REPO
 from tests.experiments.test_wandb_report import finished  # noqa: F401 - a study dir of fake runs, reported
 from tests.experiments.wandb_offline import find_runs, read_run

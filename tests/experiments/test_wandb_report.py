@@ -14,8 +14,15 @@ from experiments.cli import main
 from experiments.plan import expand
 from experiments.report import write_report
 from experiments.study import load_study
-from experiments.wandb_report import (DEFINITION, SIGNALS, _viewspec_api, build_report, changed_bindings,
-                                      load_definition, save_definition)
+from experiments.wandb_report import (
+    DEFINITION,
+    SIGNALS,
+    _viewspec_api,
+    build_report,
+    changed_bindings,
+    load_definition,
+    save_definition,
+)
 from rlhf.atomic import write_json
 from tests.conftest import REPO
 from tests.experiments.test_report import ACCURACY, STUDY, fake_run

@@ -483,8 +483,8 @@ def test_policy_loss(seed, lengths, mask, aggregation, clip, dual):
     for b, L in enumerate(lengths):
         for t in range(L):
             a = adv[b, t].item()
-            l, r, l1, l2 = naive_ppo_token(lp[b, t].item(), old[b, t].item(), a, clip, dual)
-            per_tok[b][t] = l
+            tok_loss, r, l1, l2 = naive_ppo_token(lp[b, t].item(), old[b, t].item(), a, clip, dual)
+            per_tok[b][t] = tok_loss
             n += 1
             lower += r < 1 - clip
             upper += r > 1 + clip

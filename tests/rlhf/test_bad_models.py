@@ -119,7 +119,7 @@ def test_tokenizer_ids_past_the_embedding_name_tokenizer_and_model(setup, rm_dat
                     "--out", tmp_path / "run") == 2
     assert f"model.tokenizer_path = '{other}': the tokenizer has ids up to {len(rm_tok) - 1}" in one_error(capsys)
     assert rm_main(capsys, rm_data, "--out", tmp_path / "rm", "-b", f"rm.tokenizer_path = '{other}'") == 2
-    assert f"beyond the embedding of rm.base_model = " in one_error(capsys)
+    assert "beyond the embedding of rm.base_model = " in one_error(capsys)
 
 
 def test_pairs_with_chosen_equal_to_rejected_are_left_out_or_refused(rm_data, tmp_path, capsys):  # noqa: F811

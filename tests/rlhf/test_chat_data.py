@@ -9,10 +9,9 @@ import pytest
 
 from rlhf.chat import PromptRenderer, encode_prompt, render_prompt
 from rlhf.config import TaskConfig
-from rlhf.errors import ConfigError
 from rlhf.data import Example, detect_format, load_pairs, load_task, read_records, split_examples
+from rlhf.errors import ConfigError
 from rlhf.tiny import build_char_tokenizer
-
 from tests.conftest import REPO
 
 # A small Jinja chat template in the usual shape (ChatML-like, with the generation prompt).

@@ -46,6 +46,7 @@ def test_verify_catches_truncation_bitflips_and_missing_files(tmp_path):
 def test_verify_only_a_subdirectory_checks_its_files_alone(tmp_path):
     """What an export reads (`only='actor'`): a damaged optimizer state is no reason to refuse the policy."""
     import pytest
+
     from rlhf.errors import ConfigError
     ckpt = fake_checkpoint(tmp_path, 3)
     (ckpt / "actor_optim.safetensors").write_bytes(b"y" * 100)
@@ -82,8 +83,8 @@ def test_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path):
 def test_a_checkpoint_without_its_manifest_is_damaged(tmp_path):
     """The engine writes manifest.json with every checkpoint: a step dir without one (a copy that
     left it out) is not trusted, whatever its weights look like."""
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
     ckpt = tmp_path / "step_2"
     (ckpt / "actor").mkdir(parents=True)
     save_file({"w": torch.zeros(64)}, str(ckpt / "actor" / "model.safetensors"))

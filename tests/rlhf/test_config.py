@@ -1,7 +1,6 @@
 """Every shipped recipe parses and builds; bad bindings fail before compute with one clear line."""
 
 import time
-from pathlib import Path
 
 import pytest
 
@@ -63,7 +62,7 @@ def test_bad_binding_exits_with_one_clear_line(tmp_path, binding, expected):
     start = time.time()
     proc = run_train(["recipes/tiny.gin", "-b", binding, "--out", tmp_path / "run"], check=False)
     assert proc.returncode == 2, proc.stderr
-    lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert expected in lines[0], lines[0]
     assert "Traceback" not in proc.stderr

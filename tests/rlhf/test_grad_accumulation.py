@@ -92,8 +92,8 @@ def test_local_placement_spreads_uneven_rows_and_calls_as_declared(parts):
     the padding's results are dropped, and what comes back equals the role's own undispatched
     call row for row; generation requests come back in request order, sampled as one process does."""
     from rlhf.placement.proxy import local_proxy
-    from rlhf.rollout import SamplingParams
     from rlhf.roles.dispatch import spread
+    from rlhf.rollout import SamplingParams
 
     tok, model = parts
     batch = make_batch(tok, n=7, seed=2)

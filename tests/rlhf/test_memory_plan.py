@@ -9,10 +9,9 @@ import sys
 
 import pytest
 
-from rlhf import configurable
+from rlhf import configurable, memory
 from rlhf.config import ModelConfig, PPOConfig, RunConfig, SFTConfig, TaskConfig, TinyModelConfig
 from rlhf.errors import ConfigError
-from rlhf import memory
 from tests.conftest import REPO
 
 GIB = memory.GIB
@@ -78,8 +77,9 @@ def test_parameter_count_equals_the_built_model(kind, kwargs):
 
 
 def test_tiny_default_shape_is_the_built_model():
-    from rlhf.tiny import build_char_tokenizer, build_tiny_model
     import tempfile
+
+    from rlhf.tiny import build_char_tokenizer, build_tiny_model
     tiny = TinyModelConfig()
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(tiny, build_char_tokenizer(tmp), seed=0)

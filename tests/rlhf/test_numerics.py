@@ -119,6 +119,7 @@ def test_every_trained_model_uses_the_engines_fused_adamw():
     assert [c for c in _calls("AdamW") if c[0] != "rlhf/models.py"] == []
     assert _calls("sqrt") == [], "torch.sqrt on a CPU tensor goes to MKL's vector maths: use rsqrt or a reduction"
     import torch
+
     from rlhf.models import adamw
     opt = adamw([torch.nn.Parameter(torch.ones(3))], lr=1e-3)
     assert opt.defaults["fused"] is True
@@ -126,6 +127,7 @@ def test_every_trained_model_uses_the_engines_fused_adamw():
 
 def test_adamw_steps_like_the_reference_adam_update():
     import torch
+
     from rlhf.models import adamw
     p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64).float())
     g = torch.tensor([0.1, -0.3, 0.02])

@@ -14,8 +14,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from rlhf import algos
 from rlhf.attention import PACKED_SDPA, packed_kwargs, use_packed_attention
 from rlhf.packing import PackedBatch
-from rlhf.roles.forward import chunked_head_logprobs, response_logprobs
 from rlhf.roles.compiled import logprobs_and_entropy
+from rlhf.roles.forward import chunked_head_logprobs, response_logprobs
 
 CPU = torch.device("cpu")
 

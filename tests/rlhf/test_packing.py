@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rlhf import algos, packing
+from rlhf import algos
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig, TinyModelConfig
 from rlhf.errors import ConfigError
@@ -20,8 +20,8 @@ from rlhf.models import ValueModel
 from rlhf.packing import PackedBatch, balanced_partition, budget_partition, micro_batches, pack, real_lengths
 from rlhf.placement.context import DeviceContext
 from rlhf.roles.actor import Actor
-from rlhf.roles.forward import response_logprobs
 from rlhf.roles.critic import Critic
+from rlhf.roles.forward import response_logprobs
 from rlhf.roles.reference import Reference
 from rlhf.tiny import build_char_tokenizer, build_tiny_model
 from tests.conftest import REPO, assert_same_metrics, run_train

@@ -10,8 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForSequenceClassification, \
-    PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForSequenceClassification,
+    LlamaConfig,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+)
 
 from rlhf.batch import Batch
 from rlhf.chat import PromptRenderer
@@ -19,7 +23,6 @@ from rlhf.config import RewardConfig, SFTConfig, TaskConfig, TinyModelConfig
 from rlhf.errors import ConfigError
 from rlhf.reward_model.score import RewardModelScorer, check_reward_checkpoint
 from rlhf.tiny import CHARACTERS, build_char_tokenizer, build_tiny_model
-
 from tests.conftest import REPO
 
 RM_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -137,7 +140,7 @@ def test_reward_kinds_and_normalisation(setup):
     raw = scorer.score(batch)
     task = TaskConfig()
 
-    def RewardRole(task, reward, rm=None):  # noqa: N802: the reward phase in one process
+    def RewardRole(task, reward, rm=None):  # noqa: N802 - the reward phase in one process
         return Reward(ctx, task, reward, rm)
     rule = RewardRole(task, RewardConfig()).score(batch)
     assert rule["correct"].tolist() == [True, True, False, False, True, False] and "rm_scores" not in rule
@@ -246,7 +249,9 @@ def test_rm_resume_equals_uninterrupted(rm_data, tmp_path):
     wa = load_file(str(tmp_path / "full" / "model.safetensors"))
     wb = load_file(str(tmp_path / "cut" / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    lines = lambda p: [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()]
+    def lines(p):
+        return [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()]
+
     assert lines(tmp_path / "full") == [r for r in lines(tmp_path / "cut")]
 
 

@@ -6,17 +6,15 @@ uneven batch for the ranks and never lets evaluation move its running statistics
 import pytest
 import torch
 
+from rlhf.chat import PromptRenderer
 from rlhf.config import PPOConfig, RewardConfig, TaskConfig
 from rlhf.placement.context import DeviceContext
 from rlhf.roles import RoleSpec
 from rlhf.roles.dispatch import ROWS, dispatched_methods
 from rlhf.roles.reward import Reward
 from rlhf.roles.reward_model import RewardModel
-from tests.rlhf.test_reward_model import (FINISHED, PROMPTS, RESPONSES, direct_scores, policy_batch,  # noqa: F401
-                                          setup)
-
-from rlhf.chat import PromptRenderer
 from tests.conftest import REPO
+from tests.rlhf.test_reward_model import FINISHED, PROMPTS, RESPONSES, direct_scores, policy_batch, setup  # noqa: F401
 
 
 def expected(root, tok, rm_tok, which):

@@ -15,15 +15,14 @@ from rlhf import configurable
 from rlhf.batch import Batch
 from rlhf.chat import PromptRenderer, check_rows
 from rlhf.config import PPOConfig, RewardConfig, TaskConfig
-from rlhf.errors import ConfigError
 from rlhf.data import Example, check_prompt_lengths, load_task
+from rlhf.errors import ConfigError
 from rlhf.reward_model.config import RMTrainConfig
 from rlhf.reward_model.score import RewardModelScorer, encode_conversation
 from rlhf.reward_model.bradley_terry import RewardModelTrainer
 from rlhf.rewards import RewardCombiner
 from rlhf.rollout import decode_responses, encode_prompts
 from rlhf.tiny import CHARACTERS, build_char_tokenizer
-
 from tests.conftest import REPO, run_train
 from tests.rlhf.test_chat_data import _write_parquet, random_policy  # noqa: F401
 from tests.rlhf.test_faults import one_error_line
@@ -350,8 +349,8 @@ def test_rows_a_template_or_raw_text_rejects_are_one_line_before_compute(tmp_pat
     rm_tok = build_char_tokenizer(tmp_path / "rm")
     save_rm(tmp_path / "rm", rm_tok)
     examples = [Example(r["prompt"], r["answer"], where=f"{path} row {i}") for i, r in enumerate(rows)]
-    with pytest.raises(ConfigError, match=rf"row 7: the chat template \(reward.chat_template\) rejects this row "
-                                          rf"\(TemplateError: Unknown role: tool\)"):
+    with pytest.raises(ConfigError, match=r"row 7: the chat template \(reward.chat_template\) rejects this row "
+                                          r"\(TemplateError: Unknown role: tool\)"):
         check_reward_model(RewardConfig(kind="model", model_path=str(tmp_path / "rm"), chat_template=str(template)),
                            TaskConfig(), examples)
     check_reward_model(RewardConfig(kind="model", model_path=str(tmp_path / "rm"), chat_template=str(template)),
