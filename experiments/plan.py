@@ -21,9 +21,9 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from rlhf.config import flat_dict, without_placement
+from rlhf.config import without_placement
 from rlhf.errors import ConfigError
-from rlhf.configurable import resolve
+from rlhf.configurable import flat_dict, resolve
 from rlhf.data import dataset_hash, load_task
 from rlhf.provenance import run_git  # the engine's one git runner (its provenance uses it too)
 from rlhf.provenance import hash_directory

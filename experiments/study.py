@@ -26,10 +26,10 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 
 from gin import config_parser
 
-from rlhf.config import why_not_a_file
 from rlhf.errors import ConfigError
 from rlhf.configurable import RECIPES_DIR, SCOPES, find_recipe, iter_statements, statements
 from rlhf.metrics import EVAL_METRICS, METRICS, NAMESPACES, is_known_metric
+from rlhf.validation import why_not_a_file
 
 from experiments import stats
 from experiments.adaptive import AdaptiveSeeds, parse_adaptive_seeds
@@ -654,7 +654,7 @@ def check_overrides(path: str | Path, overrides: Sequence[str], spec: str) -> No
     unknown parameter, an invalid value, or a value that makes a variant the baseline (the variant's
     own change) fails here, in one line naming `spec` (the overrides file and key), before anything
     runs. A problem the study has without the overrides is left to the usual checks."""
-    from rlhf.config import flat_dict
+    from rlhf.configurable import flat_dict
     from rlhf.configurable import resolve
 
     try:
