@@ -264,16 +264,19 @@ def _choice(key: str, value, allowed: tuple) -> None:
 REQUIRED = object()
 
 
+STUDY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Study) if f.default is not dataclasses.MISSING}
+"""{binding: default} of the bindings `Study` holds as bound, each default written once, on its field."""
+
+
 def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "tiny.gin",
           baseline_bindings: Sequence[str] = (), variants: Mapping = REQUIRED,
           coupled: Sequence[str] = (), seeds=3, metric: str = "eval/accuracy",
           metric_from: str = "final", direction: str = "higher", guardrails: Mapping = None,
           resume_from: str = "", resume_variant: str = "", cpus_per_run: int = 1,
-          gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, wandb_project: str = "",
-          campaign: str = "", adaptive_seeds: Mapping = None, resume_setting: bool = False,
-          start_gap_s: float = START_GAP_S, target_effect: float = None, power: float = POWER, pilot: str = "",
-          analysis: str = AUTO, equivalence_margin: float = 0.0, metric_resolution: float = 0.0) -> dict:
-    """What a study file binds (`study.<parameter> = value`), with its defaults; returns them.
+          gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, **fields) -> dict:
+    """What a study file binds (`study.<parameter> = value`), with its defaults; returns them. The
+    parameters listed here are bound in a form `Study` normalises (or holds without a default);
+    `fields` are the rest, `STUDY_DEFAULTS`, whose defaults are `Study`'s own.
 
     name: the study's name; its results live in RESULTS/<name>/. Required.
     baseline_recipe: an engine recipe, found like the engine finds recipes
@@ -336,10 +339,15 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
         its results dir (a path with a '/'); default: the study resume_from names.
         target_effect, power and pilot change no run, so no run hash.
     """
-    return dict(locals())
+    unknown = sorted(set(fields) - set(STUDY_DEFAULTS))
+    if unknown:
+        raise TypeError(f"study() got unexpected keyword arguments {', '.join(unknown)}")
+    args = {key: value for key, value in locals().items() if key not in ("fields", "unknown")}
+    return {**args, **STUDY_DEFAULTS, **fields}
 
 
-STUDY_PARAMETERS = tuple(inspect.signature(study).parameters)
+STUDY_PARAMETERS = tuple(p.name for p in inspect.signature(study).parameters.values()
+                         if p.kind is not inspect.Parameter.VAR_KEYWORD) + tuple(STUDY_DEFAULTS)
 
 
 def _bad(binding: str, value, allowed: str) -> StudyError:
