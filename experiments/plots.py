@@ -24,7 +24,8 @@ SIDE_BY_SIDE = {"clip_fraction": "clip_fractions", "clip_fraction_lower": "clip_
                 "clip_fraction_upper": "clip_fractions"}
 """{signal: the figure it shares}: the clip fraction beside its two sides."""
 NOT_PLOTTED = ("rollout_success_rate",)
-"""Signals no figure draws: the rollout success rate, a guardrail near 1, is in the report's guardrail table per seed."""
+"""Signals no figure draws: the rollout success rate, a guardrail near 1, is in the report's guardrail
+table per seed."""
 
 
 def _figures() -> Dict[str, List[str]]:

@@ -29,7 +29,7 @@ from gin import config_parser
 from rlhf.errors import ConfigError
 from rlhf.configurable import RECIPES_DIR, SCOPES, find_recipe, iter_statements, statements
 from rlhf.metrics import EVAL_METRICS, METRICS, NAMESPACES, is_known_metric
-from rlhf.validation import why_not_a_file
+from rlhf.validation import invalid, positive_int, why_not_a_file
 
 from experiments import stats
 from experiments.adaptive import AdaptiveSeeds, parse_adaptive_seeds
@@ -147,8 +147,8 @@ class Study:
             if not is_known_metric(g.metric):
                 raise StudyError(f"study.guardrails[{g.metric!r}] is invalid: no run logs {g.metric!r}"
                                  f"{_close_metric(g.metric)}; {_KNOWN}")
-        _integer("cpus_per_run", self.cpus_per_run, 1)
-        _integer("retries", self.retries, 0)
+        positive_int("study", "cpus_per_run", self.cpus_per_run, error=StudyError)
+        positive_int("study", "retries", self.retries, minimum=0, error=StudyError)
         if not _is_number(self.gpus_per_run) or self.gpus_per_run < 0:
             raise _bad("study.gpus_per_run", self.gpus_per_run, "must be a number >= 0 (fractions share a GPU)")
         if not isinstance(self.alpha, float) or not 0 < self.alpha < 1:
@@ -251,11 +251,6 @@ def resolve_analysis(analysis: str, planned_seeds: Mapping[str, Sequence[int]],
     return PAIRED if stats.paired_is_more_sensitive(n, pilot_correlation, alpha) else WELCH
 
 
-def _integer(key: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise _bad(f"study.{key}", value, f"must be an integer >= {minimum}")
-
-
 def _choice(key: str, value, allowed: tuple) -> None:
     if value not in allowed:
         raise _bad(f"study.{key}", value, f"must be one of {allowed}")
@@ -351,7 +346,7 @@ STUDY_PARAMETERS = tuple(p.name for p in inspect.signature(study).parameters.val
 
 
 def _bad(binding: str, value, allowed: str) -> StudyError:
-    return StudyError(f"{binding} = {value!r} is invalid: {allowed}")
+    return invalid(binding, value, allowed, StudyError)
 
 
 def split_binding(line: str, where: str) -> Tuple[str, str]:

@@ -296,9 +296,9 @@ class PPOConfig:
         number(s, "lora_dropout", self.lora_dropout, 0.0, 1.0, hi_open=True)
         targets = self.lora_target_modules
         check(targets == "all-linear" or (isinstance(targets, (list, tuple)) and targets
-                                           and all(isinstance(t, str) and t for t in targets)),
-               "ppo.lora_target_modules", targets,
-               "must be 'all-linear' or a non-empty list of module names such as ['q_proj', 'v_proj']")
+                                          and all(isinstance(t, str) and t for t in targets)),
+              "ppo.lora_target_modules", targets,
+              "must be 'all-linear' or a non-empty list of module names such as ['q_proj', 'v_proj']")
         for name in ("adaptive_kl", "whiten_advantages", "grpo_normalize_std", "rollout_logprobs",
                      "vllm_per_request_seeds", "torch_compile", "gradient_checkpointing"):
             check(isinstance(getattr(self, name), bool), f"ppo.{name}", getattr(self, name),
@@ -508,10 +508,10 @@ class TaskConfig:
         names = tuple(sorted(REWARD_FUNCTIONS))
         if isinstance(self.reward_fn, dict):
             check(bool(self.reward_fn) and all(isinstance(k, str) and k and v in names
-                                                for k, v in self.reward_fn.items()),
-                   "task.reward_fn", self.reward_fn,
-                   f"a mapping takes each data_source (a non-empty string) to a reward name: "
-                   f"{', '.join(map(repr, names))}")
+                                               for k, v in self.reward_fn.items()),
+                  "task.reward_fn", self.reward_fn,
+                  f"a mapping takes each data_source (a non-empty string) to a reward name: "
+                  f"{', '.join(map(repr, names))}")
         else:
             choice("task", "reward_fn", self.reward_fn, names + ("auto",))
 

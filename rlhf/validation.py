@@ -1,7 +1,8 @@
 """The validator vocabulary every config shares.
 
-Each check raises a `ConfigError` of one line that names the binding, its value and what is allowed,
-so a bad binding fails before any compute in the same words whichever config it belongs to.
+Each check raises a `ConfigError` (or the `error` it is given: a study's `StudyError`) of one line that
+names the binding, its value and what is allowed, so a bad binding fails before any compute in the same
+words whichever config it belongs to.
 """
 
 from __future__ import annotations
@@ -12,16 +13,21 @@ from typing import Any
 from rlhf.errors import ConfigError
 
 
-def check(ok: bool, binding: str, value: Any, allowed: str) -> None:
-    """Raise `binding = value is invalid: allowed` unless `ok`."""
+def invalid(binding: str, value: Any, allowed: str, error: type = ConfigError) -> Exception:
+    """The error `binding = value is invalid: allowed`, of class `error` (a study's is a StudyError)."""
+    return error(f"{binding} = {value!r} is invalid: {allowed}")
+
+
+def check(ok: bool, binding: str, value: Any, allowed: str, error: type = ConfigError) -> None:
+    """Raise `invalid(binding, value, allowed)` unless `ok`."""
     if not ok:
-        raise ConfigError(f"{binding} = {value!r} is invalid: {allowed}")
+        raise invalid(binding, value, allowed, error)
 
 
-def positive_int(scope: str, name: str, value: Any, minimum: int = 1) -> None:
+def positive_int(scope: str, name: str, value: Any, minimum: int = 1, error: type = ConfigError) -> None:
     """`scope.name` is an integer (not a bool) of at least `minimum`."""
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-    check(ok, f"{scope}.{name}", value, f"must be an integer >= {minimum}")
+    check(ok, f"{scope}.{name}", value, f"must be an integer >= {minimum}", error)
 
 
 def number(scope: str, name: str, value: Any, lo: float, hi: float,
