@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     from gpu_assets import build_assets, random_prompts
 
     from rlhf.models import load_tokenizer
+    from rlhf.config import PPOConfig
     from rlhf.rollout import SamplingParams
     from rlhf.rollout.vllm import VLLMRollout
 
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
     rollout = VLLMRollout(tokenizer=tok, device=device, model_dir=assets["model_dir"], seed=0, max_model_len=512,
                           gpu_memory_utilization=0.3)
     prompts = random_prompts(args.prompts, 256, seed=1)
-    sampling = SamplingParams(max_new_tokens=256, temperature=1.0, max_prompt_length=256)
+    sampling = SamplingParams.from_ppo(PPOConfig(max_response_length=256, max_prompt_length=256))
     torch.set_num_threads(4)
     rollout.generate(prompts[:16], sampling, seed=5)  # warm-up
     times = {m: [] for m in MODES}

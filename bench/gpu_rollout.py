@@ -52,6 +52,7 @@ def part_vllm(args, assets) -> dict:
     from gpu_assets import random_prompts
 
     from rlhf.models import load_policy, load_tokenizer
+    from rlhf.config import PPOConfig
     from rlhf.rollout import SamplingParams
     from rlhf.rollout.vllm import VLLMRollout
 
@@ -68,7 +69,8 @@ def part_vllm(args, assets) -> dict:
     out = {"engine_start_s": rollout.timings["engine_start_s"], "vllm": vllm.__version__,
            "sleep_mode_error": sleep_error}
     prompts = random_prompts(args.prompts, args.prompt_len, seed=1)
-    sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, max_prompt_length=args.prompt_len)
+    sampling = SamplingParams.from_ppo(PPOConfig(max_response_length=args.new_tokens,
+                                                 max_prompt_length=args.prompt_len))
     rollout.generate(prompts[:8], sampling, seed=123)  # warm-up
 
     # vLLM alone: the same token ids straight into LLM.generate.
@@ -111,7 +113,7 @@ def part_vllm(args, assets) -> dict:
         out[key]["vs_vllm_alone"] = out[key]["tokens_per_s"] / out["vllm_alone"]["tokens_per_s"]
 
     # Weight sync: perturbed HF weights change greedy output; the originals bring it back.
-    greedy = SamplingParams(max_new_tokens=32, temperature=0.0, max_prompt_length=args.prompt_len)
+    greedy = SamplingParams.from_ppo(PPOConfig(max_response_length=32, max_prompt_length=args.prompt_len), 0.0)
     base = rollout.generate(prompts[:16], greedy, seed=0)["response_ids"]
     model = load_policy(assets["model_dir"], torch.bfloat16).to(device)
     original = {k: v.clone() for k, v in model.state_dict().items()}
@@ -153,6 +155,7 @@ def part_vllm_logprobs(args, assets) -> dict:
     from gpu_assets import random_prompts
 
     from rlhf.models import load_policy, load_tokenizer
+    from rlhf.config import PPOConfig
     from rlhf.roles.forward import response_logprobs
     from rlhf.rollout import SamplingParams
     from rlhf.rollout.vllm import VLLMRollout
@@ -165,8 +168,8 @@ def part_vllm_logprobs(args, assets) -> dict:
     prompts = random_prompts(args.prompts, args.prompt_len, seed=1)
     out = {"engine_start_s": rollout.timings["engine_start_s"]}
     for temperature in (1.0, 0.7):
-        sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=temperature,
-                                  max_prompt_length=args.prompt_len)
+        sampling = SamplingParams.from_ppo(PPOConfig(max_response_length=args.new_tokens,
+                                                     max_prompt_length=args.prompt_len), temperature)
         rollout.generate(prompts[:8], sampling, seed=1)
         times = []
         for _ in range(args.repeats):
@@ -191,17 +194,20 @@ def part_hf(args, assets, static: bool) -> dict:
     from gpu_assets import random_prompts
 
     from rlhf.models import load_policy, load_tokenizer
+    from rlhf.config import PPOConfig
     from rlhf.rollout import SamplingParams
     from rlhf.rollout.hf import HFRollout
 
     device = torch.device("cuda")
     tok = load_tokenizer(assets["tokenizer_dir"])
     prompts = random_prompts(args.prompts, args.prompt_len, seed=1)
-    sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, max_prompt_length=args.prompt_len)
+    sampling = SamplingParams.from_ppo(PPOConfig(max_response_length=args.new_tokens,
+                                                 max_prompt_length=args.prompt_len))
     if not static:  # the engine's path with ppo.dtype = 'bfloat16': fp32 weights under bf16 autocast
         model = load_policy(assets["model_dir"], torch.float32).to(device)
         rollout = HFRollout(model, tok, device, autocast_dtype=torch.bfloat16)
-        rollout.generate(prompts[:8], SamplingParams(max_new_tokens=8, max_prompt_length=args.prompt_len), 0)
+        warm_up = SamplingParams.from_ppo(PPOConfig(max_response_length=8, max_prompt_length=args.prompt_len))
+        rollout.generate(prompts[:8], warm_up, 0)
         b, s = timed(lambda: rollout.generate(prompts, sampling, seed=3), device)
         return {"seconds": s, "generated_tokens": generated_tokens(b), "tokens_per_s": generated_tokens(b) / s,
                 "weights": "fp32 + bf16 autocast", "kv_cache": "dynamic"}

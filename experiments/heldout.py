@@ -21,7 +21,7 @@ with the run's sampling settings, and greedy, as `PPOTrainer.evaluate` computes 
 and eval/greedy_accuracy), the first round's starting model (the warm start), the final
 checkpoint of every seed of the last round's chosen variant, and the checkpoint with the best
 gold accuracy over all rounds. Sampling is seeded from the run's seed on a stream of its own
-(`TEST_SEED_SALT`), the model runs on the CPU with the numerics profile's pinned threads, so the
+(`rlhf.rollout.SeedStream.TEST`), the model runs on the CPU with the numerics profile's pinned threads, so the
 record is the same bytes on every run of the command. `heldout_lines` renders it for the summary.
 """
 
@@ -41,9 +41,6 @@ from experiments.run_records import GOLD_METRIC, iter_metrics, latest_checkpoint
 from rlhf.atomic import write_text
 
 TEST_FILE = "test.jsonl"
-TEST_SEED_SALT = 104_729
-"""Mixed into the sampling seed of the test split's generations (`rlhf.rollout.derive_seed`): a
-stream of its own, apart from the training rollouts' and the evaluations' (trainer.EVAL_SEED_SALT)."""
 ROWS_PER_CALL = 64
 """Generated rows per generation call, as `PPOTrainer.evaluate` splits its calls: the calls and
 their seeds are the engine's, so the same rows give the same samples."""
@@ -156,10 +153,7 @@ def gold_accuracy(policy, tokenizer, cfg, examples: Sequence, seed_parts: Tuple[
         modes.append(("greedy_accuracy", 0.0, 1))
     out: Dict[str, Optional[float]] = dict.fromkeys(METRICS)
     for key, temperature, n in modes:
-        sampling = SamplingParams(max_new_tokens=ppo.max_response_length, temperature=temperature,
-                                  top_p=ppo.top_p if temperature > 0 else 1.0, top_k=ppo.top_k,
-                                  max_prompt_length=ppo.max_prompt_length,
-                                  truncation="right" if ppo.prompt_truncation == "right" else "left")
+        sampling = SamplingParams.from_ppo(ppo, temperature)
         calls = math.ceil(len(examples) * n / ROWS_PER_CALL)
         per_call = math.ceil(len(examples) / calls)
         correct: List[bool] = []
@@ -215,6 +209,7 @@ class Scorer:
         from rlhf.models import load_tokenizer
         from rlhf.placement.context import deterministic_algorithms
         from rlhf.roles.actor import build_policy
+        from rlhf.rollout import SeedStream
         from rlhf.trainer import resolve_model_paths
 
         model_dir, tokenizer_dir = resolve_model_paths(cfg, log=lambda _: None)
@@ -226,7 +221,7 @@ class Scorer:
         transformers.utils.logging.disable_progress_bar()
         with numerics.fixed_threads():
             policy = build_policy(cfg.ppo, str(start_dir), str(model_dir), torch.device("cpu")).eval()
-            return gold_accuracy(policy, tokenizer, cfg, self.examples, (seed, TEST_SEED_SALT),
+            return gold_accuracy(policy, tokenizer, cfg, self.examples, (seed, SeedStream.TEST),
                                  self.samples_per_prompt)
 
 
@@ -365,6 +360,7 @@ def heldout_record(rounds: Sequence[Tuple[object, Path, StudyAggregate]], test_f
     """The record `heldout` writes (see the module docstring); `rounds`: (study, study dir,
     aggregate) in round order."""
     from rlhf.data import dataset_hash
+    from rlhf.rollout import SeedStream
 
     scorer = Scorer(examples, samples_per_prompt)
     finals = _final_checkpoints(rounds[-1])
@@ -376,7 +372,7 @@ def heldout_record(rounds: Sequence[Tuple[object, Path, StudyAggregate]], test_f
     warm = _warm_start(scorer, rounds[0], [run.seed for run, _ in finals])
     return {"metric": GOLD_METRIC, "studies": [s.name for s, _, _ in rounds],
             "test": {"path": portable(test_file), "prompts": len(examples), "sha256": dataset_hash(list(examples))},
-            "samples_per_prompt": samples_per_prompt or None, "seed_salt": TEST_SEED_SALT,
+            "samples_per_prompt": samples_per_prompt or None, "seed_salt": int(SeedStream.TEST),
             "warm_start": warm, "final_choice": _final_choice(scorer, rounds[-1], finals, warm),
             "best_checkpoint": _best_checkpoint(scorer, rounds)}
 

@@ -26,8 +26,8 @@ from experiments.gpu_fit import check_gpu_memory, check_gpu_share
 from experiments.paths import spec_record
 from experiments.resume_from import resume_checkpoints, resumed_study
 from experiments.study import BASELINE, Study, Variant, split_binding
-from rlhf.config import flat_dict, without_placement
-from rlhf.configurable import resolve
+from rlhf.config import without_placement
+from rlhf.configurable import flat_dict, resolve
 from rlhf.data import dataset_hash, load_task
 from rlhf.errors import ConfigError
 from rlhf.provenance import (

@@ -18,15 +18,26 @@ import matplotlib.pyplot as plt  # noqa: E402
 from experiments.collect import band, curves  # noqa: E402
 from experiments.results import RunOutcome, RunStatus  # noqa: E402
 from rlhf.atomic import write_atomic  # noqa: E402
+from rlhf.metrics import SIGNALS  # noqa: E402
 
-FIGURES = {
-    "reward_mean": ["reward_mean"],
-    "kl_divergence": ["kl_divergence"],
-    "clip_fractions": ["clip_fraction", "clip_fraction_lower", "clip_fraction_upper"],
-    "response_length_mean": ["response_length_mean"],
-    "eval_accuracy": ["eval/accuracy"],
-}
-"""{file stem: metrics drawn side by side in that figure}."""
+SIDE_BY_SIDE = {"clip_fraction": "clip_fractions", "clip_fraction_lower": "clip_fractions",
+                "clip_fraction_upper": "clip_fractions"}
+"""{signal: the figure it shares}: the clip fraction beside its two sides."""
+NOT_PLOTTED = ("rollout_success_rate",)
+"""Signals no figure draws: the rollout success rate, a guardrail near 1, is in the report's guardrail
+table per seed."""
+
+
+def _figures() -> Dict[str, List[str]]:
+    figures: Dict[str, List[str]] = {}
+    for signal in SIGNALS:
+        if signal not in NOT_PLOTTED:
+            figures.setdefault(SIDE_BY_SIDE.get(signal, signal.replace("/", "_")), []).append(signal)
+    return figures
+
+
+FIGURES = _figures()
+"""{file stem: metrics drawn side by side in that figure}, in `SIGNALS` order."""
 
 
 def plot_study(study_name: str, results: Sequence[RunOutcome], out_dir: Path) -> Dict[str, str]:

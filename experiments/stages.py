@@ -31,6 +31,7 @@ import yaml
 from experiments.paths import portable
 from experiments.results import BASELINE, StudyAggregate, aggregate_path, read_aggregate
 from rlhf.atomic import finite, write_text
+from rlhf.metrics import SIGNALS
 
 
 # ----------------------------------------------------------------------------- data + sft
@@ -87,7 +88,7 @@ def study_params(path: str, bindings: List[str]) -> Dict:
     from experiments.plan import config_changes, resolve_config
     from experiments.resume_from import resume_checkpoints, resumed_setting, resumed_study
     from experiments.study import load_study
-    from rlhf.config import flat_dict, nested_dict
+    from rlhf.configurable import flat_dict, nested_dict
 
     declared = load_study(path, bindings)
     starts = resume_checkpoints(declared)
@@ -269,7 +270,11 @@ def headline(aggregate: StudyAggregate) -> Dict:
             "variants": {name: row for name, row in rows.items() if name != BASELINE}}
 
 
-CURVE_METRICS = ("reward_mean", "kl_divergence", "clip_fraction", "response_length_mean", "eval/accuracy")
+CURVE_METRICS = tuple(m for m in SIGNALS if m not in ("clip_fraction_lower", "clip_fraction_upper",
+                                                      "rollout_success_rate"))
+"""The signals a column of curves.csv each: the columns dvc.yaml's `plots:` draw and the rounds' tracked
+curves hold. The clip fraction's two sides are drawn by the plots, and the rollout success rate, a
+guardrail near 1, is in the report's guardrail table per seed."""
 
 
 def curves(study_dir: Path, aggregate: StudyAggregate) -> List[Dict]:

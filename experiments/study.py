@@ -26,10 +26,10 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 
 from gin import config_parser
 
-from rlhf.config import why_not_a_file
 from rlhf.errors import ConfigError
 from rlhf.configurable import RECIPES_DIR, SCOPES, find_recipe, iter_statements, statements
 from rlhf.metrics import EVAL_METRICS, METRICS, NAMESPACES, is_known_metric
+from rlhf.validation import invalid, positive_int, why_not_a_file
 
 from experiments import stats
 from experiments.adaptive import AdaptiveSeeds, parse_adaptive_seeds
@@ -147,8 +147,8 @@ class Study:
             if not is_known_metric(g.metric):
                 raise StudyError(f"study.guardrails[{g.metric!r}] is invalid: no run logs {g.metric!r}"
                                  f"{_close_metric(g.metric)}; {_KNOWN}")
-        _integer("cpus_per_run", self.cpus_per_run, 1)
-        _integer("retries", self.retries, 0)
+        positive_int("study", "cpus_per_run", self.cpus_per_run, error=StudyError)
+        positive_int("study", "retries", self.retries, minimum=0, error=StudyError)
         if not _is_number(self.gpus_per_run) or self.gpus_per_run < 0:
             raise _bad("study.gpus_per_run", self.gpus_per_run, "must be a number >= 0 (fractions share a GPU)")
         if not isinstance(self.alpha, float) or not 0 < self.alpha < 1:
@@ -251,11 +251,6 @@ def resolve_analysis(analysis: str, planned_seeds: Mapping[str, Sequence[int]],
     return PAIRED if stats.paired_is_more_sensitive(n, pilot_correlation, alpha) else WELCH
 
 
-def _integer(key: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise _bad(f"study.{key}", value, f"must be an integer >= {minimum}")
-
-
 def _choice(key: str, value, allowed: tuple) -> None:
     if value not in allowed:
         raise _bad(f"study.{key}", value, f"must be one of {allowed}")
@@ -264,16 +259,19 @@ def _choice(key: str, value, allowed: tuple) -> None:
 REQUIRED = object()
 
 
+STUDY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Study) if f.default is not dataclasses.MISSING}
+"""{binding: default} of the bindings `Study` holds as bound, each default written once, on its field."""
+
+
 def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "tiny.gin",
           baseline_bindings: Sequence[str] = (), variants: Mapping = REQUIRED,
           coupled: Sequence[str] = (), seeds=3, metric: str = "eval/accuracy",
           metric_from: str = "final", direction: str = "higher", guardrails: Mapping = None,
           resume_from: str = "", resume_variant: str = "", cpus_per_run: int = 1,
-          gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, wandb_project: str = "",
-          campaign: str = "", adaptive_seeds: Mapping = None, resume_setting: bool = False,
-          start_gap_s: float = START_GAP_S, target_effect: float = None, power: float = POWER, pilot: str = "",
-          analysis: str = AUTO, equivalence_margin: float = 0.0, metric_resolution: float = 0.0) -> dict:
-    """What a study file binds (`study.<parameter> = value`), with its defaults; returns them.
+          gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, **fields) -> dict:
+    """What a study file binds (`study.<parameter> = value`), with its defaults; returns them. The
+    parameters listed here are bound in a form `Study` normalises (or holds without a default);
+    `fields` are the rest, `STUDY_DEFAULTS`, whose defaults are `Study`'s own.
 
     name: the study's name; its results live in RESULTS/<name>/. Required.
     baseline_recipe: an engine recipe, found like the engine finds recipes
@@ -336,14 +334,19 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
         its results dir (a path with a '/'); default: the study resume_from names.
         target_effect, power and pilot change no run, so no run hash.
     """
-    return dict(locals())
+    unknown = sorted(set(fields) - set(STUDY_DEFAULTS))
+    if unknown:
+        raise TypeError(f"study() got unexpected keyword arguments {', '.join(unknown)}")
+    args = {key: value for key, value in locals().items() if key not in ("fields", "unknown")}
+    return {**args, **STUDY_DEFAULTS, **fields}
 
 
-STUDY_PARAMETERS = tuple(inspect.signature(study).parameters)
+STUDY_PARAMETERS = tuple(p.name for p in inspect.signature(study).parameters.values()
+                         if p.kind is not inspect.Parameter.VAR_KEYWORD) + tuple(STUDY_DEFAULTS)
 
 
 def _bad(binding: str, value, allowed: str) -> StudyError:
-    return StudyError(f"{binding} = {value!r} is invalid: {allowed}")
+    return invalid(binding, value, allowed, StudyError)
 
 
 def split_binding(line: str, where: str) -> Tuple[str, str]:
@@ -654,7 +657,7 @@ def check_overrides(path: str | Path, overrides: Sequence[str], spec: str) -> No
     unknown parameter, an invalid value, or a value that makes a variant the baseline (the variant's
     own change) fails here, in one line naming `spec` (the overrides file and key), before anything
     runs. A problem the study has without the overrides is left to the usual checks."""
-    from rlhf.config import flat_dict
+    from rlhf.configurable import flat_dict
     from rlhf.configurable import resolve
 
     try:

@@ -34,11 +34,9 @@ from typing import List, Optional
 from experiments.results import StudyAggregate, aggregate_path
 from experiments.study import split_binding
 from experiments.wandb_sink import AGGREGATE_JOB_TYPE, AGGREGATE_TABLE, decision_key
+from rlhf.metrics import SIGNALS  # each a panel
 
 DEFINITION = "wandb_report.json"
-SIGNALS = ("reward_mean", "kl_divergence", "clip_fraction", "clip_fraction_lower", "clip_fraction_upper",
-           "response_length_mean", "rollout_success_rate", "eval/accuracy")
-"""The tuning guide's signals (and the held-out accuracy), each a panel."""
 
 
 def _advisor_markdown(agg: StudyAggregate, study_dir: Path, resume_from: str = "") -> str:

@@ -33,7 +33,7 @@ from experiments.errors import StudyError
 from experiments.results import StudyAggregate, aggregate_path
 from experiments.study import Study, wandb_project_problem
 from rlhf.atomic import write_json
-from rlhf.config import nested_dict
+from rlhf.configurable import nested_dict
 from rlhf.metrics import METRICS_FILE, PERF_SUMMARY, read_metrics
 
 STATE_FILE = "wandb.json"

@@ -9,48 +9,14 @@ binding fails before any compute with one line naming the binding and what is al
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-from typing import Any, Mapping
+from typing import Any
 
 from rlhf.errors import ConfigError
+from rlhf.validation import check, choice, number, positive_int
 
 GPU_TORCH_THREADS = 4
 """torch's intra-op threads of a one-process GPU run that sets no `ppo.torch_threads`."""
-
-
-def why_not_a_file(path) -> str | None:
-    """None when `path` is a file, else why not ('does not exist', 'is a directory, not a file'):
-    the start of a message that then says what is expected."""
-    from pathlib import Path
-    path = Path(path)
-    if path.is_file():
-        return None
-    return "is a directory, not a file" if path.is_dir() else "does not exist"
-
-
-def _check(ok: bool, binding: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{binding} = {value!r} is invalid: {allowed}")
-
-
-def _positive_int(scope: str, name: str, value: Any, minimum: int = 1) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-    _check(ok, f"{scope}.{name}", value, f"must be an integer >= {minimum}")
-
-
-def _number(scope: str, name: str, value: Any, lo: float, hi: float,
-            lo_open: bool = False, hi_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
-    left = "(" if lo_open else "["
-    right = ")" if hi_open else "]"
-    _check(ok, f"{scope}.{name}", value, f"must be a number in {left}{lo}, {hi}{right}")
-
-
-def _choice(scope: str, name: str, value: Any, choices: tuple) -> None:
-    _check(value in choices, f"{scope}.{name}", value, f"must be one of {', '.join(map(repr, choices))}")
 
 
 LORA_SETTINGS = ("lora_alpha", "lora_dropout", "lora_target_modules")
@@ -277,105 +243,105 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         s = "ppo"
-        _check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
-               "ppo.seed", self.seed, "must be a non-negative integer")
+        check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
+              "ppo.seed", self.seed, "must be a non-negative integer")
         for name in ("total_steps", "eval_every", "save_every", "final_window",
                      "rollout_micro_batch_size", "num_rollout_batches", "samples_per_prompt",
                      "max_prompt_length", "max_response_length", "ppo_epochs", "mini_batch_size",
                      "micro_batch_size", "kl_horizon", "eval_samples_per_prompt"):
-            _positive_int(s, name, getattr(self, name))
+            positive_int(s, name, getattr(self, name))
         for name in ("keep_checkpoints", "top_k", "lr_warmup_steps", "torch_threads", "forward_micro_batch_size",
                      "max_tokens_per_micro_batch", "lora_rank"):
-            _positive_int(s, name, getattr(self, name), minimum=0)
-        _number(s, "temperature", self.temperature, 0.0, 100.0, lo_open=True)
-        _number(s, "eval_temperature", self.eval_temperature, 0.0, 100.0)
-        _number(s, "top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _number(s, "actor_learning_rate", self.actor_learning_rate, 0.0, 1.0)
-        _number(s, "critic_learning_rate", self.critic_learning_rate, 0.0, 1.0)
-        _number(s, "weight_decay", self.weight_decay, 0.0, 1.0)
-        _number(s, "adam_beta1", self.adam_beta1, 0.0, 1.0, hi_open=True)
-        _number(s, "adam_beta2", self.adam_beta2, 0.0, 1.0, hi_open=True)
-        _number(s, "adam_eps", self.adam_eps, 0.0, 1.0, lo_open=True)
-        _number(s, "max_grad_norm", self.max_grad_norm, 0.0, 1e6)
-        _number(s, "clip_range", self.clip_range, 0.0, 1.0, lo_open=True, hi_open=True)
-        _check(self.dual_clip == 0 or (isinstance(self.dual_clip, (int, float)) and self.dual_clip > 1),
-               "ppo.dual_clip", self.dual_clip, "must be 0 (off) or a number > 1")
-        _number(s, "value_clip_range", self.value_clip_range, 0.0, 1e6)
-        _number(s, "entropy_coef", self.entropy_coef, 0.0, 10.0)
-        _number(s, "kl_coef", self.kl_coef, 0.0, 100.0)
-        _number(s, "kl_target", self.kl_target, 0.0, 100.0, lo_open=True)
-        _number(s, "gamma", self.gamma, 0.0, 1.0)
-        _number(s, "lam", self.lam, 0.0, 1.0)
-        _choice(s, "rollout_backend", self.rollout_backend, ("hf", "vllm"))
-        _choice(s, "prompt_truncation", self.prompt_truncation, ("error", "left", "right"))
-        _choice(s, "lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
-        _choice(s, "loss_aggregation", self.loss_aggregation, ("token_mean", "seq_mean"))
-        _choice(s, "kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
-        _choice(s, "kl_mode", self.kl_mode, ("reward", "loss"))
-        _choice(s, "adv_estimator", self.adv_estimator, ("gae", "grpo"))
-        _choice(s, "device", self.device, ("auto", "cpu", "cuda"))
-        _choice(s, "dtype", self.dtype, ("float32", "bfloat16"))
-        _positive_int(s, "world_size", self.world_size)
-        _choice(s, "placement", self.placement, ("auto", "local", "colocated", "split"))
-        _number(s, "cpus_per_rank", self.cpus_per_rank, 0.0, 1024.0, lo_open=True)
+            positive_int(s, name, getattr(self, name), minimum=0)
+        number(s, "temperature", self.temperature, 0.0, 100.0, lo_open=True)
+        number(s, "eval_temperature", self.eval_temperature, 0.0, 100.0)
+        number(s, "top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        number(s, "actor_learning_rate", self.actor_learning_rate, 0.0, 1.0)
+        number(s, "critic_learning_rate", self.critic_learning_rate, 0.0, 1.0)
+        number(s, "weight_decay", self.weight_decay, 0.0, 1.0)
+        number(s, "adam_beta1", self.adam_beta1, 0.0, 1.0, hi_open=True)
+        number(s, "adam_beta2", self.adam_beta2, 0.0, 1.0, hi_open=True)
+        number(s, "adam_eps", self.adam_eps, 0.0, 1.0, lo_open=True)
+        number(s, "max_grad_norm", self.max_grad_norm, 0.0, 1e6)
+        number(s, "clip_range", self.clip_range, 0.0, 1.0, lo_open=True, hi_open=True)
+        check(self.dual_clip == 0 or (isinstance(self.dual_clip, (int, float)) and self.dual_clip > 1),
+              "ppo.dual_clip", self.dual_clip, "must be 0 (off) or a number > 1")
+        number(s, "value_clip_range", self.value_clip_range, 0.0, 1e6)
+        number(s, "entropy_coef", self.entropy_coef, 0.0, 10.0)
+        number(s, "kl_coef", self.kl_coef, 0.0, 100.0)
+        number(s, "kl_target", self.kl_target, 0.0, 100.0, lo_open=True)
+        number(s, "gamma", self.gamma, 0.0, 1.0)
+        number(s, "lam", self.lam, 0.0, 1.0)
+        choice(s, "rollout_backend", self.rollout_backend, ("hf", "vllm"))
+        choice(s, "prompt_truncation", self.prompt_truncation, ("error", "left", "right"))
+        choice(s, "lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
+        choice(s, "loss_aggregation", self.loss_aggregation, ("token_mean", "seq_mean"))
+        choice(s, "kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
+        choice(s, "kl_mode", self.kl_mode, ("reward", "loss"))
+        choice(s, "adv_estimator", self.adv_estimator, ("gae", "grpo"))
+        choice(s, "device", self.device, ("auto", "cpu", "cuda"))
+        choice(s, "dtype", self.dtype, ("float32", "bfloat16"))
+        positive_int(s, "world_size", self.world_size)
+        choice(s, "placement", self.placement, ("auto", "local", "colocated", "split"))
+        number(s, "cpus_per_rank", self.cpus_per_rank, 0.0, 1024.0, lo_open=True)
         for name in ("offload_idle_models", "vllm_sleep", "overlap_rollout"):
             value = getattr(self, name)
-            _check(isinstance(value, bool) or value == "auto", f"ppo.{name}", value, "must be 'auto', True or False")
-        _number(s, "vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, 0.0, 1.0,
-                lo_open=True, hi_open=True)
-        _check(isinstance(self.critic_lora_rank, int) and not isinstance(self.critic_lora_rank, bool)
-               and self.critic_lora_rank >= -1, "ppo.critic_lora_rank", self.critic_lora_rank,
-               "must be -1 (the actor's ppo.lora_rank), 0 (full fine-tuning) or a positive rank")
-        _number(s, "lora_alpha", self.lora_alpha, 0.0, 1e6, lo_open=True)
-        _number(s, "lora_dropout", self.lora_dropout, 0.0, 1.0, hi_open=True)
+            check(isinstance(value, bool) or value == "auto", f"ppo.{name}", value, "must be 'auto', True or False")
+        number(s, "vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, 0.0, 1.0,
+               lo_open=True, hi_open=True)
+        check(isinstance(self.critic_lora_rank, int) and not isinstance(self.critic_lora_rank, bool)
+              and self.critic_lora_rank >= -1, "ppo.critic_lora_rank", self.critic_lora_rank,
+              "must be -1 (the actor's ppo.lora_rank), 0 (full fine-tuning) or a positive rank")
+        number(s, "lora_alpha", self.lora_alpha, 0.0, 1e6, lo_open=True)
+        number(s, "lora_dropout", self.lora_dropout, 0.0, 1.0, hi_open=True)
         targets = self.lora_target_modules
-        _check(targets == "all-linear" or (isinstance(targets, (list, tuple)) and targets
-                                           and all(isinstance(t, str) and t for t in targets)),
-               "ppo.lora_target_modules", targets,
-               "must be 'all-linear' or a non-empty list of module names such as ['q_proj', 'v_proj']")
+        check(targets == "all-linear" or (isinstance(targets, (list, tuple)) and targets
+                                          and all(isinstance(t, str) and t for t in targets)),
+              "ppo.lora_target_modules", targets,
+              "must be 'all-linear' or a non-empty list of module names such as ['q_proj', 'v_proj']")
         for name in ("adaptive_kl", "whiten_advantages", "grpo_normalize_std", "rollout_logprobs",
                      "vllm_per_request_seeds", "torch_compile", "gradient_checkpointing"):
-            _check(isinstance(getattr(self, name), bool), f"ppo.{name}", getattr(self, name),
-                   "must be True or False")
-        _check(isinstance(self.init_from, str), "ppo.init_from", self.init_from, "must be a path string")
+            check(isinstance(getattr(self, name), bool), f"ppo.{name}", getattr(self, name),
+                  "must be True or False")
+        check(isinstance(self.init_from, str), "ppo.init_from", self.init_from, "must be a path string")
         # Cross-field rules.
         if self.rollout_logprobs:
-            _check(self.rollout_backend == "vllm", "ppo.rollout_logprobs", self.rollout_logprobs,
-                   "needs ppo.rollout_backend = 'vllm' (the HF backend returns no sampling log-probs)")
+            check(self.rollout_backend == "vllm", "ppo.rollout_logprobs", self.rollout_logprobs,
+                  "needs ppo.rollout_backend = 'vllm' (the HF backend returns no sampling log-probs)")
         if self.overlap_rollout is True:
-            _check(self.rollout_backend == "vllm" and self.adv_estimator == "gae", "ppo.overlap_rollout",
-                   self.overlap_rollout, "needs ppo.rollout_backend = 'vllm' and a critic (ppo.adv_estimator = "
-                   "'gae'): the next rollout overlaps the critic's update; use 'auto' or False")
+            check(self.rollout_backend == "vllm" and self.adv_estimator == "gae", "ppo.overlap_rollout",
+                  self.overlap_rollout, "needs ppo.rollout_backend = 'vllm' and a critic (ppo.adv_estimator = "
+                  "'gae'): the next rollout overlaps the critic's update; use 'auto' or False")
         if self.adv_estimator == "grpo":
-            _check(self.samples_per_prompt >= 2, "ppo.samples_per_prompt", self.samples_per_prompt,
-                   "must be >= 2 when ppo.adv_estimator = 'grpo' (the group baseline needs a group)")
-            _check(self.critic_lora_rank == -1, "ppo.critic_lora_rank", self.critic_lora_rank,
-                   "is set but ppo.adv_estimator = 'grpo' has no critic; remove it, or use ppo.adv_estimator = 'gae'")
+            check(self.samples_per_prompt >= 2, "ppo.samples_per_prompt", self.samples_per_prompt,
+                  "must be >= 2 when ppo.adv_estimator = 'grpo' (the group baseline needs a group)")
+            check(self.critic_lora_rank == -1, "ppo.critic_lora_rank", self.critic_lora_rank,
+                  "is set but ppo.adv_estimator = 'grpo' has no critic; remove it, or use ppo.adv_estimator = 'gae'")
         if not self.lora_rank and self.resolved_critic_lora_rank <= 0:  # no adapters anywhere
             for name in LORA_SETTINGS:
                 default = PPOConfig.__dataclass_fields__[name].default
-                _check(getattr(self, name) == default, f"ppo.{name}", getattr(self, name),
-                       f"is set but no model has LoRA adapters (ppo.lora_rank = 0); set ppo.lora_rank > 0 "
-                       f"(or ppo.critic_lora_rank > 0) to train adapters, or remove ppo.{name}")
+                check(getattr(self, name) == default, f"ppo.{name}", getattr(self, name),
+                      f"is set but no model has LoRA adapters (ppo.lora_rank = 0); set ppo.lora_rank > 0 "
+                      f"(or ppo.critic_lora_rank > 0) to train adapters, or remove ppo.{name}")
         buffer = self.rollout_batch_size
-        _check(buffer % self.mini_batch_size == 0, "ppo.mini_batch_size", self.mini_batch_size,
-               f"must divide the rollout buffer (rollout_micro_batch_size x num_rollout_batches x "
-               f"samples_per_prompt = {buffer})")
-        _check(self.mini_batch_size % self.micro_batch_size == 0, "ppo.micro_batch_size",
-               self.micro_batch_size, f"must divide ppo.mini_batch_size = {self.mini_batch_size}")
+        check(buffer % self.mini_batch_size == 0, "ppo.mini_batch_size", self.mini_batch_size,
+              f"must divide the rollout buffer (rollout_micro_batch_size x num_rollout_batches x "
+              f"samples_per_prompt = {buffer})")
+        check(self.mini_batch_size % self.micro_batch_size == 0, "ppo.micro_batch_size",
+              self.micro_batch_size, f"must divide ppo.mini_batch_size = {self.mini_batch_size}")
         if self.max_tokens_per_micro_batch:  # every sequence must fit in one micro-batch
             longest = self.max_prompt_length + self.max_response_length
-            _check(self.max_tokens_per_micro_batch >= longest, "ppo.max_tokens_per_micro_batch",
-                   self.max_tokens_per_micro_batch,
-                   f"must be 0 (off) or at least ppo.max_prompt_length + ppo.max_response_length = {longest} "
-                   f"(every sequence must fit in one micro-batch)")
-        _check(self.world_size == 1 or self.placement != "local", "ppo.placement", self.placement,
-               f"must be 'colocated', 'split' or 'auto' when ppo.world_size = {self.world_size} "
-               f"('local' runs every role in one process)")
+            check(self.max_tokens_per_micro_batch >= longest, "ppo.max_tokens_per_micro_batch",
+                  self.max_tokens_per_micro_batch,
+                  f"must be 0 (off) or at least ppo.max_prompt_length + ppo.max_response_length = {longest} "
+                  f"(every sequence must fit in one micro-batch)")
+        check(self.world_size == 1 or self.placement != "local", "ppo.placement", self.placement,
+              f"must be 'colocated', 'split' or 'auto' when ppo.world_size = {self.world_size} "
+              f"('local' runs every role in one process)")
         # Every rank takes an equal share of each mini-batch: sharded models need every rank to run
         # the same number of forward passes, or their all-gathers wait on each other forever.
-        _check(self.mini_batch_size % self.world_size == 0, "ppo.mini_batch_size", self.mini_batch_size,
-               f"must be a multiple of ppo.world_size = {self.world_size} (each rank takes an equal share)")
+        check(self.mini_batch_size % self.world_size == 0, "ppo.mini_batch_size", self.mini_batch_size,
+              f"must be a multiple of ppo.world_size = {self.world_size} (each rank takes an equal share)")
 
     @property
     def rollout_batch_size(self) -> int:
@@ -448,9 +414,9 @@ class ModelConfig:
     """'policy': the critic's backbone starts from the policy's weights; 'random': fresh head and backbone."""
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.name_or_path, str) and bool(self.name_or_path), "model.name_or_path",
-               self.name_or_path, "must be 'tiny' or a local model directory")
-        _choice("model", "critic_init", self.critic_init, ("policy", "random"))
+        check(isinstance(self.name_or_path, str) and bool(self.name_or_path), "model.name_or_path",
+              self.name_or_path, "must be 'tiny' or a local model directory")
+        choice("model", "critic_init", self.critic_init, ("policy", "random"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -468,9 +434,9 @@ class TinyModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
-            _positive_int("tiny_model", name, getattr(self, name))
-        _check(self.hidden_size % self.num_heads == 0, "tiny_model.num_heads", self.num_heads,
-               f"must divide tiny_model.hidden_size = {self.hidden_size}")
+            positive_int("tiny_model", name, getattr(self, name))
+        check(self.hidden_size % self.num_heads == 0, "tiny_model.num_heads", self.num_heads,
+              f"must divide tiny_model.hidden_size = {self.hidden_size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,39 +481,39 @@ class TaskConfig:
     after "####".')."""
 
     def __post_init__(self) -> None:
-        _choice("task", "name", self.name, ("arithmetic", "file"))
-        _choice("task", "format", self.format, ("auto", "plain", "verl"))
-        _check(isinstance(self.chat_template, str) and bool(self.chat_template), "task.chat_template",
-               self.chat_template, "must be 'auto', 'none' or the path of a Jinja chat template file")
+        choice("task", "name", self.name, ("arithmetic", "file"))
+        choice("task", "format", self.format, ("auto", "plain", "verl"))
+        check(isinstance(self.chat_template, str) and bool(self.chat_template), "task.chat_template",
+              self.chat_template, "must be 'auto', 'none' or the path of a Jinja chat template file")
         if self.chat_template not in ("auto", "none"):
             from pathlib import Path
-            _check(Path(self.chat_template).is_file(), "task.chat_template", self.chat_template,
-                   "no such template file (use 'auto', 'none' or the path of a Jinja chat template)")
+            check(Path(self.chat_template).is_file(), "task.chat_template", self.chat_template,
+                  "no such template file (use 'auto', 'none' or the path of a Jinja chat template)")
         for name in ("system_prompt", "instruction_suffix"):
-            _check(isinstance(getattr(self, name), str), f"task.{name}", getattr(self, name), "must be a string")
-        _positive_int("task", "eval_size", self.eval_size)
-        _number("task", "eval_fraction", self.eval_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
-        _positive_int("task", "max_operand", self.max_operand)
-        _number("task", "missing_eos_penalty", self.missing_eos_penalty, 0.0, 100.0)
-        _number("task", "format_reward", self.format_reward, 0.0, 100.0)
+            check(isinstance(getattr(self, name), str), f"task.{name}", getattr(self, name), "must be a string")
+        positive_int("task", "eval_size", self.eval_size)
+        number("task", "eval_fraction", self.eval_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
+        positive_int("task", "max_operand", self.max_operand)
+        number("task", "missing_eos_penalty", self.missing_eos_penalty, 0.0, 100.0)
+        number("task", "format_reward", self.format_reward, 0.0, 100.0)
         if self.name == "file":
-            _check(bool(self.train_path), "task.train_path", self.train_path,
-                   "must name a JSONL or parquet file when task.name = 'file'")
+            check(bool(self.train_path), "task.train_path", self.train_path,
+                  "must name a JSONL or parquet file when task.name = 'file'")
         else:
             for name in ("train_path", "eval_path"):
-                _check(not getattr(self, name), f"task.{name}", getattr(self, name),
-                       "is set but task.name = 'arithmetic' trains on the embedded task and ignores it; "
-                       "set task.name = 'file' to train on the file")
+                check(not getattr(self, name), f"task.{name}", getattr(self, name),
+                      "is set but task.name = 'arithmetic' trains on the embedded task and ignores it; "
+                      "set task.name = 'file' to train on the file")
         from rlhf.rewards import REWARD_FUNCTIONS  # local import: rewards imports nothing from here
         names = tuple(sorted(REWARD_FUNCTIONS))
         if isinstance(self.reward_fn, dict):
-            _check(bool(self.reward_fn) and all(isinstance(k, str) and k and v in names
-                                                for k, v in self.reward_fn.items()),
-                   "task.reward_fn", self.reward_fn,
-                   f"a mapping takes each data_source (a non-empty string) to a reward name: "
-                   f"{', '.join(map(repr, names))}")
+            check(bool(self.reward_fn) and all(isinstance(k, str) and k and v in names
+                                               for k, v in self.reward_fn.items()),
+                  "task.reward_fn", self.reward_fn,
+                  f"a mapping takes each data_source (a non-empty string) to a reward name: "
+                  f"{', '.join(map(repr, names))}")
         else:
-            _choice("task", "reward_fn", self.reward_fn, names + ("auto",))
+            choice("task", "reward_fn", self.reward_fn, names + ("auto",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -583,25 +549,25 @@ class RewardConfig:
     """Sequences per reward-model forward."""
 
     def __post_init__(self) -> None:
-        _choice("reward", "kind", self.kind, ("rule", "model", "combined"))
-        _choice("reward", "normalize", self.normalize, ("none", "batch", "running"))
-        _number("reward", "rule_weight", self.rule_weight, -100.0, 100.0)
-        _number("reward", "model_weight", self.model_weight, -100.0, 100.0)
-        _number("reward", "clip", self.clip, 0.0, 1e6)
-        _positive_int("reward", "micro_batch_size", self.micro_batch_size)
+        choice("reward", "kind", self.kind, ("rule", "model", "combined"))
+        choice("reward", "normalize", self.normalize, ("none", "batch", "running"))
+        number("reward", "rule_weight", self.rule_weight, -100.0, 100.0)
+        number("reward", "model_weight", self.model_weight, -100.0, 100.0)
+        number("reward", "clip", self.clip, 0.0, 1e6)
+        positive_int("reward", "micro_batch_size", self.micro_batch_size)
         for name in ("model_path", "tokenizer_path", "chat_template"):
-            _check(isinstance(getattr(self, name), str), f"reward.{name}", getattr(self, name), "must be a string")
+            check(isinstance(getattr(self, name), str), f"reward.{name}", getattr(self, name), "must be a string")
         if self.kind != "rule":
-            _check(bool(self.model_path), "reward.model_path", self.model_path,
-                   f"must name a reward-model checkpoint dir when reward.kind = {self.kind!r}")
+            check(bool(self.model_path), "reward.model_path", self.model_path,
+                  f"must name a reward-model checkpoint dir when reward.kind = {self.kind!r}")
         else:  # the model score's settings do nothing under the rule
             for name in ("model_path", "tokenizer_path", "normalize", "clip"):
                 default = RewardConfig.__dataclass_fields__[name].default
-                _check(getattr(self, name) == default, f"reward.{name}", getattr(self, name),
-                       "is set but reward.kind = 'rule' trains on task.reward_fn and ignores it; set "
-                       "reward.kind = 'model' or 'combined' to score with the reward model")
-        _check(bool(self.chat_template), "reward.chat_template", self.chat_template,
-               "must be 'auto', 'none' or the path of a Jinja chat template file")
+                check(getattr(self, name) == default, f"reward.{name}", getattr(self, name),
+                      "is set but reward.kind = 'rule' trains on task.reward_fn and ignores it; set "
+                      "reward.kind = 'model' or 'combined' to score with the reward model")
+        check(bool(self.chat_template), "reward.chat_template", self.chat_template,
+              "must be 'auto', 'none' or the path of a Jinja chat template file")
 
     @property
     def uses_model(self) -> bool:
@@ -622,10 +588,10 @@ class SFTConfig:
     """Fixed apart from ppo.seed, so every PPO seed starts from the same SFT policy."""
 
     def __post_init__(self) -> None:
-        _positive_int("sft", "steps", self.steps)
-        _positive_int("sft", "batch_size", self.batch_size)
-        _number("sft", "learning_rate", self.learning_rate, 0.0, 1.0, lo_open=True)
-        _positive_int("sft", "seed", self.seed, minimum=0)
+        positive_int("sft", "steps", self.steps)
+        positive_int("sft", "batch_size", self.batch_size)
+        number("sft", "learning_rate", self.learning_rate, 0.0, 1.0, lo_open=True)
+        positive_int("sft", "seed", self.seed, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -648,16 +614,16 @@ class RunConfig:
     def __post_init__(self) -> None:
         # Cross-scope rules: each names the binding to change.
         if self.model.name_or_path == "tiny":
-            _check(self.task.name == "arithmetic", "task.name", self.task.name,
-                   "model.name_or_path = 'tiny' is warm-started on the arithmetic task only; use task.name = "
-                   "'arithmetic', or build a warm start on your data (python -m experiments sft) and "
-                   "point model.name_or_path at it")
+            check(self.task.name == "arithmetic", "task.name", self.task.name,
+                  "model.name_or_path = 'tiny' is warm-started on the arithmetic task only; use task.name = "
+                  "'arithmetic', or build a warm start on your data (python -m experiments sft) and "
+                  "point model.name_or_path at it")
         if self.ppo.init_from:
             from pathlib import Path
             actor = Path(self.ppo.init_from) / "actor"
-            _check((actor / "config.json").is_file() or (actor / "adapter_config.json").is_file(), "ppo.init_from",
-                   self.ppo.init_from, "not a checkpoint dir (a run's checkpoints/step_N, holding actor/config.json, "
-                   "or actor/adapter_config.json for LoRA)")
+            check((actor / "config.json").is_file() or (actor / "adapter_config.json").is_file(), "ppo.init_from",
+                  self.ppo.init_from, "not a checkpoint dir (a run's checkpoints/step_N, holding actor/config.json, "
+                  "or actor/adapter_config.json for LoRA)")
             check_adapter_starts(self.ppo)
         limit, source = model_position_limit(self)
         need = self.ppo.max_prompt_length + self.ppo.max_response_length
@@ -724,26 +690,3 @@ def model_position_limit(cfg: "RunConfig") -> tuple:
         if isinstance(config.get(key), int) and config[key] > 0:
             return config[key], f"{key} in {path}"
     return None, None
-
-
-def flat_dict(cfg: RunConfig) -> dict:
-    """`{'ppo.kl_coef': 0.05, ...}`: the operative config as flat binding names."""
-    out = {}
-    for scope, values in cfg.to_dict().items():
-        for k, v in values.items():
-            out[f"{scope}.{k}"] = v
-    return out
-
-
-def nested_dict(flat: Mapping[str, object]) -> dict:
-    """`{'ppo.kl_coef': 0.1}` -> `{'ppo': {'kl_coef': 0.1}}`: flat binding names as one level per dot
-    (a params file, W&B's config, whose panels address `ppo.kl_coef` only in a nested config)."""
-    out: dict = {}
-    for key, value in flat.items():
-        node = out
-        *parents, last = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
-    return out
-

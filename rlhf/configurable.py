@@ -14,21 +14,13 @@ import os
 import re
 import tokenize
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import gin
 
-from rlhf.config import (
-    ModelConfig,
-    PPOConfig,
-    RewardConfig,
-    RunConfig,
-    SFTConfig,
-    TaskConfig,
-    TinyModelConfig,
-    why_not_a_file,
-)
+from rlhf.config import ModelConfig, PPOConfig, RewardConfig, RunConfig, SFTConfig, TaskConfig, TinyModelConfig
 from rlhf.errors import ConfigError
+from rlhf.validation import why_not_a_file
 
 SCOPES = {
     "ppo": PPOConfig,
@@ -365,3 +357,25 @@ def resolve(recipe: str | os.PathLike | None, bindings: Sequence[str] = ()) -> t
     parse(recipe, bindings)
     cfg = build()
     return cfg, gin.operative_config_str()
+
+
+def flat_dict(cfg: RunConfig) -> dict:
+    """`{'ppo.kl_coef': 0.05, ...}`: the operative config as flat binding names."""
+    out = {}
+    for scope, values in cfg.to_dict().items():
+        for k, v in values.items():
+            out[f"{scope}.{k}"] = v
+    return out
+
+
+def nested_dict(flat: Mapping[str, object]) -> dict:
+    """`{'ppo.kl_coef': 0.1}` -> `{'ppo': {'kl_coef': 0.1}}`: flat binding names as one level per dot
+    (a params file, W&B's config, whose panels address `ppo.kl_coef` only in a nested config)."""
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out

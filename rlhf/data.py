@@ -31,9 +31,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from rlhf.chat import Prompt, is_messages, normalize_messages, prompt_key
-from rlhf.config import TaskConfig, why_not_a_file
+from rlhf.config import TaskConfig
 from rlhf.errors import ConfigError
 from rlhf.rewards import DATA_SOURCES, REWARD_FUNCTIONS, routes_by_source, scorer_for
+from rlhf.validation import why_not_a_file
 
 FORMATS = ("plain", "verl", "preference")
 

@@ -28,6 +28,11 @@ everything else the engine logs is under one of `NAMESPACES`."""
 NAMESPACES = ("actor/", "critic/", "eval/", "timing_s/", "perf/", "rollout/")
 """Prefixes of the namespaced extras; `eval/` metrics are also the held-out evaluation that
 summary.json's `initial` and `final` hold."""
+SIGNALS = ("reward_mean", "kl_divergence", "clip_fraction", "clip_fraction_lower", "clip_fraction_upper",
+           "response_length_mean", "rollout_success_rate", "eval/accuracy")
+"""The tuning guide's signals a step logs, and the held-out accuracy: what the reports chart, in their
+order. The W&B report draws each (experiments/wandb_report.py); the plots (experiments/plots.py) and
+the DVC curves (experiments/stages.py) draw a selection, each saying what it leaves out and why."""
 
 
 EVAL_METRICS = ("eval/accuracy", "eval/rm_score", "eval/reward_mean", "eval/response_length_mean",

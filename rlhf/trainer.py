@@ -33,11 +33,8 @@ from rlhf.models import check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles
 from rlhf.placement.context import deterministic_algorithms
 from rlhf.placement.proxy import submit
-from rlhf.rollout import SamplingParams, decode_responses, derive_seed, rollout_logprob_gap
+from rlhf.rollout import SamplingParams, SeedStream, decode_responses, derive_seed, rollout_logprob_gap
 from rlhf.tiny import prepare_tiny
-
-EVAL_SEED_SALT = 7_919
-
 
 class TrainingDiverged(RuntimeError):
     """A loss or metric became NaN or infinite."""
@@ -136,9 +133,7 @@ class PPOTrainer:
             self.placement["memory_predicted"] = self.memory_plan.to_dict()
         self.kl_ctl = (algos.AdaptiveKLController(self.ppo.kl_coef, self.ppo.kl_target, self.ppo.kl_horizon)
                        if self.ppo.adaptive_kl else algos.FixedKLController(self.ppo.kl_coef))
-        self.sampling = SamplingParams(max_new_tokens=self.ppo.max_response_length, temperature=self.ppo.temperature,
-                                       top_p=self.ppo.top_p, top_k=self.ppo.top_k,
-                                       max_prompt_length=self.ppo.max_prompt_length, truncation=self.truncation_side)
+        self.sampling = SamplingParams.from_ppo(self.ppo)
         self.step = 0
         self.overlap = self._overlap_mode(log)
         self._ahead = None  # (prompts, calls, pending generation) of the next iteration, when it runs ahead
@@ -159,11 +154,6 @@ class PPOTrainer:
         self._cut_prompts = {prompt_key(ex.prompt) for name in splits for ex, n in zip(splits[name], lengths[name])
                              if n > self.ppo.max_prompt_length}
         return fractions
-
-    @property
-    def truncation_side(self) -> str:
-        """The end of a too-long prompt the rollout cuts (under 'error' no prompt is too long)."""
-        return "right" if self.ppo.prompt_truncation == "right" else "left"
 
     # ----------------------------------------------------------------- phases
     def generate(self, examples: List[Example], sampling: SamplingParams, seed_parts: tuple,
@@ -324,7 +314,7 @@ class PPOTrainer:
         # while the critic trains (the two updates read the same buffer and touch nothing of each
         # other's, so their order changes no number).
         with timer("update_actor"):
-            actor_stats = self.actor.update(batch, shuffle_seed=derive_seed(ppo.seed, step, 3),
+            actor_stats = self.actor.update(batch, shuffle_seed=derive_seed(ppo.seed, step, SeedStream.ACTOR_SHUFFLE),
                                             kl_coef=self.kl_ctl.value)
         if on_policy:
             batch["old_logprobs"], entropy = actor_stats.pop("old_logprobs"), actor_stats.pop("entropy_old")
@@ -336,7 +326,8 @@ class PPOTrainer:
         critic_stats = {}
         if self.critic is not None:
             with timer("update_critic"):
-                critic_stats = self.critic.update(batch, shuffle_seed=derive_seed(ppo.seed, step, 2))
+                critic_stats = self.critic.update(batch,
+                                                  shuffle_seed=derive_seed(ppo.seed, step, SeedStream.CRITIC_SHUFFLE))
         self.kl_ctl.update(advantage_stats["kl_divergence"], len(batch))
         record = step_record(batch, advantages=advantage_stats, critic=critic_stats, actor=actor_stats,
                              entropy_old=entropy, logprob_gap=rollout_logprob_gap(batch),
@@ -372,11 +363,9 @@ class PPOTrainer:
         if ppo.eval_temperature > 0:
             modes.append(("greedy_", 0.0, 1))
         for prefix, temperature, n in modes:
-            sampling = SamplingParams(max_new_tokens=ppo.max_response_length, temperature=temperature,
-                                      top_p=ppo.top_p if temperature > 0 else 1.0, top_k=ppo.top_k,
-                                      max_prompt_length=ppo.max_prompt_length, truncation=self.truncation_side)
+            sampling = SamplingParams.from_ppo(ppo, temperature)
             calls = math.ceil(len(self.eval_examples) * n / 64)
-            batch = self.generate(self.eval_examples, sampling, (ppo.seed, EVAL_SEED_SALT, self.step), n, calls)
+            batch = self.generate(self.eval_examples, sampling, (ppo.seed, SeedStream.EVAL, self.step), n, calls)
             scored = self.reward.score(batch, update=False)  # evaluation never moves the reward's running statistics
             out[f"eval/{prefix}accuracy"] = float(scored["correct"].float().mean())
             if "rm_scores" in scored:

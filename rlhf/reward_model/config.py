@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from rlhf.config import _check, _choice, _number, _positive_int
 from rlhf.errors import ConfigError
+from rlhf.validation import check, choice, number, positive_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,34 +66,34 @@ class RMTrainConfig:
 
     def __post_init__(self) -> None:
         s = "rm"
-        _check(isinstance(self.train_path, str) and bool(self.train_path), "rm.train_path", self.train_path,
-               "must name a JSONL or parquet file of preference pairs")
-        _check(isinstance(self.base_model, str) and bool(self.base_model), "rm.base_model", self.base_model,
-               "must name a local checkpoint dir (a causal LM such as the SFT policy, or a sequence classifier)")
-        _check((Path(self.base_model) / "config.json").is_file(), "rm.base_model", self.base_model,
-               "not a local model directory (no config.json)")
-        _number(s, "eval_fraction", self.eval_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
-        _check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0, "rm.seed",
-               self.seed, "must be a non-negative integer")
+        check(isinstance(self.train_path, str) and bool(self.train_path), "rm.train_path", self.train_path,
+              "must name a JSONL or parquet file of preference pairs")
+        check(isinstance(self.base_model, str) and bool(self.base_model), "rm.base_model", self.base_model,
+              "must name a local checkpoint dir (a causal LM such as the SFT policy, or a sequence classifier)")
+        check((Path(self.base_model) / "config.json").is_file(), "rm.base_model", self.base_model,
+              "not a local model directory (no config.json)")
+        number(s, "eval_fraction", self.eval_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
+        check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0, "rm.seed",
+              self.seed, "must be a non-negative integer")
         for name in ("steps", "batch_size", "micro_batch_size", "eval_every", "save_every"):
-            _positive_int(s, name, getattr(self, name))
+            positive_int(s, name, getattr(self, name))
         for name in ("warmup_steps", "max_length", "keep_checkpoints", "torch_threads"):
-            _positive_int(s, name, getattr(self, name), minimum=0)
-        _check(self.batch_size % self.micro_batch_size == 0, "rm.micro_batch_size", self.micro_batch_size,
-               f"must divide rm.batch_size = {self.batch_size}")
-        _number(s, "learning_rate", self.learning_rate, 0.0, 1.0, lo_open=True)
-        _number(s, "weight_decay", self.weight_decay, 0.0, 1.0)
-        _number(s, "max_grad_norm", self.max_grad_norm, 0.0, 1e6)
-        _choice(s, "lr_schedule", self.lr_schedule, ("constant", "cosine"))
-        _choice(s, "device", self.device, ("auto", "cpu", "cuda"))
-        _choice(s, "dtype", self.dtype, ("float32", "bfloat16"))
+            positive_int(s, name, getattr(self, name), minimum=0)
+        check(self.batch_size % self.micro_batch_size == 0, "rm.micro_batch_size", self.micro_batch_size,
+              f"must divide rm.batch_size = {self.batch_size}")
+        number(s, "learning_rate", self.learning_rate, 0.0, 1.0, lo_open=True)
+        number(s, "weight_decay", self.weight_decay, 0.0, 1.0)
+        number(s, "max_grad_norm", self.max_grad_norm, 0.0, 1e6)
+        choice(s, "lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        choice(s, "device", self.device, ("auto", "cpu", "cuda"))
+        choice(s, "dtype", self.dtype, ("float32", "bfloat16"))
         for name in ("use_margin", "gradient_checkpointing"):
-            _check(isinstance(getattr(self, name), bool), f"rm.{name}", getattr(self, name), "must be True or False")
-        _check(isinstance(self.chat_template, str) and bool(self.chat_template), "rm.chat_template",
-               self.chat_template, "must be 'auto', 'none' or the path of a Jinja chat template file")
+            check(isinstance(getattr(self, name), bool), f"rm.{name}", getattr(self, name), "must be True or False")
+        check(isinstance(self.chat_template, str) and bool(self.chat_template), "rm.chat_template",
+              self.chat_template, "must be 'auto', 'none' or the path of a Jinja chat template file")
         if self.chat_template not in ("auto", "none"):
-            _check(Path(self.chat_template).is_file(), "rm.chat_template", self.chat_template,
-                   "no such template file (use 'auto', 'none' or the path of a Jinja chat template)")
+            check(Path(self.chat_template).is_file(), "rm.chat_template", self.chat_template,
+                  "no such template file (use 'auto', 'none' or the path of a Jinja chat template)")
 
 
 def check_rm_only(recipe, bindings=()) -> None:

@@ -6,15 +6,8 @@ from __future__ import annotations
 
 import importlib
 
-from rlhf.rollout.base import (
-    RolloutBackend,
-    SamplingParams,
-    decode_responses,
-    derive_seed,
-    encode_prompts,
-    response_mask_from_ids,
-    rollout_logprob_gap,
-)
+from rlhf.rollout.base import (RolloutBackend, SamplingParams, SeedStream, decode_responses, derive_seed,
+                               encode_prompts, response_mask_from_ids, rollout_logprob_gap)
 
 BACKENDS = {"hf": "rlhf.rollout.hf:HFRollout", "vllm": "rlhf.rollout.vllm:VLLMRollout"}
 """`ppo.rollout_backend` name -> "module:class" of a `RolloutBackend`."""
@@ -27,5 +20,5 @@ def backend_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-__all__ = ["BACKENDS", "RolloutBackend", "SamplingParams", "backend_class", "decode_responses",
+__all__ = ["BACKENDS", "RolloutBackend", "SamplingParams", "SeedStream", "backend_class", "decode_responses",
            "derive_seed", "encode_prompts", "response_mask_from_ids", "rollout_logprob_gap"]

@@ -15,6 +15,7 @@ Backends are registered by name in `rlhf/rollout/__init__.py` and built with `fr
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import List, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
@@ -25,13 +26,27 @@ from rlhf.batch import Batch
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    """How one generation call samples: built from the run's `PPOConfig` by `from_ppo`, whose fields
+    hold every default."""
+
     max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_prompt_length: int = 1024
-    truncation: str = "left"
+    temperature: float
+    top_p: float
+    top_k: int
+    max_prompt_length: int
+    truncation: str
     """Which end of a prompt longer than max_prompt_length is cut: 'left' (its first tokens) or 'right'."""
+
+    @classmethod
+    def from_ppo(cls, ppo, temperature: Optional[float] = None) -> "SamplingParams":
+        """The sampling of `ppo`'s rollouts, or at `temperature` (an evaluation's: 0 is greedy, which
+        samples from no nucleus, so top_p is 1). A too-long prompt is cut on its right under
+        ppo.prompt_truncation = 'right', else on its left (under 'error' no prompt is too long)."""
+        temperature = ppo.temperature if temperature is None else temperature
+        return cls(max_new_tokens=ppo.max_response_length, temperature=temperature,
+                   top_p=ppo.top_p if temperature > 0 else 1.0, top_k=ppo.top_k,
+                   max_prompt_length=ppo.max_prompt_length,
+                   truncation="right" if ppo.prompt_truncation == "right" else "left")
 
     @property
     def greedy(self) -> bool:
@@ -41,6 +56,21 @@ class SamplingParams:
 def derive_seed(*parts: int) -> int:
     """A well-mixed 31-bit seed from integers (run seed, step, call index, ...)."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+class SeedStream(enum.IntEnum):
+    """The named streams `derive_seed` mixes in beside the run seed, so no two uses of ppo.seed draw the
+    same numbers. The training rollouts' stream names none: its parts are (seed, step, call index).
+    The values are fixed: a run's samples, shuffles and so its metrics follow from them."""
+
+    CRITIC_SHUFFLE = 2
+    """The critic's mini-batch order of a step: (seed, step, CRITIC_SHUFFLE)."""
+    ACTOR_SHUFFLE = 3
+    """The actor's mini-batch order of a step: (seed, step, ACTOR_SHUFFLE)."""
+    EVAL = 7_919
+    """The evaluations' generations: (seed, EVAL, step, call index)."""
+    TEST = 104_729
+    """The held-out test split's generations (experiments/heldout.py): (seed, TEST, call index)."""
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str | Sequence[int]], max_prompt_length: int,

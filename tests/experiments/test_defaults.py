@@ -37,3 +37,48 @@ def test_recipes_restate_no_default(recipe):
                 and type(defaults[f"{s.selector}.{s.arg_name}"]) is type(s.value)]
     assert not restated, f"{recipe.name} restates defaults of rlhf/config.py: {restated}"
 
+
+def test_study_defaults_are_written_once_on_study():
+    """`study()` restates none of `Study`'s defaults: it fills them from its fields."""
+    import inspect
+
+    from experiments.study import STUDY_DEFAULTS, STUDY_PARAMETERS, Study, study
+    own = inspect.signature(study).parameters
+    assert STUDY_DEFAULTS and not set(STUDY_DEFAULTS) & set(own)
+    assert {k: study()[k] for k in STUDY_DEFAULTS} == {f.name: f.default for f in dataclasses.fields(Study)
+                                                      if f.name in STUDY_DEFAULTS}
+    assert set(STUDY_PARAMETERS) == set(study())
+    with pytest.raises(TypeError, match="nonexistent"):
+        study(nonexistent=1)
+    assert study(power=0.9)["power"] == 0.9
+
+
+def test_sampling_params_are_the_ppo_configs():
+    """SamplingParams holds no defaults: every one is built from a PPOConfig."""
+    from rlhf.config import PPOConfig
+    from rlhf.rollout import SamplingParams
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(SamplingParams))
+    ppo = PPOConfig(temperature=0.7, top_p=0.9, top_k=5, prompt_truncation="right")
+    rollout, greedy = SamplingParams.from_ppo(ppo), SamplingParams.from_ppo(ppo, 0.0)
+    assert (rollout.temperature, rollout.top_p, rollout.top_k, rollout.truncation) == (0.7, 0.9, 5, "right")
+    assert rollout.max_new_tokens == ppo.max_response_length and rollout.max_prompt_length == ppo.max_prompt_length
+    assert greedy.greedy and greedy.top_p == 1.0
+
+
+def test_seed_streams_keep_their_values():
+    """The named seed streams are the integers every run's samples and shuffles were drawn with."""
+    from rlhf.rollout import SeedStream
+    assert {s.name: int(s) for s in SeedStream} == {"CRITIC_SHUFFLE": 2, "ACTOR_SHUFFLE": 3, "EVAL": 7_919,
+                                                    "TEST": 104_729}
+
+
+def test_reports_select_from_one_signal_list():
+    """The W&B panels are the signal list; the plots and curves a selection of it, in its order."""
+    from experiments.plots import FIGURES
+    from experiments.stages import CURVE_METRICS
+    from experiments.wandb_report import SIGNALS as PANELS
+    from rlhf.metrics import SIGNALS
+    assert PANELS is SIGNALS
+    plotted = [m for ms in FIGURES.values() for m in ms]
+    assert plotted == [m for m in SIGNALS if m in plotted] and set(CURVE_METRICS) <= set(SIGNALS)
+    assert CURVE_METRICS == ("reward_mean", "kl_divergence", "clip_fraction", "response_length_mean", "eval/accuracy")

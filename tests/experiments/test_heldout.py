@@ -202,7 +202,8 @@ def test_the_score_is_the_engines_eval_accuracy(path):
     from rlhf.data import load_task
     from rlhf.models import load_tokenizer
     from rlhf.roles.actor import build_policy
-    from rlhf.trainer import EVAL_SEED_SALT, resolve_model_paths
+    from rlhf.rollout import SeedStream
+    from rlhf.trainer import resolve_model_paths
 
     run_dir = path / "results" / "r1" / "runs" / "baseline" / "seed1"
     cfg = run_config(run_dir)
@@ -211,13 +212,13 @@ def test_the_score_is_the_engines_eval_accuracy(path):
                           torch.device("cpu"))
     _, held = load_task(cfg.task)
     got = gold_accuracy(policy, load_tokenizer(tokenizer_dir), cfg, held[:cfg.task.eval_size],
-                        (cfg.ppo.seed, EVAL_SEED_SALT, STEP))
+                        (cfg.ppo.seed, SeedStream.EVAL, STEP))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     logged = next(r for r in rows if r["step"] == STEP)
     assert got == {"accuracy": logged["eval/accuracy"], "greedy_accuracy": logged["eval/greedy_accuracy"]}
     start = build_policy(cfg.ppo, str(start_of(cfg)), str(model_dir), torch.device("cpu"))  # step 0: the warm start
     got = gold_accuracy(start, load_tokenizer(tokenizer_dir), cfg, held[:cfg.task.eval_size],
-                        (cfg.ppo.seed, EVAL_SEED_SALT, 0))
+                        (cfg.ppo.seed, SeedStream.EVAL, 0))
     assert got == {"accuracy": rows[0]["eval/accuracy"], "greedy_accuracy": rows[0]["eval/greedy_accuracy"]}
 
 

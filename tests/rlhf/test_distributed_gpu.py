@@ -43,7 +43,7 @@ def rank_main(rank, ws, port, model_dir, offload, out):
     host.add_role(RoleSpec("critic", "rlhf.roles.critic:Critic",
                            dict(ppo=ppo, model_dir=model_dir, random_init=False, total_updates=4)))
     host.add_role(RoleSpec("reference", "rlhf.roles.reference:Reference", dict(ppo=ppo, model_dir=model_dir)))
-    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, max_prompt_length=8)
+    sampling = SamplingParams.from_ppo(PPOConfig(max_response_length=8, max_prompt_length=8))
     prompts = [f"{i}+{i % 7}=" for i in range(32)]
     # Every rank generates both calls here, so every rank holds the whole buffer.
     parts = host.call("actor", "generate", [(prompts[:16], 1), (prompts[16:], 2)], sampling)

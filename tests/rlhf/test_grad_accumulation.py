@@ -119,7 +119,7 @@ def test_local_placement_spreads_uneven_rows_and_calls_as_declared(parts):
     assert values.shape == (7, batch["response_ids"].shape[1])
     torch.testing.assert_close(values, critics[0].compute_values(batch), rtol=1e-9, atol=1e-10)
 
-    sampling = SamplingParams(max_new_tokens=3, temperature=1.0, max_prompt_length=8)
+    sampling = SamplingParams.from_ppo(PPOConfig(max_response_length=3, max_prompt_length=8))
     requests = [([tok(f"{i}+{i}=")["input_ids"]] * (1 + i % 2), 100 + i) for i in range(5)]
     got = local_proxy("actor", actors[:2]).generate(requests, sampling)
     want = actors[0].generate(requests, sampling)

@@ -112,7 +112,8 @@ def fake_rollout(per_request_seeds: bool) -> VLLMRollout:
 
 def test_generate_sends_unpadded_token_ids_with_per_request_seeds():
     rollout = fake_rollout(per_request_seeds=True)
-    sampling = SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=5, max_prompt_length=8)
+    sampling = SamplingParams.from_ppo(PPOConfig(max_response_length=4, temperature=0.7, top_p=0.9, top_k=5,
+                                                  max_prompt_length=8))
     batch = rollout.generate(["12", "345"], sampling, seed=99)
     requests, params = rollout.llm.calls[0]
     assert requests == [{"prompt_token_ids": [11, 12]}, {"prompt_token_ids": [13, 14, 15]}]
@@ -126,10 +127,10 @@ def test_generate_sends_unpadded_token_ids_with_per_request_seeds():
 
 def test_generate_greedy_and_per_call_seed_send_one_unseeded_params():
     rollout = fake_rollout(per_request_seeds=False)
-    rollout.generate(["1"], SamplingParams(max_new_tokens=2, temperature=1.0), seed=5)
+    rollout.generate(["1"], SamplingParams.from_ppo(PPOConfig(max_response_length=2)), seed=5)
     _, params = rollout.llm.calls[0]
     assert isinstance(params, dict) and params["seed"] is None
     rollout = fake_rollout(per_request_seeds=True)
-    rollout.generate(["1"], SamplingParams(max_new_tokens=2, temperature=0.0, top_k=3), seed=5)
+    rollout.generate(["1"], SamplingParams.from_ppo(PPOConfig(max_response_length=2, top_k=3), temperature=0.0), seed=5)
     _, params = rollout.llm.calls[0]
     assert params["temperature"] == 0.0 and params["top_k"] == 0 and params["seed"] is None
