@@ -5,8 +5,9 @@ in tests/rlhf/test_algos.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -105,6 +106,58 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.T
             centred = centred / (std + eps)
         adv[idx] = centred
     return adv[:, None] * mask
+
+
+# ------------------------------------------------------------------ advantage estimators
+@dataclasses.dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator reads from a scored rollout: B sequences, T response tokens."""
+
+    token_rewards: torch.Tensor
+    """[B, T]: the sequence's score at its last valid token, minus kl_coef x KL at every token when
+    the KL is in the reward (`ppo.kl_mode = 'reward'`; `token_rewards`)."""
+    sequence_rewards: torch.Tensor
+    """[B]: the score minus kl_coef x the sequence's summed KL (in the reward), else the score."""
+    values: Optional[torch.Tensor]
+    """[B, T]: the critic's values; None when the estimator uses no critic."""
+    group_ids: torch.Tensor
+    """[B]: the prompt each sequence answers (its `ppo.samples_per_prompt` samples share one)."""
+    mask: torch.Tensor
+    """[B, T]: 1 on valid response tokens."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageEstimator:
+    """One value of `ppo.adv_estimator`: what the engine builds for it and how it computes
+    advantages. The config's choices, whether a critic is built, trained, checkpointed and counted
+    in the memory plan, and the rollout's group size all read this entry."""
+
+    compute: Callable[[AdvantageInputs, Any], Tuple[torch.Tensor, Optional[torch.Tensor]]]
+    """(inputs, ppo) -> (advantages [B, T], returns [B, T] for the critic, or None without one)."""
+    uses_critic: bool
+    """A value model is built and trained beside the policy; `inputs.values` holds its values."""
+    min_samples_per_prompt: int = 1
+    """The fewest `ppo.samples_per_prompt` it accepts (a group baseline needs a group of 2)."""
+
+
+def _gae(inputs: AdvantageInputs, ppo) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """GAE on the critic's values, with `ppo.gamma` and `ppo.lam`."""
+    assert inputs.values is not None, "GAE needs the critic's values"
+    return gae_advantages(inputs.token_rewards, inputs.values, inputs.mask, ppo.gamma, ppo.lam)
+
+
+def _grpo(inputs: AdvantageInputs, ppo) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Group-relative: each sequence's reward against its prompt's group (`ppo.grpo_normalize_std`)."""
+    return grpo_advantages(inputs.sequence_rewards, inputs.group_ids, inputs.mask, ppo.grpo_normalize_std), None
+
+
+ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {
+    "gae": AdvantageEstimator(_gae, uses_critic=True),
+    "grpo": AdvantageEstimator(_grpo, uses_critic=False, min_samples_per_prompt=2),
+}
+"""`ppo.adv_estimator` name -> its estimator. A new estimator is one entry here (a pure function
+of `AdvantageInputs` and its test in tests/rlhf/test_algos.py); the config, the trainer, the roles
+and the memory plan read what they need from the entry."""
 
 
 def aggregate(loss_per_token: torch.Tensor, mask: torch.Tensor, mode: str,

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, Dict
 
 from rlhf.errors import ConfigError
 from rlhf.validation import check, choice, number, positive_int
+
+if TYPE_CHECKING:
+    from rlhf.algos import AdvantageEstimator
 
 GPU_TORCH_THREADS = 4
 """torch's intra-op threads of a one-process GPU run that sets no `ppo.torch_threads`."""
@@ -21,6 +24,13 @@ GPU_TORCH_THREADS = 4
 
 LORA_SETTINGS = ("lora_alpha", "lora_dropout", "lora_target_modules")
 """The adapters' settings: binding one while no model has adapters is an error, not a silent no-op."""
+
+
+def estimators() -> Dict[str, "AdvantageEstimator"]:
+    """rlhf/algos.py `ADVANTAGE_ESTIMATORS`, the choices of `ppo.adv_estimator`: imported when a
+    config is validated, not when this module is (the math loads torch)."""
+    from rlhf.algos import ADVANTAGE_ESTIMATORS
+    return ADVANTAGE_ESTIMATORS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +192,8 @@ class PPOConfig:
 
     # --- advantages ---
     adv_estimator: str = "gae"
-    """'gae' (critic + GAE) or 'grpo' (critic-free, group-relative baseline)."""
+    """A name of rlhf/algos.py `ADVANTAGE_ESTIMATORS`: 'gae' (critic + GAE) or 'grpo' (critic-free,
+    group-relative baseline)."""
     gamma: float = 1.0
     """Discount of per-token rewards in GAE (1: none, the usual choice for language)."""
     lam: float = 0.95
@@ -278,7 +289,7 @@ class PPOConfig:
         choice(s, "loss_aggregation", self.loss_aggregation, ("token_mean", "seq_mean"))
         choice(s, "kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
         choice(s, "kl_mode", self.kl_mode, ("reward", "loss"))
-        choice(s, "adv_estimator", self.adv_estimator, ("gae", "grpo"))
+        choice(s, "adv_estimator", self.adv_estimator, tuple(estimators()))
         choice(s, "device", self.device, ("auto", "cpu", "cuda"))
         choice(s, "dtype", self.dtype, ("float32", "bfloat16"))
         positive_int(s, "world_size", self.world_size)
@@ -308,15 +319,20 @@ class PPOConfig:
         if self.rollout_logprobs:
             check(self.rollout_backend == "vllm", "ppo.rollout_logprobs", self.rollout_logprobs,
                   "needs ppo.rollout_backend = 'vllm' (the HF backend returns no sampling log-probs)")
+        with_critic = " or ".join(repr(name) for name, e in estimators().items() if e.uses_critic)
         if self.overlap_rollout is True:
-            check(self.rollout_backend == "vllm" and self.adv_estimator == "gae", "ppo.overlap_rollout",
-                  self.overlap_rollout, "needs ppo.rollout_backend = 'vllm' and a critic (ppo.adv_estimator = "
-                  "'gae'): the next rollout overlaps the critic's update; use 'auto' or False")
-        if self.adv_estimator == "grpo":
-            check(self.samples_per_prompt >= 2, "ppo.samples_per_prompt", self.samples_per_prompt,
-                  "must be >= 2 when ppo.adv_estimator = 'grpo' (the group baseline needs a group)")
+            check(self.rollout_backend == "vllm" and self.uses_critic, "ppo.overlap_rollout",
+                  self.overlap_rollout, f"needs ppo.rollout_backend = 'vllm' and a critic (ppo.adv_estimator = "
+                  f"{with_critic}): the next rollout overlaps the critic's update; use 'auto' or False")
+        group = self.estimator.min_samples_per_prompt
+        if group > 1:
+            check(self.samples_per_prompt >= group, "ppo.samples_per_prompt", self.samples_per_prompt,
+                  f"must be >= {group} when ppo.adv_estimator = {self.adv_estimator!r} (the group baseline "
+                  f"needs a group)")
+        if not self.uses_critic:
             check(self.critic_lora_rank == -1, "ppo.critic_lora_rank", self.critic_lora_rank,
-                  "is set but ppo.adv_estimator = 'grpo' has no critic; remove it, or use ppo.adv_estimator = 'gae'")
+                  f"is set but ppo.adv_estimator = {self.adv_estimator!r} has no critic; remove it, or use "
+                  f"ppo.adv_estimator = {with_critic}")
         if not self.lora_rank and self.resolved_critic_lora_rank <= 0:  # no adapters anywhere
             for name in LORA_SETTINGS:
                 default = PPOConfig.__dataclass_fields__[name].default
@@ -376,6 +392,16 @@ class PPOConfig:
         if self.torch_threads:
             return self.torch_threads
         return min(GPU_TORCH_THREADS, os.cpu_count() or 1) if device_type == "cuda" else 0
+
+    @property
+    def estimator(self) -> "AdvantageEstimator":
+        """`ppo.adv_estimator`'s entry of rlhf/algos.py `ADVANTAGE_ESTIMATORS`."""
+        return estimators()[self.adv_estimator]
+
+    @property
+    def uses_critic(self) -> bool:
+        """A value model is built, trained and checkpointed beside the policy (the estimator's say)."""
+        return self.estimator.uses_critic
 
     @property
     def resolved_critic_lora_rank(self) -> int:
@@ -644,7 +670,7 @@ def check_adapter_starts(ppo: "PPOConfig") -> None:
     import json
     from pathlib import Path
     roles = [("actor", ppo.lora_rank, "ppo.lora_rank")]
-    if ppo.adv_estimator == "gae":
+    if ppo.uses_critic:
         roles.append(("critic", ppo.resolved_critic_lora_rank, "ppo.critic_lora_rank"))
     for role, rank, binding in roles:
         path = Path(ppo.init_from) / role / "adapter_config.json"

@@ -273,7 +273,7 @@ def _check_run_lora(transformers_config, ppo, where: str) -> None:
     """`check_lora_targets` for the policy (`ppo.lora_rank`) and the critic (its backbone,
     `ppo.critic_lora_rank`) where they have adapters, on a weightless copy of the model."""
     policy_rank = ppo.lora_rank
-    critic_rank = ppo.resolved_critic_lora_rank if ppo.adv_estimator == "gae" else 0
+    critic_rank = ppo.resolved_critic_lora_rank if ppo.uses_critic else 0
     if not policy_rank and not critic_rank:
         return
     try:

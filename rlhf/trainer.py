@@ -201,17 +201,20 @@ class PPOTrainer:
                 "actor/kl_seq_sum": float(kl.sum(-1).mean())}
 
     def compute_advantages(self, batch: Batch) -> Dict[str, float]:
+        """The rewards (the score, minus kl_coef x KL when `ppo.kl_mode = 'reward'`) and the
+        advantages of `ppo.adv_estimator` (rlhf/algos.py `ADVANTAGE_ESTIMATORS`), whitened when
+        `ppo.whiten_advantages`; `batch` gains advantages (and returns, for a critic)."""
         mask = batch["response_mask"].float()
         kl = self.token_kl(batch)
+        kl_coef = self.kl_ctl.value
         in_reward = self.ppo.kl_mode == "reward"
-        rewards = algos.token_rewards(batch["scores"], kl if in_reward else torch.zeros_like(kl), mask,
-                                      self.kl_ctl.value)
-        if self.ppo.adv_estimator == "gae":
-            adv, returns = algos.gae_advantages(rewards, batch["values"], mask, self.ppo.gamma, self.ppo.lam)
+        rewards = algos.token_rewards(batch["scores"], kl if in_reward else torch.zeros_like(kl), mask, kl_coef)
+        inputs = algos.AdvantageInputs(
+            token_rewards=rewards, sequence_rewards=batch["scores"] - (kl_coef * kl.sum(-1) if in_reward else 0),
+            values=batch["values"] if "values" in batch else None, group_ids=batch["group_ids"], mask=mask)
+        adv, returns = self.ppo.estimator.compute(inputs, self.ppo)
+        if returns is not None:
             batch["returns"] = returns
-        else:
-            adv = algos.grpo_advantages(batch["scores"] - (self.kl_ctl.value * kl.sum(-1) if in_reward else 0),
-                                        batch["group_ids"], mask, self.ppo.grpo_normalize_std)
         if self.ppo.whiten_advantages:
             adv = algos.masked_whiten(adv, mask)
         batch["advantages"] = adv

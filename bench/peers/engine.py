@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     cfg, _ = configurable.resolve(None, all_bindings + [f"ppo.total_steps = {args.warmup + args.steps}"])
     print(f"engine {args.algo} {args.placement}: rollout buffer {cfg.ppo.rollout_batch_size}, mini-batch "
           f"{cfg.ppo.mini_batch_size}, micro-batch {cfg.ppo.micro_batch_size}, placement {cfg.ppo.resolved_placement}, "
-          f"critic {'yes' if cfg.ppo.adv_estimator == 'gae' else 'no'}, shape {inputs['shape']}, lora rank "
+          f"critic {'yes' if cfg.ppo.uses_critic else 'no'}, shape {inputs['shape']}, lora rank "
           f"{cfg.ppo.lora_rank}, gradient checkpointing {cfg.ppo.gradient_checkpointing}", flush=True)
     if args.config_only:
         return 0

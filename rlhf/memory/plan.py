@@ -180,7 +180,7 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
         ref.forward = (forward_working_bytes(policy, tokens, act) + lm_head_bytes(policy, positions, act, False, False)
                        + fsdp_gather_bytes(policy, 4, n, False, True))
     roles["reference"] = ref
-    if ppo.adv_estimator == "gae":
+    if ppo.uses_critic:
         roles["critic"] = trained_role("critic", policy, ppo, ppo.resolved_critic_lora_rank, False, gpu, act,
                                         batches, head_params=policy.hidden_size + 1)
     if cfg.reward.uses_model and reward_model is not None:
@@ -253,7 +253,7 @@ def _options(cfg: RunConfig) -> List[List[dict]]:
     options = []
     if not ppo.lora_rank:
         change = {"lora_rank": LORA_SUGGESTION}
-        if ppo.adv_estimator == "gae" and ppo.critic_lora_rank == 0:
+        if ppo.uses_critic and ppo.critic_lora_rank == 0:
             change["critic_lora_rank"] = -1
         options.append([change])
     rows = min(ppo.micro_batch_size, ppo.mini_batch_size // ppo.world_size)

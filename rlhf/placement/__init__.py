@@ -36,7 +36,7 @@ def role_specs(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, start_di
     ]
     if not ppo.lora_rank:  # with LoRA the reference is the actor's base, its adapter off (AdapterOffReference)
         specs.append(RoleSpec("reference", "rlhf.roles.reference:Reference", dict(ppo=ppo, model_dir=str(model_dir))))
-    if ppo.adv_estimator == "gae":
+    if ppo.uses_critic:
         specs.append(RoleSpec("critic", "rlhf.roles.critic:Critic",
                               dict(ppo=ppo, model_dir=str(model_dir), random_init=cfg.model.critic_init == "random",
                                    total_updates=total_updates)))

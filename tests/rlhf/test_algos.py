@@ -702,3 +702,71 @@ def test_adaptive_kl_controller_state_round_trip():
     c.update(3.0, 100)
     d.update(3.0, 100)
     assert d.value == c.value
+
+
+# ---------------------------------------------------------------- the estimator table
+def _inputs(rewards, values, scores, groups, mask):
+    from rlhf.algos import AdvantageInputs
+    t = lambda x: None if x is None else torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    return AdvantageInputs(token_rewards=t(rewards), sequence_rewards=t(scores), values=t(values),
+                           group_ids=torch.tensor(groups), mask=t(mask))
+
+
+def test_gae_entry_by_hand_with_the_configs_gamma_and_lambda():
+    """gamma 0.9, lambda 0.8 on 3 valid tokens (a garbage value on the padding):
+    deltas 0.9*0.4 - 0.5 = -0.14, 0.9*0.3 - 0.4 = -0.13, 1 - 0.3 = 0.7 (no value after the end);
+    A2 = 0.7, A1 = -0.13 + 0.72 * 0.7 = 0.374, A0 = -0.14 + 0.72 * 0.374 = 0.12928; returns A + V."""
+    from rlhf.algos import ADVANTAGE_ESTIMATORS
+    from rlhf.config import PPOConfig
+    inputs = _inputs([[0.0, 0.0, 1.0, 5.0]], [[0.5, 0.4, 0.3, 9.0]], [1.0], [0], [[1, 1, 1, 0]])
+    adv, returns = ADVANTAGE_ESTIMATORS["gae"].compute(inputs, PPOConfig(gamma=0.9, lam=0.8))
+    assert adv.tolist()[0] == pytest.approx([0.12928, 0.374, 0.7, 0.0], abs=1e-6)
+    assert returns.tolist()[0] == pytest.approx([0.62928, 0.774, 1.0, 0.0], abs=1e-6)
+    # The defaults (gamma 1, lambda 0.95) give other numbers: the config's values are the ones used.
+    adv_default, _ = ADVANTAGE_ESTIMATORS["gae"].compute(inputs, PPOConfig())
+    assert adv_default.tolist()[0][0] != pytest.approx(0.12928, abs=1e-3)
+
+
+@pytest.mark.parametrize("normalize, expected", [
+    (True, [1 / math.sqrt(2), -1 / math.sqrt(2), 0.0, 0.0]),  # (score - 0.5) / std, std = sqrt(0.5); a tied group: 0
+    (False, [0.5, -0.5, 0.0, 0.0]),
+])
+def test_grpo_entry_by_hand_with_and_without_std(normalize, expected):
+    """Two prompts of two samples: scores 1 and 0 (mean 0.5), then 0.5 and 0.5. The sequence
+    rewards are what the group baseline reads; the token rewards and values are not."""
+    from rlhf.algos import ADVANTAGE_ESTIMATORS
+    from rlhf.config import PPOConfig
+    inputs = _inputs([[9.0, 9.0]] * 4, None, [1.0, 0.0, 0.5, 0.5], [0, 0, 1, 1], [[1, 1], [1, 0], [1, 1], [1, 1]])
+    ppo = PPOConfig(adv_estimator="grpo", samples_per_prompt=2, grpo_normalize_std=normalize)
+    adv, returns = ADVANTAGE_ESTIMATORS["grpo"].compute(inputs, ppo)
+    assert returns is None
+    assert adv[:, 0].tolist() == pytest.approx(expected, abs=1e-5)
+    assert adv[1, 1].item() == 0.0  # the padding of the second sequence
+
+
+def test_a_new_estimator_is_one_table_entry_and_an_unknown_one_is_refused(monkeypatch):
+    """What the trainer runs is the table's entry: an estimator added to the table alone is accepted
+    by the config and computed by `PPOTrainer.compute_advantages`; a name not in it is refused."""
+    import types
+
+    from rlhf import algos
+    from rlhf.batch import Batch
+    from rlhf.config import PPOConfig
+    from rlhf.errors import ConfigError
+    from rlhf.trainer import PPOTrainer
+
+    def sevens(inputs, ppo):
+        return torch.full_like(inputs.mask, 7.0) * inputs.mask, None
+
+    with pytest.raises(ConfigError, match=r"ppo.adv_estimator = 'sevens' is invalid: must be one of 'gae', 'grpo'$"):
+        PPOConfig(adv_estimator="sevens")
+    monkeypatch.setitem(algos.ADVANTAGE_ESTIMATORS, "sevens", algos.AdvantageEstimator(sevens, uses_critic=False))
+    ppo = PPOConfig(adv_estimator="sevens", whiten_advantages=False)
+    assert not ppo.uses_critic and ppo.estimator.compute is sevens
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    batch = Batch({"response_mask": mask, "scores": torch.tensor([1.0, 0.0]), "group_ids": torch.tensor([0, 1])})
+    trainer = types.SimpleNamespace(ppo=ppo, kl_ctl=algos.FixedKLController(0.1), critic=None)
+    trainer.token_kl = lambda b: PPOTrainer.token_kl(trainer, b)
+    trainer.kl_metrics = lambda b: PPOTrainer.kl_metrics(trainer, b)
+    PPOTrainer.compute_advantages(trainer, batch)
+    assert batch["advantages"].tolist() == [[7.0, 7.0, 0.0], [7.0, 0.0, 0.0]] and "returns" not in batch
