@@ -41,8 +41,8 @@ def main(argv=None) -> int:
     import torch
     from gpu_assets import build_assets, random_prompts
 
-    from rlhf.models import load_tokenizer
     from rlhf.config import PPOConfig
+    from rlhf.models import load_tokenizer
     from rlhf.rollout import SamplingParams
     from rlhf.rollout.vllm import VLLMRollout
 

@@ -51,8 +51,8 @@ def part_vllm(args, assets) -> dict:
     import vllm
     from gpu_assets import random_prompts
 
-    from rlhf.models import load_policy, load_tokenizer
     from rlhf.config import PPOConfig
+    from rlhf.models import load_policy, load_tokenizer
     from rlhf.rollout import SamplingParams
     from rlhf.rollout.vllm import VLLMRollout
 
@@ -154,8 +154,8 @@ def part_vllm_logprobs(args, assets) -> dict:
     import torch
     from gpu_assets import random_prompts
 
-    from rlhf.models import load_policy, load_tokenizer
     from rlhf.config import PPOConfig
+    from rlhf.models import load_policy, load_tokenizer
     from rlhf.roles.forward import response_logprobs
     from rlhf.rollout import SamplingParams
     from rlhf.rollout.vllm import VLLMRollout
@@ -193,8 +193,8 @@ def part_hf(args, assets, static: bool) -> dict:
     import torch
     from gpu_assets import random_prompts
 
-    from rlhf.models import load_policy, load_tokenizer
     from rlhf.config import PPOConfig
+    from rlhf.models import load_policy, load_tokenizer
     from rlhf.rollout import SamplingParams
     from rlhf.rollout.hf import HFRollout
 

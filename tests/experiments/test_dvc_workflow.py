@@ -23,8 +23,7 @@ from experiments.plan import expand
 from experiments.report import write_report
 from experiments.stages import cmd_export
 from experiments.study import load_study
-from rlhf.configurable import flat_dict
-from rlhf.configurable import resolve
+from rlhf.configurable import flat_dict, resolve
 from tests.conftest import REPO
 from tests.experiments.conftest import fake_run
 

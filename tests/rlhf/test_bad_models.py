@@ -126,8 +126,8 @@ def test_pairs_with_chosen_equal_to_rejected_are_left_out_or_refused(rm_data, tm
     """A few identical pairs (public preference sets carry some) are left out with a notice naming
     the first row and how many; a file of nothing else is one line before training."""
     from rlhf.chat import PromptRenderer
-    from rlhf.reward_model.score import load_reward_tokenizer
     from rlhf.reward_model.bradley_terry import load_encoded_pairs
+    from rlhf.reward_model.score import load_reward_tokenizer
     rows = [json.loads(line) for line in (rm_data.parent / "train.jsonl").read_text().splitlines()][:40]
     some, every = tmp_path / "some.jsonl", tmp_path / "every.jsonl"
     some.write_text("".join(json.dumps({**r, "rejected": r["chosen"]} if i in {3, 8, 20} else r) + "\n"
@@ -197,8 +197,8 @@ def test_damaged_start_and_reward_checkpoints_are_one_line_naming_the_file(setup
 
 
 def test_rm_resume_says_what_it_skipped_and_when_there_is_nothing(rm_data, tmp_path):  # noqa: F811
-    from rlhf.reward_model.config import resolve
     from rlhf.reward_model.bradley_terry import RewardModelTrainer
+    from rlhf.reward_model.config import resolve
     cfg, _ = resolve(str(rm_data), RM_SHORT)
     out, logged = tmp_path / "rm", []
     RewardModelTrainer(cfg, out, log=logged.append).run(resume=True)

@@ -229,8 +229,8 @@ def test_rm_training_learns_is_deterministic_and_loads(rm_data, tmp_path):
 
 
 def test_rm_resume_equals_uninterrupted(rm_data, tmp_path):
-    from rlhf.reward_model.config import resolve
     from rlhf.reward_model.bradley_terry import RewardModelTrainer
+    from rlhf.reward_model.config import resolve
     cfg, _ = resolve(str(rm_data))
     full = RewardModelTrainer(cfg, tmp_path / "full", log=lambda m: None)
     full.run()

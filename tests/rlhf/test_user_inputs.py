@@ -17,9 +17,9 @@ from rlhf.chat import PromptRenderer, check_rows
 from rlhf.config import PPOConfig, RewardConfig, TaskConfig
 from rlhf.data import Example, check_prompt_lengths, load_task
 from rlhf.errors import ConfigError
+from rlhf.reward_model.bradley_terry import RewardModelTrainer
 from rlhf.reward_model.config import RMTrainConfig
 from rlhf.reward_model.score import RewardModelScorer, encode_conversation
-from rlhf.reward_model.bradley_terry import RewardModelTrainer
 from rlhf.rewards import RewardCombiner
 from rlhf.rollout import decode_responses, encode_prompts
 from rlhf.tiny import CHARACTERS, build_char_tokenizer
