@@ -167,7 +167,8 @@ def compare(a_path: str, b_path: str) -> int:
             continue
         # Weights where both files have them (library versions change config.json, not the numbers).
         sft = "sft_weights_sha256" if "sft_weights_sha256" in ra and "sft_weights_sha256" in rb else "sft_sha256"
-        final = ("final_actor_weights_sha256" if "final_actor_weights_sha256" in ra and "final_actor_weights_sha256" in rb
+        final = ("final_actor_weights_sha256"
+                 if "final_actor_weights_sha256" in ra and "final_actor_weights_sha256" in rb
                  else "final_checkpoint_sha256")
         same = {k: ra[k] == rb[k] for k in (sft, "metrics_sha256", final)}
         same_all &= all(same.values())
@@ -265,7 +266,8 @@ def probe_worker(out_npz: str) -> None:
     put("adam/addcdiv", _fixed((4099,), 14).addcdiv_(g * 0.1, (v.sqrt() / (1 - 0.999) ** 0.5).add_(1e-8), value=-0.03))
     for impl in ("single", "foreach", "fused"):
         prm = torch.nn.Parameter(_fixed((4099,), 14))
-        opt = torch.optim.AdamW([prm], lr=3e-3, weight_decay=0.0, foreach=impl == "foreach", fused=impl == "fused" or None)
+        opt = torch.optim.AdamW([prm], lr=3e-3, weight_decay=0.0, foreach=impl == "foreach",
+                                fused=impl == "fused" or None)
         for step in range(3):
             prm.grad = _fixed((4099,), 20 + step, scale=4096.0)
             opt.step()
@@ -388,7 +390,8 @@ def probe_compare(a_dir: str, b_dir: str) -> int:
         print(f"{name}: {len(a.files) - 1} outputs, {len(differ)} differ")
         for stage in stages:
             bad = [d for d in differ if d.startswith(stage + "/")]
-            print(f"  {stage:8s} {'same' if not bad else 'DIFFERS: ' + '; '.join(bad[:6]) + (' ...' if len(bad) > 6 else '')}")
+            verdict = "same" if not bad else "DIFFERS: " + "; ".join(bad[:6]) + (" ..." if len(bad) > 6 else "")
+            print(f"  {stage:8s} {verdict}")
     return 0 if all_same else 1
 
 
@@ -502,7 +505,8 @@ def main(argv=None) -> int:
         else:
             print(f"{name:30s} sft {r['sft_sha256'][:12]} metrics {r['metrics_sha256'][:12]} "
                   f"{r['seconds_per_step_median']:.3f} s/step (mean {r['seconds_per_step_mean']:.3f}), "
-                  f"sft {r['sft_seconds']:.1f} s, cpu {r['cpu_s']:.1f} s, eval/accuracy {r['initial']['eval/accuracy']:.4f} -> "
+                  f"sft {r['sft_seconds']:.1f} s, cpu {r['cpu_s']:.1f} s, "
+                  f"eval/accuracy {r['initial']['eval/accuracy']:.4f} -> "
                   f"{r['final']['eval/accuracy']:.4f}")
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -26,8 +26,9 @@ gets what is left over the variants still to run), `--variant-timeout` caps each
 a variant's limit less 30 s as its budget, so it stops before an iteration that would pass it,
 and its JSON is rewritten after every iteration. A variant whose feature bindings
 (`ppo.max_tokens_per_micro_batch`, `ppo.lora_rank`, `ppo.gradient_checkpointing`) no engine
-module reads yet is not run (its JSON says so) rather than timed on the default path. `--tiny`: the tiny shape on the CPU with the HF backend (a smoke test of the same
-bindings, lengths cut down).
+module reads yet is not run (its JSON says so) rather than timed on the default path.
+`--tiny`: the tiny shape on the CPU with the HF backend (a smoke test of the same bindings,
+lengths cut down).
 """
 
 from __future__ import annotations
@@ -59,11 +60,11 @@ PRESETS = {
         tiny_bindings=["ppo.micro_batch_size = 4", "ppo.forward_micro_batch_size = 8", "ppo.lora_rank = 8",
                        "ppo.lora_alpha = 16.0"],
         variants=[("lora7b_r64_gc", [], [])],
-        workload="256 prompts x 256 prompt tokens x 512 new tokens per iteration; Qwen2.5-7B shape (7.6B parameters), "
-                 "random weights, frozen bf16 base; LoRA rank 64 (alpha 128, every linear layer of the blocks) on actor "
-                 "and critic, reference = the actor's base with the adapter off; gradient checkpointing; critic + "
-                 "reference; mini-batch 64, micro-batch 8 (forward-only 16); vLLM at 0.3 of the GPU, merged weights "
-                 "synced every iteration"),
+        workload="256 prompts x 256 prompt tokens x 512 new tokens per iteration; Qwen2.5-7B shape "
+                 "(7.6B parameters), random weights, frozen bf16 base; LoRA rank 64 (alpha 128, every linear "
+                 "layer of the blocks) on actor and critic, reference = the actor's base with the adapter off; "
+                 "gradient checkpointing; critic + reference; mini-batch 64, micro-batch 8 (forward-only 16); "
+                 "vLLM at 0.3 of the GPU, merged weights synced every iteration"),
     "long2k": dict(
         shape="0.5b", steps=2, variant_timeout=275, phase_memory=True, no_eval=True,
         bindings=["ppo.max_response_length = 2048", "ppo.torch_threads = 8"],
@@ -212,7 +213,8 @@ def main(argv=None) -> int:
             if missing:
                 msg = f"not run: this checkout's engine reads none of {missing} (declared in rlhf/config.py only)"
                 print(f"variant {name}: {msg}", file=sys.stderr, flush=True)
-                annotate(out, name, [b.strip() for b in extra.split(";") if b.strip()], command, workload, assets_dir, msg)
+                annotate(out, name, [b.strip() for b in extra.split(";") if b.strip()], command, workload,
+                         assets_dir, msg)
             else:
                 runnable.append((spec, name, extra, out))
         for i, (spec, name, extra, out) in enumerate(runnable):
@@ -253,7 +255,8 @@ def main(argv=None) -> int:
         root = Path(tempfile.mkdtemp(prefix="ppo-bench-"))
         assets = build_assets(root, tiny=args.tiny, shape=shape)
         prompts_name = "prompts.jsonl"
-    train_path = write_prompt_file(root / prompts_name, 2048, 16 if args.tiny else 256)  # --tiny: ppo.max_prompt_length 16
+    # --tiny: ppo.max_prompt_length 16
+    train_path = write_prompt_file(root / prompts_name, 2048, 16 if args.tiny else 256)
     bindings = base_bindings(assets, train_path) + (preset["bindings"] if preset else [])
     if args.tiny:
         bindings += TINY_BINDINGS + (preset["tiny_bindings"] if preset else [])

@@ -35,7 +35,8 @@ def tables(results: list[dict]) -> list[str]:
     out = ["Median time per phase (s):", "", head, rule]
     for p in phases:
         out.append(f"| {p} | " + " | ".join(fmt(r.get("median_s", {}).get(p)) for r in results) + " |")
-    out.append("| **iteration** | " + " | ".join(f"**{fmt(r.get('median_s', {}).get('step'))}**" for r in results) + " |")
+    out.append("| **iteration** | "
+               + " | ".join(f"**{fmt(r.get('median_s', {}).get('step'))}**" for r in results) + " |")
     out.append("| timed iterations | " + " | ".join(str(r.get("timed_steps", 0)) for r in results) + " |")
     out.append("| tokens/s (whole iteration) | " + " | ".join(fmt(r.get("tokens_per_s")) for r in results) + " |")
     out.append("| generated tokens/s | " + " | ".join(fmt(r.get("generated_tokens_per_s")) for r in results) + " |")

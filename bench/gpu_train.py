@@ -143,7 +143,8 @@ def run_actor_variant(name, base_state, config, device, args, compile_: bool, pu
     mf = model_flops(n_params, config, tokens, seq)
     ef = executed_flops(n_params, config, tokens, seq, n * R)
     out = {
-        "variant": name, "torch_compile": compile_, "weights": "bf16 + fp32 master" if pure_bf16 else "fp32 + bf16 autocast",
+        "variant": name, "torch_compile": compile_,
+        "weights": "bf16 + fp32 master" if pure_bf16 else "fp32 + bf16 autocast",
         "sequences": n, "prompt_tokens": P, "response_tokens": R, "micro_batch_size": micro, "mini_batch_size": n,
         "params": n_params, "warmup_s": warm_s,
         "update_s": upd, "update_tokens_per_s": tokens / upd,

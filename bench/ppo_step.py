@@ -6,8 +6,9 @@
 Builds the trainer from a recipe, runs one warm-up iteration, then `--steps` timed iterations,
 and reports the median of each phase. Figures go to stdout and to a JSON file, rewritten after
 every iteration (`"partial": true` until the run ends; before the first timed iteration ends,
-the warm-up's figures, flagged `"warmup_only": true`), so a run cut short keeps what it measured. `--time-budget S`: start no further timed iteration once the last one says it would
-end more than S seconds after start-up began (at least one timed iteration runs).
+the warm-up's figures, flagged `"warmup_only": true`), so a run cut short keeps what it measured.
+`--time-budget S`: start no further timed iteration once the last one says it would end more
+than S seconds after start-up began (at least one timed iteration runs).
 `--phase-memory` (GPU, one process): each phase's peak allocated and reserved memory of this
 process's torch allocator, and the device's peak memory in use (every allocator and process,
 sampled every 0.1 s), per iteration and as the maximum over the timed ones.
@@ -305,8 +306,10 @@ def main(argv=None) -> int:
     cfg, _ = configurable.resolve(args.recipe or None, bindings)
     with tempfile.TemporaryDirectory() as out:
         if args.reward_model:
-            path = args.reward_model if args.reward_model != "random" else str(random_reward_model(cfg, Path(out) / "rm"))
-            cfg, _ = configurable.resolve(args.recipe or None, bindings + ["reward.kind = 'model'", f"reward.model_path = '{path}'"])
+            path = (args.reward_model if args.reward_model != "random"
+                    else str(random_reward_model(cfg, Path(out) / "rm")))
+            cfg, _ = configurable.resolve(args.recipe or None,
+                                          bindings + ["reward.kind = 'model'", f"reward.model_path = '{path}'"])
         t0 = time.perf_counter()
         trainer = PPOTrainer(cfg, Path(out) / "run", log=lambda m: print(m, file=sys.stderr))
         setup_s = time.perf_counter() - t0
@@ -318,7 +321,8 @@ def main(argv=None) -> int:
         profiled = None
 
         def write(partial: bool, eval_s=None, parity=None):
-            # Until a timed iteration ends, the warm-up's figures stand in (flagged): a run cut short still says something.
+            # Until a timed iteration ends, the warm-up's figures stand in (flagged): a run cut short still says
+            # something.
             use = records or [w[0] for w in warmup]
             result = summarize(use, args, argv, cfg, trainer.device, torch, setup_s, eval_s, trainer.placement,
                                parity, phase_memory if records else [w[1] for w in warmup if w[1]], partial)
@@ -376,7 +380,8 @@ def main(argv=None) -> int:
     result = write(partial=False, eval_s=eval_s, parity=parity)
     step = result["median_s"]["step"]
     print(f"PPO iteration on {result['device']} ({cfg.ppo.rollout_batch_size} sequences, "
-          f"<= {cfg.ppo.max_response_length} new tokens): {step * 1000:.1f} ms median over {result['timed_steps']} steps")
+          f"<= {cfg.ppo.max_response_length} new tokens): {step * 1000:.1f} ms median over "
+          f"{result['timed_steps']} steps")
     for name, seconds in sorted(result["median_s"].items(), key=lambda kv: -kv[1]):
         if name != "step":
             print(f"  {name:<14} {seconds * 1000:8.1f} ms  {100 * seconds / step:5.1f}%")

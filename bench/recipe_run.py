@@ -110,9 +110,11 @@ def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dic
         if (run_dir / "metrics.jsonl").is_file() else []
     steady = records[1:] or records
     def med(key):
-        return round(statistics.median([r[key] for r in steady if key in r]), 3) if any(key in r for r in steady) else None
+        return (round(statistics.median([r[key] for r in steady if key in r]), 3)
+                if any(key in r for r in steady) else None)
     phases = sorted({k[len("timing_s/"):] for r in steady for k in r if k.startswith("timing_s/")})
-    provenance = json.loads((run_dir / "provenance.json").read_text()) if (run_dir / "provenance.json").is_file() else {}
+    provenance_path = run_dir / "provenance.json"
+    provenance = json.loads(provenance_path.read_text()) if provenance_path.is_file() else {}
     predicted = (provenance.get("placement") or {}).get("memory_predicted") or {}
     gpu = {"gpu_available_gib": predicted.get("available_gb"),
            "gpu_total_gib": (provenance.get("hardware") or {}).get("gpu_memory_gb")}
@@ -137,7 +139,8 @@ def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dic
         "max_memory_allocated_gb": max((r.get("perf/max_memory_allocated_gb", 0) for r in records), default=None),
         "memory_by_phase": memory_by_phase(planned, measured), "memory_plan_verdict": predicted.get("verdict"),
         **gpu,
-        "reward_mean": [r.get("reward_mean") for r in records], "kl_divergence": [r.get("kl_divergence") for r in records],
+        "reward_mean": [r.get("reward_mean") for r in records],
+        "kl_divergence": [r.get("kl_divergence") for r in records],
         "steps": [{k: v for k, v in r.items() if k.startswith(("timing_s/", "perf/")) or k == "step"} for r in records],
         **extra,
     }

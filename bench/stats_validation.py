@@ -655,8 +655,9 @@ def main(argv=None) -> int:
 
     frag = fragile_rates(rng, studies)
     lap("fragile")
-    print(f"\n(g) the fragile flag (leave_one_seed_out) on `better` verdicts, {FRAGILE_VARIANTS} variants, Holm: a true "
-          f"effect at the planned size (MDE at alpha / {FRAGILE_VARIANTS}) against null studies' false positives")
+    print(f"\n(g) the fragile flag (leave_one_seed_out) on `better` verdicts, {FRAGILE_VARIANTS} variants, "
+          f"Holm: a true effect at the planned size (MDE at alpha / {FRAGILE_VARIANTS}) against null studies' "
+          f"false positives")
 
     def share(x):
         return f"{x['fragile']}/{x['better']} = {x['fragile_rate']:.2f}" if x["better"] else "none decided"

@@ -17,7 +17,8 @@ path; `-b 'ppo.torch_compile = False'` for eager).
 --lora-rank R (TRL's `--lora-rank`): LoRA adapters of rank R (alpha `--lora-alpha`, 2R by default,
   every linear layer of the blocks, no dropout) on a frozen bf16 base, the reference being that
   base with the adapter off, gradient checkpointing on, eager (`ppo.torch_compile = False`, as TRL
-  runs); vLLM gets the merged weights every iteration. --placement local: every role in this process; colocated: Ray ranks (world size 1)
+  runs); vLLM gets the merged weights every iteration.
+--placement local: every role in this process; colocated: Ray ranks (world size 1)
 sharing one GPU bundle (`ppo.offload_idle_models = 'auto'`, the default: every model fits here, so
 none is offloaded; `-b 'ppo.offload_idle_models = True'` forces offloading). Each iteration's
 `timing_s/*` phases come from the engine; the JSON is rewritten after every iteration.
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     inputs = common.build_inputs(args.assets, tiny=args.tiny, shape=args.shape)
     common.check_assets(inputs)
-    all_bindings = bindings(inputs, args.algo, args.placement, args.tiny, args.lora_rank, args.lora_alpha) + args.binding
+    all_bindings = (bindings(inputs, args.algo, args.placement, args.tiny, args.lora_rank, args.lora_alpha)
+                    + args.binding)
 
     from rlhf import configurable
 

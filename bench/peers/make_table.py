@@ -3,9 +3,10 @@
     python bench/peers/make_table.py DIR [--out bench/results/peers_h200.md]
 
 Reads DIR/*.json written by `bench/peers/{trl_grpo,engine,verl_ppo}.py` and writes, per work
-(GRPO = TRL's, PPO = verl's; one section per model shape and LoRA rank), one row per system and variant: median iteration time over the
-timed steps, the peer's time over ours ("x faster" > 1 means this engine is faster), tokens/s,
-generate-phase tokens/s, peak memory, then each system's phases and the exact commands.
+(GRPO = TRL's, PPO = verl's; one section per model shape and LoRA rank), one row per system and
+variant: median iteration time over the timed steps, the peer's time over ours ("x faster" > 1
+means this engine is faster), tokens/s, generate-phase tokens/s, peak memory, then each system's
+phases and the exact commands.
 """
 
 from __future__ import annotations

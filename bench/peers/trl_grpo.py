@@ -161,7 +161,8 @@ def main(argv=None) -> int:
     inputs = common.build_inputs(args.assets, tiny=args.tiny, shape=args.shape)
     common.check_assets(inputs)
     tokenizer = AutoTokenizer.from_pretrained(inputs["model_dir"], local_files_only=True)
-    prompts = [text for text in common.prompt_texts(common.N_PROMPTS, inputs["prompt_tokens"], vocab_size=inputs["vocab_size"])]
+    prompts = [text for text in common.prompt_texts(common.N_PROMPTS, inputs["prompt_tokens"],
+                                                    vocab_size=inputs["vocab_size"])]
     dataset = Dataset.from_dict({"prompt": prompts})
 
     # Phases: TRL's profiling blocks, summed per optimizer step; nested names keep their parent.
@@ -188,7 +189,8 @@ def main(argv=None) -> int:
     peft_config = lora_config(args)
     variant = "gc" if config.gradient_checkpointing else "no_gc"
     result = {
-        "system": "trl", "algorithm": "grpo", "variant": f"lora{args.lora_rank}_{variant}" if args.lora_rank else variant,
+        "system": "trl", "algorithm": "grpo",
+        "variant": f"lora{args.lora_rank}_{variant}" if args.lora_rank else variant,
         "command": common.command_line(argv),
         "work": dict(WORK, steps_per_generation=config.steps_per_generation,
                      generation_batch_size=config.generation_batch_size, tiny=args.tiny, shape=inputs["shape"],

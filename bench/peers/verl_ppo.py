@@ -137,7 +137,8 @@ def overrides(inputs: dict, files: dict, steps: int, args) -> list[str]:
                 f"critic.model.path={m}", f"critic.model.tokenizer_path={m}", "critic.model.use_remove_padding=False",
                 "+critic.model.override_config.attn_implementation=sdpa",
                 f"critic.model.enable_gradient_checkpointing={gc}",
-                f"critic.optim.lr={w['critic_learning_rate']}", f"critic.ppo_micro_batch_size_per_gpu={w['micro_batch']}",
+                f"critic.optim.lr={w['critic_learning_rate']}",
+                f"critic.ppo_micro_batch_size_per_gpu={w['micro_batch']}",
                 "critic.cliprange_value=0.5", "critic.fsdp.param_offload=False", "critic.fsdp.optimizer_offload=False"]
     if args.lora_rank:  # verl's own LoRA settings, and what its LoRA guide requires (safetensors) and recommends
         ovr += [f"actor_rollout_ref.model.lora_rank={w['lora_rank']}",
@@ -162,7 +163,8 @@ def overrides(inputs: dict, files: dict, steps: int, args) -> list[str]:
         # worker bundle each ask for CPUs; 16 (the cores) would leave some waiting forever
         "ray_kwargs.ray_init.num_cpus=64",
     ]
-    return ovr + [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{os.environ[k]}'"  # the carried sites, in every worker
+    # the carried sites, in every worker
+    return ovr + [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{os.environ[k]}'"
                   for k in ("PYTHONPATH", "VLLM_USE_FLASHINFER_SAMPLER") if os.environ.get(k)]
 
 
