@@ -28,7 +28,8 @@ def test_every_package_of_the_install_closure_is_pinned():
     made_with = re.search(r"\(Python (\d+)\.(\d+)\)", (REPO / "constraints.txt").read_text().splitlines()[0])
     if made_with and tuple(map(int, made_with.groups())) == sys.version_info[:2]:  # markers evaluate alike
         closure = module.closure(module.ROOT, module.EXTRAS)
-        assert set(closure) - set(pins) == set(), "unpinned: regenerate with python .ci/constraints.py > constraints.txt"
+        assert set(closure) - set(pins) == set(), (
+            "unpinned: regenerate with python .ci/constraints.py > constraints.txt")
     for name in ("torch", "transformers", "tokenizers", "safetensors", "gin-config", "dvc", "wandb", "peft"):
         assert name in pins and pins[name][0].isdigit()
     assert pins["torch"] == "2.13.0"

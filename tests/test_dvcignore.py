@@ -28,7 +28,8 @@ def test_a_machine_record_does_not_change_a_results_hash(tmp_path):
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run(["dvc", "init", "-q"], cwd=repo, check=True)
     (repo / ".dvcignore").write_text((REPO / ".dvcignore").read_text())
-    writes = " && ".join(f"head -c 16 /dev/urandom | od -x > results/round1/runs/a/seed0/{name}" for name in MACHINE_RECORDS)
+    writes = " && ".join(f"head -c 16 /dev/urandom | od -x > results/round1/runs/a/seed0/{name}"
+                         for name in MACHINE_RECORDS)
     (repo / "dvc.yaml").write_text(
         "stages:\n  round1:\n    cmd: mkdir -p results/round1/runs/a/seed0 && echo 0.5 > results/round1/runs/a/seed0/"
         f"summary.json && {writes}\n    outs:\n      - results/round1\n")

@@ -29,7 +29,8 @@ def test_shapes_have_the_published_sizes():
     assert gpu_assets.parameter_count(gpu_assets.model_config(shape="7b")) == 7_615_616_512
     assert gpu_assets.parameter_count(gpu_assets.model_config(shape="0.5b")) == 494_032_768
     c = gpu_assets.model_config(shape="7b")
-    assert (c.vocab_size, c.tie_word_embeddings, c.num_key_value_heads, c.intermediate_size) == (152064, False, 4, 18944)
+    assert ((c.vocab_size, c.tie_word_embeddings, c.num_key_value_heads, c.intermediate_size)
+            == (152064, False, 4, 18944))
     with pytest.raises(ValueError):
         gpu_assets.model_config(shape="70b")
 

@@ -39,7 +39,8 @@ def test_busy_time_is_the_union_of_kernels_inside_the_phase():
     assert actor["gpu_busy_s"] == pytest.approx(0.0019)  # 1.4 ms of kernels + 0.5 ms of the copy
     assert actor["gpu_idle_s"] == pytest.approx(0.0021)
     assert actor["kernel_s"]["matmul"] == pytest.approx(0.0009) and actor["kernel_s"]["fused"] == pytest.approx(0.001)
-    assert actor["host_waits"] == {"count": 1, "total_s": pytest.approx(0.0019), "by_call": {"cudaStreamSynchronize": 1}}
+    assert actor["host_waits"] == {"count": 1, "total_s": pytest.approx(0.0019),
+                                   "by_call": {"cudaStreamSynchronize": 1}}
     # Idle stretches of update_actor: 0-0.1 ms, 1.5-3.5 ms.
     assert actor["idle_gaps"]["0.1-1ms"]["count"] == 1 and actor["idle_gaps"]["1-10ms"]["count"] == 1
     assert gen["gpu_busy_s"] == pytest.approx(0.00055) and gen["kernel_s"]["attention"] == pytest.approx(0.00005)

@@ -200,7 +200,8 @@ def test_drift_rule_fires_with_one_change(rule, traces, config, parameter, propo
 
 
 def test_entropy_rules_stay_silent_on_small_drifts_and_without_the_metric():
-    mild_fall, mild_rise = window(**{"actor/entropy_old": ramp(0.5, 0.4)}), window(**{"actor/entropy_old": ramp(0.5, 0.6)})
+    mild_fall, mild_rise = (window(**{"actor/entropy_old": ramp(0.5, 0.4)}),
+                            window(**{"actor/entropy_old": ramp(0.5, 0.6)}))
     assert EntropyCollapse().check(mild_fall) is None and EntropyBlowUp().check(mild_rise) is None
     assert EntropyBlowUp().check(window(**{"actor/entropy_old": ramp(0.5, 0.1)})) is None  # a fall is no blow-up
     missing = window_from_arrays({k: v for k, v in healthy().items() if k != "actor/entropy_old"}, CONFIG)

@@ -21,8 +21,10 @@ def one_line_error(capsys, argv) -> str:
 
 @pytest.mark.parametrize("binding, match", [
     ("study.metric = 'no/such_metric'", "study.metric = 'no/such_metric' is invalid"),
-    ("study.metric = 'eval/acc'", "study.metric = 'eval/acc' is invalid: no run logs it (did you mean 'eval/accuracy'?)"),
-    ("study.guardrails = {'no_such_metric': {'min': 0.5}}", "study.guardrails['no_such_metric'] is invalid: no run logs"),
+    ("study.metric = 'eval/acc'",
+     "study.metric = 'eval/acc' is invalid: no run logs it (did you mean 'eval/accuracy'?)"),
+    ("study.guardrails = {'no_such_metric': {'min': 0.5}}",
+     "study.guardrails['no_such_metric'] is invalid: no run logs"),
 ])
 def test_a_metric_no_run_logs_is_a_planning_error(capsys, tmp_path, binding, match):
     err = one_line_error(capsys, ["plan", SMOKE, "-b", binding, "--results", str(tmp_path)])
@@ -82,11 +84,13 @@ def test_unwritable_results_dir_is_one_line_before_ray(capsys, tmp_path):
 
 
 def test_vllm_runs_sharing_a_gpu_must_fit_their_share(capsys, tmp_path):
-    err = one_line_error(capsys, ["plan", SMOKE, "-b", "study.gpus_per_run = 0.25", "-b", "ppo.rollout_backend = 'vllm'",
-                                  "-b", "ppo.device = 'cuda'", "--results", str(tmp_path)])
+    err = one_line_error(capsys, ["plan", SMOKE, "-b", "study.gpus_per_run = 0.25",
+                                  "-b", "ppo.rollout_backend = 'vllm'", "-b", "ppo.device = 'cuda'",
+                                  "--results", str(tmp_path)])
     assert "ppo.vllm_gpu_memory_utilization = 0.3 does not fit study.gpus_per_run = 0.25" in err
     assert "4 runs share each GPU" in err
-    err = one_line_error(capsys, ["plan", SMOKE, "-b", "study.gpus_per_run = 0.25", "-b", "ppo.rollout_backend = 'vllm'",
+    err = one_line_error(capsys, ["plan", SMOKE, "-b", "study.gpus_per_run = 0.25",
+                                  "-b", "ppo.rollout_backend = 'vllm'",
                                   "-b", "ppo.device = 'cuda'", "-b", "ppo.vllm_gpu_memory_utilization = 0.24",
                                   "--results", str(tmp_path)])
     assert "(4 x 0.24 = 0.96; the engines of one GPU may take 0.9 together" in err
@@ -118,13 +122,15 @@ def test_a_variant_listed_twice_names_the_key_and_the_file(capsys, tmp_path):
                      "    'clip': 'ppo.clip_range = 0.1',\n    'kl': 'ppo.kl_coef = 0.2',\n}\n")
     err = one_line_error(capsys, ["plan", str(study), "--results", str(tmp_path / "r")])
     assert f"study.variants ({study}, line 5) lists the variant 'kl' twice" in err
-    err = one_line_error(capsys, ["run", SMOKE, "-b", "study.variants = {'a': 'ppo.kl_coef = 0.1', 'a': 'ppo.kl_coef = 0.3'}",
+    err = one_line_error(capsys, ["run", SMOKE,
+                                  "-b", "study.variants = {'a': 'ppo.kl_coef = 0.1', 'a': 'ppo.kl_coef = 0.3'}",
                                   "--results", str(tmp_path / "r")])
     assert "study.variants (-b) lists the variant 'a' twice" in err and not (tmp_path / "r").exists()
 
 
 def test_two_variants_with_the_same_runs_name_both(capsys, tmp_path):
-    err = one_line_error(capsys, ["run", SMOKE, "-b", "study.variants = {'a': 'ppo.kl_coef = 0.1', 'b': 'ppo.kl_coef=0.10'}",
+    err = one_line_error(capsys, ["run", SMOKE,
+                                  "-b", "study.variants = {'a': 'ppo.kl_coef = 0.1', 'b': 'ppo.kl_coef=0.10'}",
                                   "--results", str(tmp_path)])
     assert "study.variants['b'] and study.variants['a'] run the same configuration" in err
     assert not (tmp_path / "smoke").exists()
@@ -235,7 +241,8 @@ def test_many_seeds_plan_without_resolving_the_engine_config_per_seed(tmp_path, 
 
 
 @pytest.mark.parametrize("bindings, ok", [
-    (["study.target_effect = 0.02", "study.equivalence_margin = 0.02"], True),  # the margin at the smallest change of interest
+    # the margin at the smallest change of interest
+    (["study.target_effect = 0.02", "study.equivalence_margin = 0.02"], True),
     (["study.target_effect = 0.05", "study.equivalence_margin = 0.03"], True),
     (["study.equivalence_margin = 0.05"], True),  # no target: nothing to overlap
     (["study.target_effect = 0.02", "study.equivalence_margin = 0.05"], False),

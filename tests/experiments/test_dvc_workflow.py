@@ -174,7 +174,8 @@ def test_plots_draw_one_line_per_variant_and_metrics_keys_are_stable(repo, monke
     for key in ("chosen_value", "baseline_value", "effect", "p_value"):
         assert isinstance(decision[key], float), key
     assert decision["effect"] == pytest.approx(0.2) and decision["chosen_value"] == metrics["chosen"]["mean"]
-    assert metrics["baseline"]["mean"] == decision["baseline_value"] and set(metrics["variants"]) == {"kl_up", "clip_up"}
+    assert (metrics["baseline"]["mean"] == decision["baseline_value"]
+            and set(metrics["variants"]) == {"kl_up", "clip_up"})
 
     shown = json.loads(dvc(repo, "plots", "show", "--json").stdout)["data"]
     spec = shown["round2 gold accuracy"][0]["content"]

@@ -126,7 +126,8 @@ def path():
                                                               variants="{'kl': 'ppo.kl_coef = 0.1'}")))
     done = [(s, RunStatus.COMPLETED, f"runs/{{}}/seed{s}") for s in (0, 1)]
     r1 = previous_study_aggregate("r1", "baseline", {"baseline": [(s, st, d.format("baseline")) for s, st, d in done]})
-    best = CheckpointScore("baseline", 1, STEP, _eval_value(runs[1], STEP), f"runs/baseline/seed1/checkpoints/step_{STEP}")
+    best = CheckpointScore("baseline", 1, STEP, _eval_value(runs[1], STEP),
+                           f"runs/baseline/seed1/checkpoints/step_{STEP}")
     r1.replace(best_checkpoints=BestCheckpoints("eval/accuracy", (best,), best)).save(aggregate_path(results / "r1"))
     r2 = previous_study_aggregate("r2", "kl", {"baseline": [], "kl": [(s, st, d.format("kl")) for s, st, d in done]})
     low = CheckpointScore("kl", 0, STEP, best.value - 0.5, f"runs/kl/seed0/checkpoints/step_{STEP}")
@@ -166,7 +167,8 @@ def test_heldout_scores_the_warm_start_the_choice_and_the_best_checkpoint(path):
     assert warm["seeds"][0]["greedy_accuracy"] == warm["seeds"][1]["greedy_accuracy"]  # greedy has no seed
 
     final = record["final_choice"]
-    assert final["study"] == "r2" and final["variant"] == "kl" and final["bindings"] == ["ppo.kl_coef = 0.2"]  # the helper's
+    # the bindings are previous_study_aggregate's
+    assert final["study"] == "r2" and final["variant"] == "kl" and final["bindings"] == ["ppo.kl_coef = 0.2"]
     for row in final["seeds"]:
         run_dir = path / "results" / "r2" / "runs" / "kl" / f"seed{row['seed']}"
         assert row["path"] == str(run_dir / "checkpoints" / f"step_{STEP}") and row["step"] == STEP

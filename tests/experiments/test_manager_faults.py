@@ -24,8 +24,10 @@ Traceback (most recent call last):
     trainer = PPOTrainer(cfg, out)
   File "/x/vllm/worker.py", line 200, in determine_num_available_blocks
     raise ValueError(
-ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine.
-[rank0]:[W1201 10:00:05 ProcessGroupNCCL.cpp:1250] Warning: WARNING: process group has NOT been destroyed before we destruct ProcessGroupNCCL.
+ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` \
+when initializing the engine.
+[rank0]:[W1201 10:00:05 ProcessGroupNCCL.cpp:1250] Warning: WARNING: process group has NOT been destroyed \
+before we destruct ProcessGroupNCCL.
 """
 
 
@@ -151,9 +153,10 @@ def test_a_full_disk_is_one_line_loses_nothing_and_a_rerun_picks_up(write_study,
     err = capsys.readouterr().err  # the live view's lines, then the one error line
     assert "Traceback" not in err and [line for line in err.splitlines() if line.startswith("error:")] == [
         err.strip().splitlines()[-1]]
-    assert err.strip().splitlines()[-1] == (f"error: No space left on device writing {study_dir / 'aggregate.json'}: free some space, then run "
-                   f"the same command again (what was written is kept: finished runs are skipped, interrupted ones "
-                   f"resume)")
+    assert err.strip().splitlines()[-1] == (
+        f"error: No space left on device writing {study_dir / 'aggregate.json'}: free some space, then run "
+        f"the same command again (what was written is kept: finished runs are skipped, interrupted ones "
+        f"resume)")
     assert not (study_dir / "aggregate.json").exists() and not list(study_dir.rglob(".*.tmp"))
     monkeypatch.setattr(os, "replace", os.rename)  # space freed
     assert main(["run", str(path), "--results", str(results)]) == 0
@@ -200,7 +203,8 @@ def test_a_full_disk_names_the_file_it_could_not_write_though_the_os_names_none(
     assert disk_full_line(back).startswith(f"error: No space left on device writing {specs[0].run_dir}/attempts.json: ")
     # No file to name (an error without a traceback): the results dir it was writing under.
     bare = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    assert disk_full_line(bare, str(study_dir)).startswith(f"error: No space left on device writing under {study_dir}: ")
+    assert disk_full_line(bare, str(study_dir)).startswith(
+        f"error: No space left on device writing under {study_dir}: ")
     assert disk_full_line(OSError(errno.EACCES, "Permission denied")) is None
 
 
@@ -210,7 +214,8 @@ print("INFO starting the engine", file=sys.stderr)
 print("Traceback (most recent call last):", file=sys.stderr)
 print('  File "/x/vllm/worker.py", line 200, in determine_num_available_blocks', file=sys.stderr)
 print("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`.", file=sys.stderr)
-print("[rank0]:[W1201 ProcessGroupNCCL.cpp:1250] Warning: WARNING: destroy_process_group() was not called", file=sys.stderr)
+print("[rank0]:[W1201 ProcessGroupNCCL.cpp:1250] Warning: WARNING: destroy_process_group() was not called",
+      file=sys.stderr)
 sys.exit(1)
 """
 

@@ -145,7 +145,8 @@ study.equivalence_margin = 0.02
 
 
 def results(values):
-    return [RunOutcome(variant=v, seed=s, run_dir=f"/r/eq/runs/{v}/seed{s}", status="completed", value=x, guardrails={}, steps=5)
+    return [RunOutcome(variant=v, seed=s, run_dir=f"/r/eq/runs/{v}/seed{s}", status="completed", value=x,
+                       guardrails={}, steps=5)
             for v, xs in values.items() for s, x in enumerate(xs)]
 
 

@@ -2,9 +2,10 @@
 nothing, a one-binding change in round 2 reruns exactly round 2 onward (and inside round 2 only
 the runs whose hash changed), DVC's params/metrics/plots views work, and push/pull round-trip
 through a local remote added to a clone (none is configured). Without the engine, on synthetic
-run dirs: what the `params` and `export` stages write (a resumed round's params as its runs get them; the exported report and per-seed
-values, the same bytes in every checkout). tests/experiments/test_dvc_*.py check DVC's experiment
-workflow (overrides, a hand edit refused, the params stage's dependencies, plots, metrics keys, pull)."""
+run dirs: what the `params` and `export` stages write (a resumed round's params as its runs get
+them; the exported report and per-seed values, the same bytes in every checkout).
+tests/experiments/test_dvc_*.py check DVC's experiment workflow (overrides, a hand edit refused,
+the params stage's dependencies, plots, metrics keys, pull)."""
 
 import argparse
 import csv
@@ -78,7 +79,8 @@ def clone(tmp_path_factory):
     for name, text in SMALL.items():
         (repo / "recipes" / "studies" / name).write_text(text.lstrip())
     tiny = repo / "recipes" / "models" / "tiny_llama.gin"
-    tiny.write_text(tiny.read_text() + "sft.steps = 40  # a short warm start: the test checks the pipeline, not learning\n")
+    tiny.write_text(tiny.read_text()
+                    + "sft.steps = 40  # a short warm start: the test checks the pipeline, not learning\n")
     rm = repo / "recipes" / "rm" / "tiny_reward_model.gin"  # a short reward model, for the same reason
     assert "rm.steps = 1500" in rm.read_text()
     rm.write_text(rm.read_text().replace("rm.steps = 1500", "rm.steps = 20"))

@@ -172,8 +172,10 @@ def test_pipeline_stages_load_only_their_own_modules(tmp_path):
     # `python -m experiments data` (and sft) run where only the engine is installed: no Ray, W&B,
     # scipy or plotting is imported for them, and the study subcommands still list and parse.
     code = ("import sys; from experiments.cli import main; "
-            f"rc = main(['data', '--recipe', {str(REPO / 'recipes' / 'tiny.gin')!r}, '--out', {str(tmp_path / 'd')!r}]); "
-            "print(rc, sorted(m for m in ('ray', 'wandb', 'scipy', 'matplotlib', 'experiments.study') if m in sys.modules))")
+            f"rc = main(['data', '--recipe', {str(REPO / 'recipes' / 'tiny.gin')!r}, "
+            f"'--out', {str(tmp_path / 'd')!r}]); "
+            "print(rc, sorted(m for m in ('ray', 'wandb', 'scipy', 'matplotlib', 'experiments.study') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.stdout.split("\n")[-2] == "0 []", out.stdout + out.stderr
     assert (tmp_path / "d" / "train.jsonl").is_file()
@@ -237,7 +239,8 @@ def test_a_variant_that_changes_nothing_the_run_uses_is_refused(write_study, tmp
     from experiments.errors import StudyError
     path = write_study(STUDY.replace("{'kl': 'ppo.kl_coef = 0.1', 'clip': 'ppo.clip_range = 0.1'}",
                                      "{'norm': \"reward.normalize = 'batch'\"}").replace("seeds = 3", "seeds = 1"))
-    with pytest.raises(StudyError, match=r"norm.*reward\.normalize = 'batch' is invalid: is set but reward\.kind = 'rule'"):
+    with pytest.raises(StudyError,
+                       match=r"norm.*reward\.normalize = 'batch' is invalid: is set but reward\.kind = 'rule'"):
         expand(load_study(path), tmp_path)
 
 

@@ -185,7 +185,8 @@ def test_adaptive_max_seeds_defaults_to_the_planned_seeds(write_study, tmp_path)
     from experiments.seed_plan import plan_lines
     assert "set study.adaptive_seeds['max_seeds'] = " in plan_lines(explicit, short)[1]
     # A plan of fewer seeds than the study starts with stops at min_seeds.
-    easy = load_study(path, ["study.target_effect = 1.0", "study.pilot = 'pilot'", "study.adaptive_seeds = {'step': 1}"])
+    easy = load_study(path, ["study.target_effect = 1.0", "study.pilot = 'pilot'",
+                             "study.adaptive_seeds = {'step': 1}"])
     assert with_planned_max_seeds(easy, seed_plan(easy, results)).adaptive_seeds.max_seeds == 3
     # Nothing to plan from: one line asking for max_seeds.
     bare = load_study(path, ["study.target_effect = 0.05", "study.adaptive_seeds = {'step': 1}"])
@@ -216,7 +217,8 @@ def test_run_records_the_plan_in_plan_json_and_the_aggregate(write_study, tmp_pa
     # An aggregate without the field was not written by this manager: refused, naming it.
     data = json.loads((results / "p" / "aggregate.json").read_text())
     del data["seed_plan"]
-    with pytest.raises(ValueError, match=r"^no seed_plan \(`python -m experiments report` writes the aggregate anew\)$"):
+    with pytest.raises(ValueError,
+                       match=r"^no seed_plan \(`python -m experiments report` writes the aggregate anew\)$"):
         StudyAggregate.from_json(data)
 
 

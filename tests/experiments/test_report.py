@@ -94,7 +94,8 @@ def test_underpowered_when_few_seeds(write_study, tmp_path):
 
 
 def test_band_aligns_steps_across_seeds():
-    steps, mean, std = band([(np.array([0, 5]), np.array([1.0, 3.0])), (np.array([0, 2, 5]), np.array([3.0, 7.0, 5.0]))])
+    steps, mean, std = band([(np.array([0, 5]), np.array([1.0, 3.0])),
+                             (np.array([0, 2, 5]), np.array([3.0, 7.0, 5.0]))])
     assert steps.tolist() == [0, 2, 5]
     assert mean.tolist() == [2.0, 7.0, 4.0]
     # ddof = 1, as the tables: seeds are a sample. A step one seed logged has no band.
@@ -156,7 +157,8 @@ def test_reward_model_score_is_reported_beside_gold_accuracy(write_study, tmp_pa
     from experiments.results import StudyAggregate
     assert StudyAggregate.from_json(agg.to_json()) == agg
     text = render_summary([(study, agg)], tmp_path / "results")
-    assert "eval/rm_score" in text and "At the warm start (each first-round baseline seed's evaluation before training): eval/accuracy = 0.3000; eval/rm_score = 0.5000" in text
+    assert "eval/rm_score" in text and ("At the warm start (each first-round baseline seed's evaluation before "
+                                        "training): eval/accuracy = 0.3000; eval/rm_score = 0.5000") in text
 
 
 def checkpointed_run(run_dir: Path, gold: dict, checkpoints, damaged=()) -> None:
@@ -212,7 +214,8 @@ def test_report_points_to_the_checkpoint_with_the_best_gold(study_dir):
                                                  "path": "runs/hot/seed1/checkpoints/step_3"}
     report = (out / "report.md").read_text()
     assert "## Best checkpoint by gold (eval/accuracy)" in report
-    assert "Best of the study: `runs/hot/seed1/checkpoints/step_3` (hot, seed 1, step 3): eval/accuracy = 0.82" in report
+    assert ("Best of the study: `runs/hot/seed1/checkpoints/step_3` (hot, seed 1, step 3): "
+            "eval/accuracy = 0.82") in report
     assert "| same | 2 | 3 | 0.63 | `runs/same/seed2/checkpoints/step_3` |" in report
     from experiments.report import render_summary
     from experiments.results import StudyAggregate
@@ -241,7 +244,8 @@ def test_report_says_when_the_runs_on_disk_are_stale_as_status_does(write_study,
         if spec.variant == "broken":
             fake_run(spec, 0.0, diverged=True)
         else:
-            fake_run(spec, ACCURACY[spec.variant][spec.seed], kl=0.9 if spec.variant == "hot" and spec.seed == 2 else 0.05)
+            fake_run(spec, ACCURACY[spec.variant][spec.seed],
+                     kl=0.9 if spec.variant == "hot" and spec.seed == 2 else 0.05)
     write_plan(results / "synthetic", study, specs, None)  # what `run` records at launch
     argv = ["report", str(path), "--results", str(results)]
     assert main(argv) == 0

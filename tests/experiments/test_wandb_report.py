@@ -37,7 +37,8 @@ def finished(write_study, tmp_path):
         if spec.variant == "broken":
             fake_run(spec, 0.0, diverged=True)
         else:  # as in test_report: 'hot' is better but breaks the KL guardrail at seed 2
-            fake_run(spec, ACCURACY[spec.variant][spec.seed], kl=0.9 if spec.variant == "hot" and spec.seed == 2 else 0.05)
+            fake_run(spec, ACCURACY[spec.variant][spec.seed],
+                     kl=0.9 if spec.variant == "hot" and spec.seed == 2 else 0.05)
         (Path(spec.run_dir) / "config.gin").write_text(spec.operative_config)
     out = tmp_path / "results" / "synthetic"
     write_json(out / "plan.json", {"study": study.name, "runs": [s.to_json() for s in specs]})

@@ -211,7 +211,8 @@ def test_rm_resume_says_what_it_skipped_and_when_there_is_nothing(rm_data, tmp_p
     RewardModelTrainer(cfg, out, log=logged.append).run(resume=True)
     ckpts = out / "checkpoints"
     assert any(m.startswith(f"--resume: skipped damaged checkpoint {ckpts / 'step_4'} (model/model.safetensors has "
-                            f"1000 bytes") and m.endswith(f"moved to {ckpts / 'corrupt-step_4'}") for m in logged), logged
+                            f"1000 bytes") and m.endswith(f"moved to {ckpts / 'corrupt-step_4'}")
+               for m in logged), logged
     assert f"--resume: resuming from {out / 'checkpoints' / 'step_2'}, the newest intact checkpoint" in logged
     assert read_metrics(out / "metrics.jsonl") == expected
     again = load_file(str(out / "model.safetensors"))

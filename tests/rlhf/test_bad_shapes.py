@@ -58,7 +58,8 @@ def bindings(*items) -> list:
 # ---------------------------------------------------------------- config.json: shape and architecture
 @pytest.mark.parametrize("name, config, expected", [
     ("zero_width", {**LLAMA, "hidden_size": 0}, "config.json says hidden_size = 0; allowed: a positive integer"),
-    ("text_width", {**LLAMA, "hidden_size": "big"}, "config.json says hidden_size = 'big'; allowed: a positive integer"),
+    ("text_width", {**LLAMA, "hidden_size": "big"},
+     "config.json says hidden_size = 'big'; allowed: a positive integer"),
     ("empty", {}, "config.json has no hidden_size, num_hidden_layers, num_attention_heads, vocab_size; allowed: each "
                   "a positive integer (the model's shape)"),
     ("type_only", {"model_type": "llama"}, "config.json has no hidden_size, num_hidden_layers, num_attention_heads, "

@@ -76,7 +76,8 @@ def test_killed_run_resumes_to_identical_metrics(tmp_path):
     assert not (out / "checkpoints" / "step_12").exists(), "the run finished before it could be killed"
     assert not (out / "summary.json").exists()
     run_train([*args, "--out", out, "--resume"])
-    assert comparable(read_metrics(out / "metrics.jsonl")) == comparable(read_metrics(tmp_path / "whole" / "metrics.jsonl"))
+    assert (comparable(read_metrics(out / "metrics.jsonl"))
+            == comparable(read_metrics(tmp_path / "whole" / "metrics.jsonl")))
     whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
     resumed = json.loads((out / "summary.json").read_text())
     assert resumed["final"] == whole["final"] and resumed["initial"] == whole["initial"]
@@ -129,8 +130,8 @@ def test_gpu_run_logs_memory_and_utilization_for_the_advisor(tmp_path, placement
     pytest.importorskip("pynvml", reason="GPU utilisation is read through nvidia-ml-py")
     if placement != "local":
         pytest.importorskip("ray")
-    run_train(["recipes/tiny.gin", "-b", "ppo.device = 'cuda'", "-b", "ppo.total_steps = 3", "-b", "task.eval_size = 32",
-               "-b", f"ppo.placement = '{placement}'", "--quiet", "--out", tmp_path])
+    run_train(["recipes/tiny.gin", "-b", "ppo.device = 'cuda'", "-b", "ppo.total_steps = 3",
+               "-b", "task.eval_size = 32", "-b", f"ppo.placement = '{placement}'", "--quiet", "--out", tmp_path])
     steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] > 0]
     assert all(0.0 <= r["perf/gpu_utilization"] <= 1.0 and r["perf/max_memory_allocated_gb"] > 0 for r in steps)
     prov = json.loads((tmp_path / "provenance.json").read_text())

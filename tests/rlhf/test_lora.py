@@ -129,7 +129,8 @@ def test_checkpoint_holds_peft_adapters_that_peft_loads(lora_run, tmp_path):
     loaded = {k: v for k, v in policy.state_dict().items() if "lora_" in k}
     assert len(loaded) == len(saved)
     critic = PeftModel.from_pretrained(AutoModel.from_pretrained(base_dir), str(ckpt / "critic"))
-    assert sum("lora_" in k for k in critic.state_dict()) == len(load_file(str(ckpt / "critic" / "adapter_model.safetensors")))
+    assert (sum("lora_" in k for k in critic.state_dict())
+            == len(load_file(str(ckpt / "critic" / "adapter_model.safetensors"))))
 
     # The merged export is an ordinary checkpoint whose forward is the adapter forward.
     proc = subprocess.run([sys.executable, "-m", "rlhf.export", str(ckpt), "--out", str(tmp_path / "merged")],
@@ -176,7 +177,8 @@ def test_killed_lora_run_resumes_to_identical_metrics(tmp_path):
     kill_when(args, out, "step_4")
     assert not (out / "checkpoints" / "step_8").exists(), "the run finished before it could be killed"
     run_train([*args, "--out", out, "--resume"])
-    assert comparable(read_metrics(out / "metrics.jsonl")) == comparable(read_metrics(tmp_path / "whole" / "metrics.jsonl"))
+    assert (comparable(read_metrics(out / "metrics.jsonl"))
+            == comparable(read_metrics(tmp_path / "whole" / "metrics.jsonl")))
     for name in ("actor/adapter_model.safetensors", "critic/adapter_model.safetensors", "actor_optim.safetensors"):
         a, b = (load_file(str(d / "checkpoints" / "step_8" / name)) for d in (out, tmp_path / "whole"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

@@ -206,7 +206,8 @@ def test_7b_full_fine_tuning_does_not_fit_one_gpu_and_the_error_names_lora():
 
 
 def test_suggestions_combine_changes_when_no_single_one_fits():
-    cfg, shape = (instruct("ppo.micro_batch_size = 16", "ppo.mini_batch_size = 16", "ppo.max_tokens_per_micro_batch = 0"),
+    cfg, shape = (instruct("ppo.micro_batch_size = 16", "ppo.mini_batch_size = 16",
+                           "ppo.max_tokens_per_micro_batch = 0"),
                   SHAPES["qwen2.5-7b"])
     bindings, plan = memory.suggest(cfg, shape, None, available=int(60 * GIB))
     # No single change fits; of the pairs, LoRA with the largest token budget that fits comes first.

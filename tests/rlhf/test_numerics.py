@@ -34,7 +34,8 @@ def test_native_profile_pins_nothing_and_bad_values_are_refused():
     assert env["MKL_CBWR"] == "AVX2,STRICT" and env["ATEN_CPU_CAPABILITY"] == "avx2"
     assert numerics.pinned_threads({}) == numerics.DEFAULT_THREADS
     assert numerics.pinned_threads({"RLHF_CPU_THREADS": "3"}) == 3
-    with pytest.raises(numerics.NumericsError, match="RLHF_NUMERICS = 'fast' is invalid: must be one of 'portable', 'avx2', 'native'"):
+    with pytest.raises(numerics.NumericsError,
+                       match="RLHF_NUMERICS = 'fast' is invalid: must be one of 'portable', 'avx2', 'native'"):
         numerics.apply({"RLHF_NUMERICS": "fast"})
     with pytest.raises(numerics.NumericsError, match="RLHF_CPU_THREADS = '0' is invalid"):
         numerics.apply({"RLHF_CPU_THREADS": "0"})
@@ -45,7 +46,8 @@ def test_bad_profile_is_one_line_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "rlhf.train", "recipes/tiny.gin", "--out", str(tmp_path / "run")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: RLHF_NUMERICS = 'fast' is invalid: must be one of 'portable', 'avx2', 'native'"
+    assert proc.stderr.strip() == ("error: RLHF_NUMERICS = 'fast' is invalid: must be one of "
+                                   "'portable', 'avx2', 'native'")
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="the portable profile needs AVX2")

@@ -37,7 +37,8 @@ def test_local_checkpoint_with_file_prompts_runs(local_model, tmp_path):
                "-b", f"model.tokenizer_path = '{root / 'tokenizer'}'", "-b", "task.name = 'file'",
                "-b", f"task.train_path = '{root / 'train.jsonl'}'", "-b", f"task.eval_path = '{root / 'eval.parquet'}'",
                "-b", "task.prompt_key = 'question'", "-b", "task.answer_key = 'solution'",
-               "-b", "task.reward_fn = 'gsm8k'", "-b", "ppo.max_prompt_length = 24", "-b", "ppo.max_response_length = 12",
+               "-b", "task.reward_fn = 'gsm8k'", "-b", "ppo.max_prompt_length = 24",
+               "-b", "ppo.max_response_length = 12",
                "-b", "ppo.total_steps = 2", "-b", "task.eval_size = 16", "--quiet", "--out", tmp_path])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed"

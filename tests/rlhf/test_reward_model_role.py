@@ -23,7 +23,8 @@ def expected(root, tok, rm_tok, which):
         seqs = [renderer.ids(p) + tok(r, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if f else [])
                 for p, r, f in zip(PROMPTS, RESPONSES, FINISHED)]
     else:
-        convos = [([{"role": "user", "content": p}] if isinstance(p, str) else p) + [{"role": "assistant", "content": r}]
+        convos = [([{"role": "user", "content": p}] if isinstance(p, str) else p)
+                  + [{"role": "assistant", "content": r}]
                   for p, r in zip(PROMPTS, RESPONSES)]
         seqs = [list(rm_tok.apply_chat_template(c, add_generation_prompt=False)["input_ids"]) for c in convos]
     return direct_scores(root / which, seqs)

@@ -266,7 +266,8 @@ def test_a_source_without_scorer_is_one_line_at_load(tmp_path):
         load_task(TaskConfig(name="file", train_path=str(path), reward_fn={"openai/gsm8k": "gsm8k"}))
     plain = _rows_file(tmp_path / "plain.jsonl", ["1+1="] * 5, answer="2")
     assert len(sum(load_task(TaskConfig(name="file", train_path=str(plain), reward_fn="gsm8k")), [])) == 5
-    with pytest.raises(ConfigError, match="plain.jsonl row 0: the row has no data_source to pick its scorer under task.reward_fn = 'auto'"):
+    with pytest.raises(ConfigError, match="plain.jsonl row 0: the row has no data_source to pick its scorer "
+                                          "under task.reward_fn = 'auto'"):
         load_task(TaskConfig(name="file", train_path=str(plain), reward_fn="auto"))
     cfg, operative = configurable.resolve(RECIPE, ["task.reward_fn = {'openai/gsm8k': 'gsm8k'}"])
     assert cfg.task.reward_fn == {"openai/gsm8k": "gsm8k"} and "task.reward_fn = {'openai/gsm8k': 'gsm8k'}" in operative
@@ -301,7 +302,8 @@ def test_text_content_parts_are_joined(tmp_path):
 
 @pytest.mark.parametrize("bindings, message", [
     (["task.train_path = 'data.jsonl'"], "task.train_path = 'data.jsonl' is invalid: is set but task.name = "
-                                         "'arithmetic' trains on the embedded task and ignores it; set task.name = 'file'"),
+                                         "'arithmetic' trains on the embedded task and ignores it; "
+                                         "set task.name = 'file'"),
     (["reward.model_path = 'models/rm'"], "reward.model_path = 'models/rm' is invalid: is set but reward.kind = "
                                           "'rule' trains on task.reward_fn and ignores it; set reward.kind = 'model'"),
     (["reward.normalize = 'batch'"], "reward.normalize = 'batch' is invalid: is set but reward.kind = 'rule' trains "
@@ -324,7 +326,8 @@ def test_ignored_bindings_are_one_line_exit_2(tmp_path, bindings, message):
 
 # A template that refuses roles it does not know, as many real ones do (raise_exception).
 STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-                   "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}{{ m['role'][0] }}:{{ m['content'] }}\n"
+                   "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}"
+                   "{{ m['role'][0] }}:{{ m['content'] }}\n"
                    "{% endfor %}{% if add_generation_prompt %}a:{% endif %}")
 
 
