@@ -29,8 +29,16 @@ from rlhf import algos, checkpoint
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.errors import ConfigError
-from rlhf.models import (ADAPTER_CONFIG, add_lora, adapter_files, frozen_base_dtype, load_policy,
-                         load_tokenizer, lora_scaling, merged_weights)
+from rlhf.models import (
+    ADAPTER_CONFIG,
+    adapter_files,
+    add_lora,
+    frozen_base_dtype,
+    load_policy,
+    load_tokenizer,
+    lora_scaling,
+    merged_weights,
+)
 from rlhf.packing import micro_batches
 from rlhf.roles.dispatch import ALL, CALLS, ROWS, dispatch
 from rlhf.roles.forward import on_device, response_logprobs

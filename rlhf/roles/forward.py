@@ -16,7 +16,6 @@ from rlhf.models import position_ids_from_mask
 from rlhf.packing import packed_row
 from rlhf.roles.compiled import logprobs_and_entropy
 
-
 FORWARD_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 """What a forward pass over prompt + response reads from a batch."""
 

@@ -6,18 +6,22 @@ It runs in the controller so batch and running normalisation see every row."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from rlhf.batch import Batch
 from rlhf.config import RewardConfig, TaskConfig
 from rlhf.rewards import RewardCombiner
+from rlhf.roles import RewardModelRole
 from rlhf.roles.role import Role
 
 
 class Reward(Role):
     name = "reward"
 
-    def __init__(self, ctx, task: TaskConfig, reward: RewardConfig, reward_model=None):
+    def __init__(self, ctx, task: TaskConfig, reward: RewardConfig,
+                 reward_model: Optional[RewardModelRole] = None):
         super().__init__(ctx)
         if reward.uses_model and reward_model is None:
             raise ValueError(f"reward.kind = {reward.kind!r} needs the reward-model role")
