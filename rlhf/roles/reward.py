@@ -35,11 +35,13 @@ class Reward(Role):
         rm = None
         if self.reward_model is not None:
             rm = batch["rm_scores"] if "rm_scores" in batch else self.model_scores(batch)
-        sources = batch["data_sources"] if "data_sources" in batch else None
+        sources = batch.meta["data_sources"] if "data_sources" in batch else None
         return self.combiner.combine(batch["responses"], batch["answers"], batch["finished"], rm, update, sources)
 
     def model_scores(self, batch: Batch) -> torch.Tensor:
         """The reward model's raw scores [B] (the trainer times this as its own phase)."""
+        if self.reward_model is None:
+            raise ValueError("model_scores needs the reward-model role (reward.kind 'model' or 'combined')")
         return self.reward_model.score(batch).float()
 
     def state_dict(self) -> dict:
