@@ -169,5 +169,5 @@ def test_a_proxy_is_typed_as_a_role_only_with_every_method_of_its_protocol():
                           RewardModel: RewardModelRole}.items():
         proxy = local_proxy(cls.name, [object.__new__(cls)])
         assert as_role(proxy, protocol) is proxy
-    with pytest.raises(TypeError, match=r"lacks \['compute_values', 'update'\] of CriticRole"):
+    with pytest.raises(TypeError, match=r"lacks \['compute_values', .*'update'\] of CriticRole"):
         as_role(local_proxy("reference", [object.__new__(Reference)]), CriticRole)
