@@ -34,6 +34,8 @@ from rlhf.atomic import is_disk_full
 if TYPE_CHECKING:  # annotations only
     import torch
 
+    from rlhf.roles import TrainedState
+
 # torch and safetensors load inside the functions that need them: verifying and listing checkpoints
 # (the experiment manager does it for every run of a study) stays light.
 
@@ -285,8 +287,8 @@ def writing(tmp: Path, what: str) -> Iterator[Path]:
         raise
 
 
-def save_checkpoint(ckpt_root: str | Path, step: int, *, actor, critic, tokenizer, trainer_state: dict,
-                    keep: int) -> Path:
+def save_checkpoint(ckpt_root: str | Path, step: int, *, actor: TrainedState, critic: Optional[TrainedState], tokenizer,
+                    trainer_state: dict, keep: int) -> Path:
     """`actor` / `critic` (None without a critic): trained roles, in this process or proxies of Ray
     ranks (rlhf/roles/__init__.py `TrainedState`); their states arrive in the one-process layout."""
     from safetensors.torch import save_file
@@ -355,7 +357,7 @@ def read_trained_state(ckpt: str | Path, role: str) -> Dict[str, "torch.Tensor"]
     return state
 
 
-def restore_training(ckpt: str | Path, *, actor, critic) -> dict:
+def restore_training(ckpt: str | Path, *, actor: TrainedState, critic: Optional[TrainedState]) -> dict:
     """Loads every piece of a checkpoint into the trained roles; returns the trainer state."""
     from safetensors.torch import load_file
     ckpt = Path(ckpt)

@@ -6,7 +6,8 @@
                       over gloo (CPU) or NCCL (GPU) when there is more than one rank.
 
 Either way the trainer calls each device role through a proxy built from its `@dispatch`
-declarations (rlhf/placement/proxy.py), which spreads and collects a call the same way in both.
+declarations (rlhf/placement/proxy.py), which spreads and collects a call the same way in both,
+typed as the role's protocol (rlhf/roles/__init__.py), so the type checker checks each call.
 Roles without a model (the rule reward) run in the controller's process in every placement.
 """
 
@@ -19,7 +20,7 @@ import torch
 
 from rlhf.config import RunConfig
 from rlhf.placement.context import DeviceContext
-from rlhf.roles import RoleSpec, Roles
+from rlhf.roles import Roles, RoleSpec
 
 
 def role_specs(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, start_dir: Path, tokenizer=None,
@@ -42,7 +43,8 @@ def role_specs(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, start_di
                                    total_updates=total_updates)))
     if cfg.reward.uses_model:
         from rlhf.roles.reward_model import check_reward_model
-        check_reward_model(cfg.reward, cfg.task)  # in this process: a bad checkpoint is one line, before any rank starts
+        # In this process: a bad checkpoint is one line, before any rank starts.
+        check_reward_model(cfg.reward, cfg.task)
         specs.append(RoleSpec("reward_model", "rlhf.roles.reward_model:RewardModel",
                               dict(reward=cfg.reward, task=cfg.task, policy_tokenizer_dir=str(tokenizer_dir)),
                               extra=dict(policy_tokenizer=tokenizer, log=log) if tokenizer is not None else {}))
@@ -68,7 +70,4 @@ def build_roles(cfg: RunConfig, *, model_dir: Path, tokenizer_dir: Path, tokeniz
     # The reward phase runs in the controller (normalisation sees the whole batch); the reward
     # model it calls is a device role like the reference.
     roles.reward = Reward(controller, cfg.task, cfg.reward, roles.reward_model)
-    if roles.reference is None:
-        from rlhf.roles.reference import AdapterOffReference
-        roles.reference = AdapterOffReference(roles.actor)
     return roles

@@ -170,7 +170,8 @@ def connect(address: Optional[str], num_cpus: Optional[float] = None, num_gpus: 
             return False
         # A local instance turns token authentication on by default: Ray's notice of it is not this run's news.
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        ray.init(address="local" if private else None, num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+        ray.init(address="local" if private else None, num_cpus=num_cpus,  # pyright: ignore[reportArgumentType]
+                 num_gpus=num_gpus, **kwargs)  # pyright: ignore[reportArgumentType]  (Ray takes fractions)
         return True
     except KeyboardInterrupt:
         ray.shutdown()

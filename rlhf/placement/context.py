@@ -29,7 +29,7 @@ def deterministic_algorithms(device_type: str) -> None:
     per allocation for nothing. The CPU path keeps torch's default."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     if device_type == "cuda":
-        torch.utils.deterministic.fill_uninitialized_memory = False
+        torch.utils.deterministic.fill_uninitialized_memory = False  # pyright: ignore[reportAttributeAccessIssue]
 
 class SingleRank:
     """The ranks a role shares each mini-batch with, when there is only itself."""

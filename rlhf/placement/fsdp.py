@@ -10,7 +10,7 @@ work across world sizes.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Any, Dict, List, cast
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -48,12 +48,14 @@ def shard(model: torch.nn.Module, device_type: str, world_size: int) -> torch.nn
 def full_model_state(model: torch.nn.Module, rank0_cpu: bool) -> Dict[str, torch.Tensor]:
     """The unsharded state dict. rank0_cpu: only rank 0 gets it, on CPU (checkpoints); otherwise
     every rank gets it on its device (weight sync into the rollout replica)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_cpu))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_cpu))
+    return cast(Dict[str, torch.Tensor], state)
 
 
 def load_full_model_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], strict: bool):
     """Loads an unsharded state dict (given to every rank); returns (missing, unexpected) keys."""
-    return set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+    return set_model_state_dict(model, cast(Dict[str, Any], state),
+                                options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def parameter_names(model: torch.nn.Module) -> List[str]:
@@ -64,8 +66,8 @@ def parameter_names(model: torch.nn.Module) -> List[str]:
 
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The unsharded optimizer state in the one-process layout (on rank 0; {} elsewhere)."""
-    sd = get_optimizer_state_dict(model, optimizer,
-                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = cast(dict, get_optimizer_state_dict(model, optimizer,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     if not sd:
         return {}
     index = {name: i for i, name in enumerate(parameter_names(model))}

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from rlhf import memory
 from rlhf.placement.context import ProcessGroupRanks, context_for, deterministic_algorithms
+from rlhf.roles import PlacedRole
 
 
 def free_port() -> int:
@@ -40,7 +41,7 @@ class RankHost:
         import transformers
         transformers.utils.logging.disable_progress_bar()
         self.autocast_dtype = torch.bfloat16 if bf16 and device_type == "cuda" else None
-        self.roles: Dict[str, object] = {}
+        self.roles: Dict[str, PlacedRole] = {}
         self.offloader: Optional[memory.Offloader] = None
         self.ranks = None
         from rlhf.gpu_monitor import DeviceMonitor

@@ -11,8 +11,8 @@ import torch
 from rlhf import memory
 from rlhf.gpu_monitor import DeviceMonitor
 from rlhf.placement.context import DeviceContext
-from rlhf.placement.proxy import local_proxy
-from rlhf.roles import Roles, RoleSpec
+from rlhf.placement.proxy import as_role, local_proxy, proxied_roles
+from rlhf.roles import ActorRole, Roles, RoleSpec
 
 
 def build_local_roles(specs: List[RoleSpec], *, device: torch.device, autocast_dtype, log=print,
@@ -23,10 +23,8 @@ def build_local_roles(specs: List[RoleSpec], *, device: torch.device, autocast_d
     record = {"placement": "local", "world_size": 1, "device": device.type}
     if device.type == "cuda":
         role_bytes = {name: memory.state_bytes(role) for name, role in built.items()}
-        record["memory"] = memory.apply_runtime_plan(specs[0].kwargs["ppo"], roles["actor"], role_bytes,
-                                                     memory.device_memory(device), offload_mode=False,
+        record["memory"] = memory.apply_runtime_plan(specs[0].kwargs["ppo"], as_role(roles["actor"], ActorRole),
+                                                     role_bytes, memory.device_memory(device), offload_mode=False,
                                                      can_offload=False, predicted=memory_plan, log=log)
     monitor = DeviceMonitor(device).start()
-    return Roles(actor=roles["actor"], critic=roles.get("critic"), reference=roles.get("reference"),
-                 reward=None, reward_model=roles.get("reward_model"), placement=record,
-                 device_report=monitor.take, close=monitor.close)
+    return proxied_roles(roles, placement=record, device_report=monitor.take, close=monitor.close)

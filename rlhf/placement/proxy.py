@@ -9,6 +9,9 @@ how a share runs differs:
                   object store
     local_proxy   a call of the role object in this process (the local placement has one rank;
                   more objects, one per rank, run their shares one after another)
+
+The placements hand the trainer each proxy typed as its role's protocol (`as_role`, rlhf/roles/
+__init__.py), so the type checker holds every call on a role to what the protocol declares.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ from __future__ import annotations
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Type, TypeVar, cast
 
 import torch
 
 from rlhf.batch import Batch
+from rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardModelRole, Roles
 from rlhf.roles.dispatch import ALL, Spread, dispatched_methods, spread
+
+R = TypeVar("R")
 
 
 class Pending:
@@ -47,11 +53,19 @@ class RoleProxy:
         self.name = name
         self.world_size = world_size
         self.start = start
-        self.run = run or (lambda method, shares: start(method, shares)())
+        self.run = run or self._start_and_wait
         self.local_roles = list(local_roles)
         self.methods = dispatched_methods(role_cls)
         for method, mode in self.methods.items():
             setattr(self, method, functools.partial(self._invoke, method, mode))
+
+    def _start_and_wait(self, method: str, shares: Spread) -> List[Any]:
+        return self._starter()(method, shares)()
+
+    def _starter(self) -> Callable[[str, Spread], Callable[[], List[Any]]]:
+        if self.start is None:
+            raise TypeError(f"{self!r} has no way to start a call")
+        return self.start
 
     def _invoke(self, method: str, mode, *args, **kwargs):
         shares = spread(mode, self.world_size, args, kwargs, f"{self.name}.{method}")
@@ -62,17 +76,50 @@ class RoleProxy:
         other roles while it runs (on Ray in the ranks' processes, in this process on a thread of
         the proxy's own). Calls of one proxy run one at a time, in the order given."""
         shares = spread(self.methods[method], self.world_size, args, kwargs, f"{self.name}.{method}")
-        wait = self.start(method, shares)
+        wait = self._starter()(method, shares)
         return Pending(lambda: shares.collect(wait()))
 
     def __repr__(self) -> str:
         return f"RoleProxy({self.name}, {self.world_size} ranks)"
 
 
-def submit(proxy: RoleProxy, method: str, *args, **kwargs) -> Pending:
-    """Starts `method` on the role behind `proxy` and returns at once (`RoleProxy.submit`): a
-    placement's way to run two roles at once, not a method of any role."""
-    return proxy.submit(method, *args, **kwargs)
+def submit(role: object, method: str, *args, **kwargs) -> Pending:
+    """Starts `method` on `role`, a proxy typed as its protocol (`as_role`), and returns at once
+    (`RoleProxy.submit`): a placement's way to run two roles at once, not a method of any role."""
+    if not isinstance(role, RoleProxy):
+        raise TypeError(f"{role!r} is not a role proxy: only a placement's proxy can submit a call")
+    return role.submit(method, *args, **kwargs)
+
+
+def protocol_methods(protocol: type) -> List[str]:
+    """The methods a role protocol (rlhf/roles/__init__.py) declares, its protocol bases' included."""
+    return [m for m in dir(protocol) if not m.startswith("_") and callable(getattr(protocol, m))]
+
+
+def as_role(proxy: RoleProxy, protocol: Type[R]) -> R:
+    """`proxy` typed as the protocol of its role, so the type checker reports a call of a method the
+    protocol does not declare, or with arguments it does not take. The proxy must have each of the
+    protocol's methods, from its role's `@dispatch` declarations."""
+    missing = [m for m in protocol_methods(protocol) if m not in proxy.methods]
+    if missing:
+        raise TypeError(f"{proxy!r} lacks {missing} of {protocol.__name__}: declare them with @dispatch")
+    return cast(R, proxy)
+
+
+def proxied_roles(proxies: Mapping[str, RoleProxy], *, placement: dict, device_report: Callable[[], Dict[str, float]],
+                  close: Callable[[], None]) -> Roles:
+    """The trainer's `Roles` from a placement's proxies, each typed as its protocol. Without a
+    reference of its own (LoRA) the reference is the actor's base with its adapter off; the reward
+    phase (`Roles.reward`) is the controller's, set by rlhf/placement/__init__.py `build_roles`."""
+    from rlhf.roles.reference import AdapterOffReference
+    actor = as_role(proxies["actor"], ActorRole)
+    critic: Optional[CriticRole] = as_role(proxies["critic"], CriticRole) if "critic" in proxies else None
+    reference = (as_role(proxies["reference"], ReferenceRole) if "reference" in proxies
+                 else AdapterOffReference(actor))
+    reward_model: Optional[RewardModelRole] = (as_role(proxies["reward_model"], RewardModelRole)
+                                               if "reward_model" in proxies else None)
+    return Roles(actor=actor, critic=critic, reference=reference, reward=None, reward_model=reward_model,
+                 placement=placement, device_report=device_report, close=close)
 
 
 def _shared(value: Any) -> Any:

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 from rlhf.config import RunConfig
 from rlhf.gpu_monitor import merge_device_reports
-from rlhf.roles import Roles, RoleSpec
+from rlhf.roles import ActorRole, Roles, RoleSpec
 
 
 def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, ray_address: Optional[str], log=print,
@@ -17,7 +17,7 @@ def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, ray_address: Optio
 
     from rlhf import memory
     from rlhf.placement import cluster
-    from rlhf.placement.proxy import ray_proxy
+    from rlhf.placement.proxy import as_role, proxied_roles, ray_proxy
 
     ppo = cfg.ppo
     cluster.connect(ray_address)
@@ -53,7 +53,7 @@ def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, ray_address: Optio
     proxies = {spec.name: ray_proxy(spec.name, spec.role_class(), hosts[spec.name]) for spec in specs}
     plan = None
     if device == "cuda":
-        info = ray.get(hosts["actor"][0].where.remote())
+        info: dict = ray.get(hosts["actor"][0].where.remote())  # pyright: ignore[reportAssignmentType]
         # The actor's process: in colocated placement every role, in split placement the actor alone.
         local_names = names if colocated else ["actor"]
         role_bytes = {name: built[name][0]["bytes"] for name in local_names}
@@ -61,8 +61,9 @@ def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, ray_address: Optio
         def set_offload(enabled: bool) -> None:
             ray.get([h.set_offload.remote(enabled) for h in shared])
 
-        plan = memory.apply_runtime_plan(ppo, proxies["actor"], role_bytes, info, offload_mode=ppo.offload_idle_models,
-                                         can_offload=colocated, predicted=memory_plan,
+        plan = memory.apply_runtime_plan(ppo, as_role(proxies["actor"], ActorRole), role_bytes, info,
+                                         offload_mode=ppo.offload_idle_models, can_offload=colocated,
+                                         predicted=memory_plan,
                                          set_offload=set_offload if colocated else None, log=log)
 
     every = list({id(h): h for hs in hosts.values() for h in hs}.values())
@@ -84,6 +85,4 @@ def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, ray_address: Optio
               "role_bytes": {name: [b["bytes"] for b in built[name]] for name in names}}
     if plan is not None:
         record["memory"] = plan
-    return Roles(actor=proxies["actor"], critic=proxies.get("critic"), reference=proxies.get("reference"),
-                 reward=None, reward_model=proxies.get("reward_model"), placement=record,
-                 device_report=device_report, close=close)
+    return proxied_roles(proxies, placement=record, device_report=device_report, close=close)

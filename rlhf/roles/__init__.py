@@ -11,8 +11,10 @@ A role receives a context (rlhf/placement/context.py) saying where it runs and d
 method how a call is spread over ranks (rlhf/roles/dispatch.py). `rlhf/placement/` builds the
 roles in this process or on Ray ranks from the same `RoleSpec`s; the trainer sees the `Roles`
 below either way, typed by the protocols here. A protocol lists every method that the trainer,
-the checkpoints and the placements call on that role (tests/rlhf/test_structure.py reads their
-code to hold it so); `PlacedRole` is what a placement asks of every role it builds.
+the checkpoints and the placements call on that role: the placements hand out each role's proxy
+typed as its protocol (rlhf/placement/proxy.py `as_role`), so the type checker (basedpyright)
+reports a call the protocol does not declare; `PlacedRole` is what a placement asks of every role
+it builds.
 """
 
 from __future__ import annotations

@@ -29,8 +29,16 @@ from rlhf import algos, checkpoint
 from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.errors import ConfigError
-from rlhf.models import (ADAPTER_CONFIG, add_lora, adapter_files, frozen_base_dtype, load_policy,
-                         load_tokenizer, lora_scaling, merged_weights)
+from rlhf.models import (
+    ADAPTER_CONFIG,
+    adapter_files,
+    add_lora,
+    frozen_base_dtype,
+    load_policy,
+    load_tokenizer,
+    lora_scaling,
+    merged_weights,
+)
 from rlhf.packing import micro_batches
 from rlhf.roles.dispatch import ALL, CALLS, ROWS, dispatch
 from rlhf.roles.forward import on_device, response_logprobs
@@ -117,7 +125,9 @@ class Actor(TrainedRole):
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the sampled response tokens and per-token entropy, [B, R] each."""
-        return self._logprobs(batch, with_entropy=True)
+        logprobs, entropy = self._logprobs(batch, with_entropy=True)
+        assert entropy is not None  # asked for
+        return logprobs, entropy
 
     @dispatch(ROWS)
     @torch.no_grad()
@@ -156,11 +166,12 @@ class Actor(TrainedRole):
             normalizer = mini.loss_normalizer
             self.optimizer.zero_grad(set_to_none=True)
             for micro in mini.micro_batches:
-                mask = micro["response_mask"].to(self.device).float()
-                advantages = micro["advantages"].to(self.device)
+                mask = micro.tensors["response_mask"].to(self.device).float()
+                advantages = micro.tensors["advantages"].to(self.device)
                 logprobs, entropy = response_logprobs(self.model, micro, self.device, cfg.temperature,
                                                       self.autocast_dtype, fused=self.fused)
-                old_logprobs = logprobs.detach() if on_policy else micro["old_logprobs"].to(self.device)
+                assert entropy is not None  # with_entropy is on
+                old_logprobs = logprobs.detach() if on_policy else micro.tensors["old_logprobs"].to(self.device)
                 if on_policy:
                     seen.append((old_logprobs, entropy.detach()))
                 pg_loss, pg_stats = algos.policy_loss(logprobs, old_logprobs, advantages, mask, cfg.clip_range,
@@ -168,7 +179,7 @@ class Actor(TrainedRole):
                 entropy_term = algos.aggregate(entropy, mask, cfg.loss_aggregation, normalizer)
                 loss = pg_loss - cfg.entropy_coef * entropy_term
                 if cfg.kl_mode == "loss":
-                    kl = algos.kl_penalty(logprobs, micro["ref_logprobs"].to(self.device), cfg.kl_estimator)
+                    kl = algos.kl_penalty(logprobs, micro.tensors["ref_logprobs"].to(self.device), cfg.kl_estimator)
                     loss = loss + kl_coef * algos.aggregate(kl, mask, cfg.loss_aggregation, normalizer)
                     pg_stats["kl_loss"] = algos.masked_mean(kl.detach(), mask)
                 loss.backward()
@@ -185,7 +196,7 @@ class Actor(TrainedRole):
             self.scheduler.step()
         grad_norm = mean_grad_norm(grad_norms)
         ratio_counts = ranks.sum(ratio_counts.cpu().long())
-        out = {f"actor/{k}": v for k, v in global_stats(stats, ranks).items()}
+        out: Dict[str, object] = {f"actor/{k}": v for k, v in global_stats(stats, ranks).items()}
         out["actor/grad_norm"] = grad_norm
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         out["policy_ratio_hist"] = {"bin_edges": RATIO_BIN_EDGES, "counts": ratio_counts.tolist()}
@@ -247,7 +258,7 @@ class Actor(TrainedRole):
             return {}
         template = self.replica if self.replica is not None else self.model
         with tempfile.TemporaryDirectory() as tmp:
-            template.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            template.save_pretrained(tmp, state_dict=state, safe_serialization=True)  # pyright: ignore[reportCallIssue]
             return {f"actor/{p.name}": p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
 
     @dispatch(ALL)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict
+from typing import Dict, cast
 
 import torch
 
@@ -102,10 +102,10 @@ class Critic(TrainedRole):
         for mini in mini_batches(batch, cfg, shuffle_seed, self.device, self.ranks):
             self.optimizer.zero_grad(set_to_none=True)
             for micro in mini.micro_batches:
-                mask = micro["response_mask"].to(self.device).float()
-                returns = micro["returns"].to(self.device)
+                mask = micro.tensors["response_mask"].to(self.device).float()
+                returns = micro.tensors["returns"].to(self.device)
                 values = response_values(self.model, micro, self.device, self.autocast_dtype)
-                loss, vstats = algos.value_loss(values, micro["values"].to(self.device), returns, mask,
+                loss, vstats = algos.value_loss(values, micro.tensors["values"].to(self.device), returns, mask,
                                                 cfg.value_clip_range, cfg.loss_aggregation, mini.loss_normalizer)
                 loss.backward()
                 vstats["value_loss"] = algos.masked_mean(0.5 * (values.detach() - returns).square(), mask)
@@ -115,7 +115,7 @@ class Critic(TrainedRole):
             self.scheduler.step()
         out = {f"critic/{k}": v for k, v in global_stats(stats, self.ranks).items()}
         out["critic/grad_norm"] = mean_grad_norm(grad_norms)
-        out["critic/lr"] = self.scheduler.get_last_lr()[0]
+        out["critic/lr"] = cast(float, self.scheduler.get_last_lr()[0])
         return out
 
     @dispatch(ALL)

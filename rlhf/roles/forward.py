@@ -16,7 +16,6 @@ from rlhf.models import position_ids_from_mask
 from rlhf.packing import packed_row
 from rlhf.roles.compiled import logprobs_and_entropy
 
-
 FORWARD_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 """What a forward pass over prompt + response reads from a batch."""
 
@@ -36,9 +35,10 @@ def on_device(batch: Batch, device, max_tokens: int, keys=FORWARD_KEYS) -> Batch
 
 def sequence_inputs(batch: Batch, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """prompt + response ids and mask on `device`, and the prompt width P."""
-    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1).to(device)
-    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1).to(device)
-    return ids, mask, batch["prompt_ids"].shape[1]
+    tensors = batch.tensors
+    ids = torch.cat([tensors["prompt_ids"], tensors["response_ids"]], 1).to(device)
+    mask = torch.cat([tensors["prompt_mask"], tensors["response_mask"]], 1).to(device)
+    return ids, mask, tensors["prompt_ids"].shape[1]
 
 
 LM_HEAD_CHUNK = 2048
@@ -100,7 +100,7 @@ def head_returns_logprobs(model, tokens: torch.Tensor, temperature: float, with_
     def forward(hidden):
         return chunked_head_logprobs(hidden, head.weight, head.bias, tokens, temperature, with_entropy, fused, keep)
 
-    head.forward = forward
+    head.forward = forward  # pyright: ignore[reportAttributeAccessIssue]  (the head's input is named `input`)
     try:
         yield
     finally:
@@ -117,17 +117,16 @@ def response_logprobs(model, batch: Batch, device, temperature: float = 1.0, aut
     that runs packed (rlhf/packing.py) is one row of its real tokens, scattered back to [B, R]."""
     row = packed_row(batch, device)
     if row is not None:
-        inputs, keep, tokens = row.forward_kwargs(), row.index, row.tokens
+        inputs, keep, tokens, head_keep = row.forward_kwargs(), row.index, row.tokens, None
     else:
         ids, mask, P = sequence_inputs(batch, device)
-        R = batch["response_ids"].shape[1]
+        R = batch.tensors["response_ids"].shape[1]
         inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
         # The last R + 1 positions go through the head; position P - 1 + t predicts response token t, and
         # the last one predicts nothing (scored as 0 and dropped).
-        keep, tokens = R + 1, F.pad(batch["response_ids"].to(device), (0, 1))
+        keep, head_keep, tokens = R + 1, R, F.pad(batch.tensors["response_ids"].to(device), (0, 1))
     with torch.autocast(device_type=device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None), \
-            head_returns_logprobs(model, tokens, temperature, with_entropy, fused,
-                                  None if row is not None else keep - 1):
+            head_returns_logprobs(model, tokens, temperature, with_entropy, fused, head_keep):
         out = model(**inputs, use_cache=False, logits_to_keep=keep).logits
     if row is None:
         out = out[:, :-1]
@@ -146,7 +145,7 @@ def response_values(model, batch: Batch, device, autocast_dtype=None) -> torch.T
             values = model(**row.forward_kwargs())
         return row.unpack(values[0, row.index].float())
     ids, mask, P = sequence_inputs(batch, device)
-    R = batch["response_ids"].shape[1]
+    R = batch.tensors["response_ids"].shape[1]
     with torch.autocast(device_type=device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         values = model(ids, mask)
     return values[:, P - 1:P - 1 + R].float()

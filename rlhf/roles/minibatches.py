@@ -41,7 +41,7 @@ def mini_batches(batch: Batch, cfg: PPOConfig, shuffle_seed: int, device, ranks)
     resident = on_device(batch, device, cfg.max_tokens_per_micro_batch, keys=None)
     for epoch in range(cfg.ppo_epochs):
         indices = minibatch_indices(len(batch), cfg.mini_batch_size, shuffle_seed + epoch)
-        placed = torch.cat(indices).to(resident["response_mask"].device).split([len(i) for i in indices])
+        placed = torch.cat(indices).to(resident.tensors["response_mask"].device).split([len(i) for i in indices])
         for mb_index, mb_placed in zip(indices, placed):
             mini = ranks.share(resident.select(mb_placed))
             # The normalizer from the host copy of the mask: a number the host needs now.
@@ -55,7 +55,7 @@ def loss_normalizer(mini: Batch, aggregation: str, ranks) -> float:
     """The mini-batch's token count (token_mean) or non-empty sequence count (seq_mean), summed
     over ranks and divided by the world size (FSDP averages the ranks' gradients), so that the
     micro-batch losses of all ranks add up to the one-process mini-batch loss."""
-    mask = mini["response_mask"].float()
+    mask = mini.tensors["response_mask"].float()
     count = mask.sum() if aggregation == "token_mean" else (mask.sum(-1) > 0).sum()
     return ranks.sum(count).clamp(min=1).item() / ranks.world_size
 

@@ -10,6 +10,7 @@ from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.models import load_policy
 from rlhf.packing import micro_batches
+from rlhf.roles import ActorRole
 from rlhf.roles.compiled import compile_layers
 from rlhf.roles.dispatch import ROWS, dispatch
 from rlhf.roles.forward import on_device, response_logprobs
@@ -51,7 +52,7 @@ class AdapterOffReference:
 
     name = "reference"
 
-    def __init__(self, actor):
+    def __init__(self, actor: ActorRole):
         self.actor = actor
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:

@@ -6,18 +6,22 @@ It runs in the controller so batch and running normalisation see every row."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from rlhf.batch import Batch
 from rlhf.config import RewardConfig, TaskConfig
 from rlhf.rewards import RewardCombiner
+from rlhf.roles import RewardModelRole
 from rlhf.roles.role import Role
 
 
 class Reward(Role):
     name = "reward"
 
-    def __init__(self, ctx, task: TaskConfig, reward: RewardConfig, reward_model=None):
+    def __init__(self, ctx, task: TaskConfig, reward: RewardConfig,
+                 reward_model: Optional[RewardModelRole] = None):
         super().__init__(ctx)
         if reward.uses_model and reward_model is None:
             raise ValueError(f"reward.kind = {reward.kind!r} needs the reward-model role")
@@ -31,11 +35,13 @@ class Reward(Role):
         rm = None
         if self.reward_model is not None:
             rm = batch["rm_scores"] if "rm_scores" in batch else self.model_scores(batch)
-        sources = batch["data_sources"] if "data_sources" in batch else None
+        sources = batch.meta["data_sources"] if "data_sources" in batch else None
         return self.combiner.combine(batch["responses"], batch["answers"], batch["finished"], rm, update, sources)
 
     def model_scores(self, batch: Batch) -> torch.Tensor:
         """The reward model's raw scores [B] (the trainer times this as its own phase)."""
+        if self.reward_model is None:
+            raise ValueError("model_scores needs the reward-model role (reward.kind 'model' or 'combined')")
         return self.reward_model.score(batch).float()
 
     def state_dict(self) -> dict:

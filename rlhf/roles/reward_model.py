@@ -15,8 +15,8 @@ from rlhf.batch import Batch
 from rlhf.chat import PromptRenderer
 from rlhf.config import RewardConfig, TaskConfig
 from rlhf.reward_model.score import RewardModelScorer
-from rlhf.roles.role import Role
 from rlhf.roles.dispatch import ROWS, dispatch
+from rlhf.roles.role import Role
 
 
 def check_reward_model(reward: RewardConfig, task: TaskConfig, examples: Sequence = ()) -> None:
@@ -27,8 +27,12 @@ def check_reward_model(reward: RewardConfig, task: TaskConfig, examples: Sequenc
     from rlhf.chat import check_rows
     from rlhf.checkpoint import check_weights
     from rlhf.models import check_vocab_fits
-    from rlhf.reward_model.score import (check_reward_checkpoint, check_tokenizer_probe, encode_conversation,
-                                         load_reward_tokenizer)
+    from rlhf.reward_model.score import (
+        check_reward_checkpoint,
+        check_tokenizer_probe,
+        encode_conversation,
+        load_reward_tokenizer,
+    )
     check_reward_checkpoint(reward.model_path)
     check_weights(reward.model_path, "reward.model_path")
     tokenizer_binding = "reward.tokenizer_path" if reward.tokenizer_path else "reward.model_path"

@@ -4,7 +4,7 @@ device once, and summed over the ranks."""
 from __future__ import annotations
 
 import math
-from typing import Dict, List
+from typing import Dict, List, Mapping
 
 import torch
 
@@ -20,8 +20,10 @@ class StatAccumulator:
         self._sums: Dict[str, float] = {}
         self._weights: Dict[str, float] = {}
 
-    def add(self, stats: Dict[str, object], weight) -> None:
-        keep = (lambda v: v.detach() if isinstance(v, torch.Tensor) else v)  # never an autograd graph
+    def add(self, stats: Mapping[str, object], weight) -> None:
+        def keep(v):  # never an autograd graph
+            return v.detach() if isinstance(v, torch.Tensor) else v
+
         self._pending.append(({k: keep(v) for k, v in stats.items()}, keep(weight)))
 
     def _settle(self) -> None:
@@ -35,7 +37,10 @@ class StatAccumulator:
         for group in by_device.values():  # one transfer per device
             values = torch.stack([t.reshape(()).double() for t in group]).tolist()
             host.update({id(t): v for t, v in zip(group, values)})
-        read = (lambda v: host[id(v)] if isinstance(v, torch.Tensor) else float(v))
+
+        def read(v) -> float:
+            return host[id(v)] if isinstance(v, torch.Tensor) else float(v)
+
         for stats, weight in self._pending:
             weight = read(weight)
             for k, v in stats.items():

@@ -1,5 +1,6 @@
 """The engine's module structure: no import cycles, one class per role, proxies built from the
-roles' own dispatch declarations, and every method called on a role declared on its protocol."""
+roles' own dispatch declarations, and every method called on a role declared on its protocol (the
+type checker holds the calls to the protocols: the proxies are typed as them)."""
 
 import ast
 import re
@@ -101,197 +102,72 @@ def test_rows_and_calls_split_and_gather_in_order():
 
 
 # ---------------------------------------------------------------- what is called on a role is declared
-ROLE_PROTOCOLS = {"actor": "ActorRole", "critic": "CriticRole", "reference": "ReferenceRole", "reward": "RewardRole",
-                  "reward_model": "RewardModelRole"}
-"""A role is named for what it is, wherever the engine holds one: `self.actor`, `roles.critic`,
-`roles["reward_model"]`, a parameter `reference`; an annotation naming a protocol (`role:
-PlacedRole`, `roles: Dict[str, PlacedRole]`) says it where the name does not, and an annotation
-naming anything else (`reward: RewardConfig`) says that the name is not a role there."""
-ROLE_HOLDERS = ("self", "roles", "proxies")
-CONTAINERS = ("Dict", "dict", "Mapping", "List", "list", "Sequence", "Tuple", "tuple")
-SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+PROTOCOLS = ("ActorRole", "CriticRole", "ReferenceRole", "RewardRole", "RewardModelRole", "TrainedState", "PlacedRole",
+             "RoleProxy")
+ROLE_HOLDERS = ["rlhf/trainer.py", "rlhf/checkpoint.py", "rlhf/placement/__init__.py", "rlhf/placement/local.py",
+                "rlhf/placement/ray_roles.py", "rlhf/placement/proxy.py", "rlhf/placement/host.py",
+                "rlhf/memory/runtime.py", "rlhf/memory/offload.py", "rlhf/roles/reference.py", "rlhf/roles/reward.py"]
+CALLER = """\
+from rlhf.batch import Batch
+from rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardModelRole, RewardRole
+from rlhf.roles.actor import Actor
+from rlhf.roles.critic import Critic
+from rlhf.roles.reference import AdapterOffReference, Reference
+from rlhf.roles.reward import Reward
+from rlhf.roles.reward_model import RewardModel
 
 
-def protocol_methods(source):
-    """Protocol name -> the methods it declares, with its protocol bases' (rlhf/roles/__init__.py)."""
-    classes = {n.name: n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
-
-    def methods(name):
-        own = {f.name for f in classes[name].body if isinstance(f, ast.FunctionDef)}
-        for base in classes[name].bases:
-            if isinstance(base, ast.Name) and base.id in classes:
-                own |= methods(base.id)
-        return own
-
-    return {name: methods(name) for name, node in classes.items()
-            if any(isinstance(b, ast.Name) and b.id == "Protocol" for b in node.bases)}
+def calls(actor: ActorRole, batch: Batch) -> None:
+    actor.warp_speed()
+    actor.update(batch, shuffle_seed="one", kl_coef=0.1)
+    actor.update(batch, shuffle_seed=1, kl_coef=0.1)
 
 
-def own_nodes(scope):
-    """The nodes of `scope`, without descending into the scopes it defines (those it yields)."""
-    todo = list(ast.iter_child_nodes(scope))
-    while todo:
-        node = todo.pop()
-        yield node
-        if not isinstance(node, SCOPES):
-            todo.extend(ast.iter_child_nodes(node))
+def provided(a: Actor, c: Critic, r: Reference, o: AdapterOffReference, m: RewardModel, w: Reward):
+    roles: tuple[ActorRole, CriticRole, ReferenceRole, ReferenceRole, RewardModelRole, RewardRole] = (a, c, r, o, m, w)
+    return roles
+"""
 
 
-def role_calls(tree, protocols):
-    """(line, protocol, method) of every method called on a role in a module's syntax tree. A
-    variable that runs over several roles (`for name, role in (("actor", actor), ("critic",
-    critic))`) gives one entry per protocol: what it calls must be declared on each."""
-    found = []
-
-    def annotated(annotation):
-        """(protocols, is a container of roles) of an annotation; None: not a role."""
-        text = ast.unparse(annotation)
-        protos = frozenset(p for p in protocols if re.search(rf"\b{p}\b", text))
-        return (protos, text.startswith(CONTAINERS)) if protos else None
-
-    def class_attributes(cls):
-        """self.X -> annotation: dataclass fields, `self.X: T = ...`, `self.X = param` of an annotated param."""
-        out = {n.target.id: annotated(n.annotation) for n in cls.body
-               if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
-        for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
-            params = {a.arg: a.annotation for a in fn.args.args + fn.args.kwonlyargs if a.annotation is not None}
-            for node in ast.walk(fn):
-                target = node.target if isinstance(node, ast.AnnAssign) else (
-                    node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
-                if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
-                        and target.value.id == "self"):
-                    continue
-                if isinstance(node, ast.AnnAssign):
-                    out[target.attr] = annotated(node.annotation)
-                elif isinstance(node.value, ast.Name) and node.value.id in params:
-                    out[target.attr] = annotated(params[node.value.id])
-        return out
-
-    def kind(node, env, attrs):
-        """(protocols, container) of an expression, or None when it is not a role."""
-        if isinstance(node, ast.Name):
-            if node.id in env:
-                return env[node.id]
-            return (frozenset({ROLE_PROTOCOLS[node.id]}), False) if node.id in ROLE_PROTOCOLS else None
-        if isinstance(node, ast.Attribute):
-            if isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr in attrs:
-                return attrs[node.attr]
-            holder = node.value.id if isinstance(node.value, ast.Name) else getattr(node.value, "attr", None)
-            if node.attr in ROLE_PROTOCOLS and holder in ROLE_HOLDERS:
-                return frozenset({ROLE_PROTOCOLS[node.attr]}), False
-            return None
-        if isinstance(node, ast.Subscript):
-            container = kind(node.value, env, attrs)
-            if container is not None and container[1]:
-                return container[0], False
-            holder = node.value.id if isinstance(node.value, ast.Name) else getattr(node.value, "attr", None)
-            key = node.slice
-            if holder in ROLE_HOLDERS and isinstance(key, ast.Constant) and key.value in ROLE_PROTOCOLS:
-                return frozenset({ROLE_PROTOCOLS[key.value]}), False
-        return None
-
-    def bind(target, value, env):
-        if isinstance(target, ast.Name):
-            env[target.id] = value
-        elif isinstance(target, (ast.Tuple, ast.List)):
-            for t in target.elts:
-                bind(t, None, env)
-
-    def bind_loop(target, iterable, env, attrs):
-        """A loop over a written-out tuple of roles binds its variable to each in turn."""
-        items = iterable.elts if isinstance(iterable, (ast.Tuple, ast.List)) else None
-        names = [target] if isinstance(target, ast.Name) else list(getattr(target, "elts", []))
-        for pos, name in enumerate(names):
-            if not isinstance(name, ast.Name):
-                continue
-            kinds = [] if items is None else [
-                kind(item if isinstance(target, ast.Name) else
-                     (item.elts[pos] if isinstance(item, ast.Tuple) and len(item.elts) > pos else None), env, attrs)
-                if item is not None else None for item in items]
-            ok = kinds and all(k is not None and not k[1] for k in kinds)
-            env[name.id] = (frozenset().union(*(k[0] for k in kinds)), False) if ok else None
-
-    def visit(scope, env, attrs):
-        env = dict(env)
-        if isinstance(scope, ast.ClassDef):
-            attrs = class_attributes(scope)
-        else:
-            if not isinstance(scope, ast.Module):
-                args = scope.args
-                for arg in args.posonlyargs + args.args + args.kwonlyargs + [a for a in (args.vararg, args.kwarg) if a]:
-                    if arg.annotation is not None:
-                        env[arg.arg] = annotated(arg.annotation)
-                    else:
-                        env.pop(arg.arg, None)
-            for node in own_nodes(scope):
-                if isinstance(node, ast.Assign):
-                    for target in node.targets:
-                        bind(target, kind(node.value, env, attrs) if isinstance(target, ast.Name) else None, env)
-                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                    env[node.target.id] = annotated(node.annotation)
-                elif isinstance(node, (ast.For, ast.comprehension)):
-                    bind_loop(node.target, node.iter, env, attrs)
-                elif isinstance(node, ast.withitem) and node.optional_vars is not None:
-                    bind(node.optional_vars, None, env)
-        for node in own_nodes(scope):
-            if isinstance(node, SCOPES):
-                visit(node, env, attrs)
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                role = kind(node.func.value, env, attrs)
-                if role is not None and not role[1]:
-                    found.extend((node.lineno, protocol, node.func.attr) for protocol in sorted(role[0]))
-
-    visit(tree, {}, {})
-    return found
+def type_errors(*paths):
+    """basedpyright's errors in `paths` with the project's settings (pyproject.toml): (file, line, rule, message)."""
+    import json
+    proc = subprocess.run(["basedpyright", "--project", str(REPO / "pyproject.toml"), "--outputjson", *map(str, paths)],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.stdout, proc.stderr[-2000:]
+    return [(d["file"], d["range"]["start"]["line"] + 1, d.get("rule"), d["message"])
+            for d in json.loads(proc.stdout)["generalDiagnostics"] if d["severity"] == "error"]
 
 
-def test_every_method_called_on_a_role_is_declared_on_its_protocol():
-    """What the trainer, the checkpoints, the placements and the roles call on a role is on the
-    role's protocol (rlhf/roles/__init__.py), so the protocols say what a role must provide."""
-    protocols = protocol_methods((RLHF / "roles" / "__init__.py").read_text())
-    called, undeclared = set(), []
-    for path in sorted(RLHF.rglob("*.py")):
-        for line, protocol, method in role_calls(ast.parse(path.read_text()), protocols):
-            called.add((protocol, method))
-            if method not in protocols[protocol]:
-                undeclared.append(f"{path.relative_to(REPO)}:{line}: {method} is not on {protocol}")
-    assert sorted(undeclared) == []
-    # The reading finds the calls it must: each phase of the loop, the checkpoints, the placements'.
-    assert {("ActorRole", "generate"), ("ActorRole", "set_rollout_sleep"), ("RewardRole", "model_scores"),
-            ("RewardModelRole", "score"), ("CriticRole", "model_files"), ("ActorRole", "load_scheduler_state"),
-            ("ReferenceRole", "compute_logprobs"), ("PlacedRole", "device_state")} <= called
-    # ... and catches one that is not declared, or a name that is not a role.
-    snippet = ast.parse(
-        "def f(actor, reward: RewardConfig, roles: Dict[str, PlacedRole]):\n"
-        "    for name, role in (('actor', actor), ('critic', critic)):\n"
-        "        role.model_files()\n"
-        "    actor.warp_speed()\n    reward.uses_model()\n    roles[name].device_state()\n    roles.items()\n")
-    assert sorted(role_calls(snippet, protocols)) == [
-        (3, "ActorRole", "model_files"), (3, "CriticRole", "model_files"), (4, "ActorRole", "warp_speed"),
-        (6, "PlacedRole", "device_state")]
+def test_the_type_checker_holds_every_call_on_a_role_to_its_protocol(tmp_path):
+    """The placements hand out each proxy typed as its role's protocol (rlhf/placement/proxy.py
+    `as_role`) and every holder of a role is annotated with one, so basedpyright reports a method
+    that a protocol (rlhf/roles/__init__.py) does not declare, or an argument it does not take; each
+    role class provides its protocol; the engine's holders of roles have no such error."""
+    caller = tmp_path / "caller.py"
+    caller.write_text(CALLER)
+    errors = type_errors(caller, *(REPO / p for p in ROLE_HOLDERS))
+    found = sorted((line, rule) for file, line, rule, _ in errors if file == str(caller))
+    assert found == [(11, "reportAttributeAccessIssue"), (12, "reportArgumentType")], errors
+    assert [m for f, line, _, m in errors if f == str(caller) and line == 11][0].startswith(
+        'Cannot access attribute "warp_speed" for class "ActorRole"')
+    on_roles = [(f, line, m) for f, line, _, m in errors if f != str(caller) and re.search("|".join(PROTOCOLS), m)]
+    assert on_roles == []
 
 
-def test_every_role_class_provides_its_protocol_and_its_proxy_has_it():
-    """Each role class implements every method of its protocol; a device role declares each with
-    `@dispatch`, so that the proxy built from the declarations (every placement's) has it too."""
-    from rlhf import roles
-    from rlhf.placement.proxy import local_proxy
+def test_a_proxy_is_typed_as_a_role_only_with_every_method_of_its_protocol():
+    """`as_role` checks at build what the type checker cannot: the proxy, built from the role
+    class's `@dispatch` declarations, has each method of the protocol it is typed as."""
+    from rlhf.placement.proxy import as_role, local_proxy
+    from rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardModelRole
     from rlhf.roles.actor import Actor
     from rlhf.roles.critic import Critic
-    from rlhf.roles.dispatch import dispatched_methods
-    from rlhf.roles.reference import AdapterOffReference, Reference
-    from rlhf.roles.reward import Reward
+    from rlhf.roles.reference import Reference
     from rlhf.roles.reward_model import RewardModel
 
-    protocols = protocol_methods((RLHF / "roles" / "__init__.py").read_text())
-    device = {Actor: "ActorRole", Critic: "CriticRole", Reference: "ReferenceRole", RewardModel: "RewardModelRole"}
-    controller = {Reward: "RewardRole", AdapterOffReference: "ReferenceRole"}
-    for cls, protocol in {**device, **controller}.items():
-        assert hasattr(roles, protocol)
-        missing = [m for m in protocols[protocol] if not callable(getattr(cls, m, None))]
-        assert missing == [], (cls.__name__, missing)
-    for cls, protocol in device.items():
-        assert sorted(protocols[protocol] - set(dispatched_methods(cls))) == [], cls.__name__
-        assert callable(getattr(cls, "device_state")) and protocols["PlacedRole"] == {"device_state"}
+    for cls, protocol in {Actor: ActorRole, Critic: CriticRole, Reference: ReferenceRole,
+                          RewardModel: RewardModelRole}.items():
         proxy = local_proxy(cls.name, [object.__new__(cls)])
-        assert all(callable(getattr(proxy, m, None)) for m in protocols[protocol]), cls.__name__
+        assert as_role(proxy, protocol) is proxy
+    with pytest.raises(TypeError, match=r"lacks \['compute_values', .*'update'\] of CriticRole"):
+        as_role(local_proxy("reference", [object.__new__(Reference)]), CriticRole)
