@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union, cast
 
 import numpy as np
 from scipy import special
@@ -54,6 +54,7 @@ from experiments.results import (
     Comparison,
     Decision,
     GuardrailCheck,
+    PairedComparison,
     Robustness,
     RunOutcome,
     RunStatus,
@@ -111,7 +112,7 @@ def _verdict(cmp: Comparison, n: int, n_base: int, higher: bool, alpha: float, m
 
     if n < 2 or n_base < 2:
         return say(INSUFFICIENT, True, f"{n} vs {n_base} completed seeds; at least 2 each are needed")
-    n_used = own.n_pairs if cmp.analysis == PAIRED else min(n, n_base)
+    n_used = cast(PairedComparison, own).n_pairs if cmp.analysis == PAIRED else min(n, n_base)
     if n_used < 2:
         return say(INSUFFICIENT, True, f"{n_used} seed(s) completed on both sides; the paired analysis needs at "
                                        f"least 2 (study.analysis = 'welch' compares the groups)")
@@ -233,7 +234,7 @@ def leave_one_seed_out(values_by_seed: Mapping[str, Mapping[int, float]], higher
         if not (np.isfinite(se) and se > 0 and np.isfinite(df)):
             continue
         own, cmp = v.decisive, v.comparison
-        full_n = (own.n_pairs,) if analysis == PAIRED else (len(variant), len(base))
+        full_n = (cast(PairedComparison, own).n_pairs,) if analysis == PAIRED else (len(variant), len(base))
         without, t_without, se_without = {}, {}, {}
         for s in sorted(set(variant) | set(base)):
             d, se_s, _ = _difference(analysis, {k: x for k, x in variant.items() if k != s},
@@ -363,7 +364,7 @@ def aggregate(study: Study, results: Sequence[RunOutcome], provenance: Optional[
     for name, runs in by_variant.items():
         completed = sum(r.status == RunStatus.COMPLETED for r in runs)
         rails = _guardrails(study, runs)
-        fields = dict(
+        fields: Dict[str, Any] = dict(
             bindings=tuple(declared[name].bindings) if name in declared else (),
             coupled=bool(declared.get(name) and declared[name].coupled),
             summary=_summary(values[name], step),
@@ -413,10 +414,10 @@ def decide(variants: Dict[str, VariantResult], higher: bool, metric: str = "the 
     candidates = [n for n, v in variants.items() if v.verdict == BETTER and v.guardrails_ok and v.incomplete == 0]
     if candidates:
         sign = 1 if higher else -1
-        chosen = max(candidates, key=lambda n: sign * variants[n].summary.mean)
+        chosen = max(candidates, key=lambda n: sign * cast(float, variants[n].summary.mean))  # a better one has values
         reason = f"{chosen} is better than the baseline ({variants[chosen].explanation})"
         if variants[chosen].fragile:
-            reason += f"; fragile: {fragile_text(variants[chosen].robustness)}"
+            reason += f"; fragile: {fragile_text(cast(Robustness, variants[chosen].robustness))}"
         return Decision(chosen, reason, flagged)
     return Decision(BASELINE, "no variant is detectably better with its guardrails holding; keep the baseline",
                     flagged)

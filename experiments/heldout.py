@@ -32,13 +32,16 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from experiments.errors import StudyError
 from experiments.paths import portable
 from experiments.results import BASELINE, RunStatus, StudyAggregate, aggregate_path, read_aggregate
 from experiments.run_records import GOLD_METRIC, iter_metrics, latest_checkpoint, scalar, summary
 from rlhf.atomic import write_text
+
+if TYPE_CHECKING:  # annotations only
+    from experiments.study import Study
 
 TEST_FILE = "test.jsonl"
 ROWS_PER_CALL = 64
@@ -161,7 +164,9 @@ def gold_accuracy(policy, tokenizer, cfg, examples: Sequence, seed_parts: Tuple[
             rows = [ex for ex in examples[call * per_call:(call + 1) * per_call] for _ in range(n)]
             if not rows:
                 continue
-            batch = rollout.generate([renderer.ids(ex.prompt) for ex in rows], sampling, derive_seed(*seed_parts, call))
+            # Token ids as prompts: generate hands them to encode_prompts, which takes text or ids.
+            batch = rollout.generate([renderer.ids(ex.prompt) for ex in rows],  # pyright: ignore[reportArgumentType]
+                                     sampling, derive_seed(*seed_parts, call))
             results = rule_results(task.reward_fn, decode_responses(tokenizer, batch), [ex.answer for ex in rows],
                                    batch["finished"].tolist(), [ex.data_source for ex in rows],
                                    format_reward=task.format_reward, missing_eos_penalty=task.missing_eos_penalty)
@@ -246,7 +251,7 @@ def eval_value_at(run_dir: Path, step: int) -> Optional[float]:
 
 
 # ----------------------------------------------------------------------------- statistics
-def summarize(values: Sequence[float]) -> dict:
+def summarize(values: Sequence[Optional[float]]) -> dict:
     """n, mean, std (ddof 1) and the mean's 95% t interval of the values given (`stats.summarize`,
     as every report shows a variant's seeds)."""
     from experiments import stats
@@ -264,7 +269,7 @@ def paired_difference(a: Sequence[dict], b: Sequence[dict], metric: str) -> dict
 
 
 # ----------------------------------------------------------------------------- the command
-def _rounds(args) -> List[Tuple[object, Path, StudyAggregate]]:
+def _rounds(args) -> List[Tuple[Study, Path, StudyAggregate]]:
     from experiments.study import load_study
 
     rounds = []
@@ -355,7 +360,7 @@ def _best_checkpoint(scorer: Scorer, rounds: Sequence[tuple]) -> Optional[dict]:
             **scorer.score(cfg, ckpt / "actor", point.seed, study.name)}
 
 
-def heldout_record(rounds: Sequence[Tuple[object, Path, StudyAggregate]], test_file: Path, examples: Sequence,
+def heldout_record(rounds: Sequence[Tuple[Study, Path, StudyAggregate]], test_file: Path, examples: Sequence,
                    samples_per_prompt: int = 0) -> dict:
     """The record `heldout` writes (see the module docstring); `rounds`: (study, study dir,
     aggregate) in round order."""

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, cast
 
 from experiments.display import DONE, DONE_BEFORE, QUEUED, RETRYING, StudyDisplay
 from experiments.errors import DETERMINISTIC_FAILURES, StudyError
@@ -88,7 +88,7 @@ class StudyLock(DirLock):
 
     def __enter__(self) -> "StudyLock":
         try:
-            return super().__enter__()
+            return cast(StudyLock, super().__enter__())  # DirLock.__enter__ returns self
         except LockBusy:
             raise StudyBusy(f"{self.path.parent} is in use by another `experiments run` "
                             f"(lock {self.path}); wait for it or stop it first") from None
@@ -312,8 +312,8 @@ class RayRuns:
         # A one-process run holds its resources in its task; a distributed run's task holds
         # none: the engine reserves a placement group for its ranks on the same cluster.
         local = spec.placement == "local"
-        options = dict(num_cpus=spec.cpus if local else 0, num_gpus=spec.gpus if local else 0,
-                       max_retries=0, name=f"{self.study_name}:{spec.key}")
+        options: Dict[str, Any] = dict(num_cpus=spec.cpus if local else 0, num_gpus=spec.gpus if local else 0,
+                                       max_retries=0, name=f"{self.study_name}:{spec.key}")
         if self.env:  # the user's CPU numerics, caches and offline settings reach workers on any node
             options["runtime_env"] = {"env_vars": self.env}
         ref = self.task.options(**options).remote(spec.to_json(), resume, self.attempts[spec.key],
@@ -372,11 +372,13 @@ def _mark_running(refs: Dict, attempts: Dict[str, int], display: StudyDisplay) -
 def _outcome(ref, spec: RunSpec) -> dict:
     """The task's outcome; a task that died (worker crash, Ray's memory monitor) is recorded here."""
     import ray
+    import ray.exceptions
     try:
         return ray.get(ref)
     except ray.exceptions.RayError as err:
         cause = getattr(err, "cause", None)  # what the task raised (RayTaskError), else how it died
         if is_disk_full(cause):  # the task could not write the run dir: stop the study
+            assert cause is not None  # is_disk_full(None) is False
             raise cause from None
         if isinstance(cause, BaseException):
             error = f"{type(cause).__name__}: {_first_line(cause)}"

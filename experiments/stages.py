@@ -141,7 +141,8 @@ def params_header(path: str, params: Dict, spec: Optional[str] = None) -> str:
     source = f"{portable(path)} and {resumed} (the round it resumes)" if resumed else portable(path)
     file, key = _override_target(params, spec)
     given = f"# with the overrides under {file}:{key}.\n" if spec else ""
-    return (f"# {params['study']['name']}'s parameters as its runs get them, resolved by `python -m experiments params`\n"
+    return (f"# {params['study']['name']}'s parameters as its runs get them, resolved by "
+            f"`python -m experiments params`\n"
             f"# from {source}{'' if spec else '.'}\n{given}"
             f"# DVC reads them as the round's params (`dvc params diff`). GENERATED: do not edit; when it is\n"
             f"# regenerated, a hand edit is refused, not overwritten. Edit the recipe, or override a parameter\n"
@@ -259,12 +260,13 @@ def headline(aggregate: StudyAggregate) -> Dict:
     chosen = aggregate.decision.chosen
     variant = aggregate.variants.get(chosen) if chosen is not None else None
     baseline = aggregate.variants.get(BASELINE)
-    decisive = variant.comparison.decisive if variant is not None and variant.comparison else None
+    comparison = variant.comparison if variant is not None else None
+    decisive = comparison.decisive if comparison else None
     decision = {"chosen": chosen,
                 "chosen_value": variant.summary.mean if variant is not None else None,
                 "baseline_value": baseline.summary.mean if baseline is not None else None,
                 "effect": decisive.difference if decisive else (0.0 if chosen == BASELINE else None),
-                "p_value": variant.comparison.p_value_holm if decisive else None}
+                "p_value": comparison.p_value_holm if comparison else None}
     return {"metric": aggregate.metric, "decision": decision, "baseline": rows.get(BASELINE),
             "chosen": rows.get(chosen) if chosen is not None else None,
             "variants": {name: row for name, row in rows.items() if name != BASELINE}}

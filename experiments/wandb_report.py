@@ -74,7 +74,7 @@ def changed_bindings(agg: StudyAggregate) -> List[str]:
 def _decision_panels(agg: StudyAggregate) -> list:
     """The decision metric per variant: a bar with its standard error, the parallel coordinates of
     the changed bindings, parameter importance, and a run comparer."""
-    import wandb_workspaces.reports.v2 as wr
+    import wandb_workspaces.reports.v2.interface as wr  # where v2's report types are defined and exported
 
     key = decision_key(agg)
     columns = [wr.Config("variant"), *[wr.Config(k) for k in changed_bindings(agg)], wr.SummaryMetric(key)]
@@ -93,7 +93,7 @@ def _decision_panels(agg: StudyAggregate) -> list:
 def build_report(agg: StudyAggregate, study_dir: str | Path, project: str, entity: str = "",
                  resume_from: str = ""):
     """The Report object for one study's decision (no server needed)."""
-    import wandb_workspaces.reports.v2 as wr
+    import wandb_workspaces.reports.v2.interface as wr  # where v2's report types are defined and exported
     from wandb_workspaces import expr
 
     from experiments.report import decision_table, explanations, method_text, per_seed_table
@@ -112,9 +112,10 @@ def build_report(agg: StudyAggregate, study_dir: str | Path, project: str, entit
     aggregate_run = wr.Runset(entity=entity, project=project, name=f"{agg.study} aggregate",
                               filters=expr.And(expr.Config("study") == agg.study,
                                                expr.Metric("JobType") == AGGREGATE_JOB_TYPE))
-    panels = [wr.LinePlot(title=f"{metric} (mean ± std over seeds)", x="Step", y=[metric], groupby_aggfunc="mean",
-                          groupby_rangefunc="stddev", layout=wr.Layout(x=8 * (i % 3), y=6 * (i // 3), w=8, h=6))
-              for i, metric in enumerate(SIGNALS)]
+    panels: List[wr.PanelTypes] = [
+        wr.LinePlot(title=f"{metric} (mean ± std over seeds)", x="Step", y=[metric], groupby_aggfunc="mean",
+                    groupby_rangefunc="stddev", layout=wr.Layout(x=8 * (i % 3), y=6 * (i // 3), w=8, h=6))
+        for i, metric in enumerate(SIGNALS)]
     table = wr.WeavePanelSummaryTable(table_name=AGGREGATE_TABLE, layout=wr.Layout(x=0, y=0, w=24, h=8))
     blocks = [
         wr.H1(text=f"Study {agg.study}: {d.chosen or 'no decision'}"),
@@ -144,7 +145,7 @@ def _viewspec_api():
     `from_url` need a server), so this is the one place that reaches for them; constraints.txt
     pins the version they were checked on, and tests/experiments/test_wandb_report.py fails when
     they change."""
-    import wandb_workspaces.reports.v2 as wr
+    import wandb_workspaces.reports.v2.interface as wr  # where v2's report types are defined and exported
     from wandb_workspaces.reports.v2 import internal
 
     try:
@@ -178,6 +179,6 @@ def load_definition(path: str | Path, entity: Optional[str] = None, project: Opt
     return report
 
 
-def default_entity() -> str:
+def default_entity() -> Optional[str]:
     import wandb
     return wandb.Api().default_entity

@@ -27,7 +27,7 @@ import netrc
 import os
 import sys
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Literal, Optional, cast
 
 from experiments.errors import StudyError
 from experiments.results import StudyAggregate, aggregate_path
@@ -39,10 +39,14 @@ from rlhf.metrics import METRICS_FILE, PERF_SUMMARY, read_metrics
 STATE_FILE = "wandb.json"
 
 
-def wandb_mode() -> str:
+WandbMode = Literal["online", "offline", "disabled"]
+"""The modes `wandb_mode` answers, as `wandb.init(mode=...)` takes them."""
+
+
+def wandb_mode() -> WandbMode:
     mode = os.environ.get("WANDB_MODE", "").strip().lower()
     if mode in ("offline", "online", "disabled", "dryrun", "run"):
-        return {"dryrun": "offline", "run": "online"}.get(mode, mode)
+        return cast(WandbMode, {"dryrun": "offline", "run": "online"}.get(mode, mode))
     return "online" if logged_in() else "offline"
 
 
@@ -277,8 +281,8 @@ def aggregate_rows(aggregate: StudyAggregate) -> List[List]:
         s, c = v.summary, v.comparison
         own = c.decisive if c else None
         rows.append([name, "; ".join(v.bindings) or "baseline", s.n, s.mean, s.std, s.se, s.ci95[0], s.ci95[1],
-                     c.difference if c else None, own.difference_ci95[0] if c else None,
-                     own.difference_ci95[1] if c else None, c.analysis if c else None,
+                     c.difference if c else None, own.difference_ci95[0] if own else None,
+                     own.difference_ci95[1] if own else None, c.analysis if c else None,
                      c.p_value_holm if c else None, c.hedges_g if c else None,
                      c.prob_improvement if c else None, v.verdict if c else "reference", v.underpowered,
                      v.fragile, v.guardrails_ok])
@@ -307,7 +311,7 @@ def aggregate_run_id(study: str) -> str:
 def aggregate_state_path(directory: str | Path, project: str, study: str) -> Path:
     """What a study's aggregate run last logged (its content hash, step and mode), kept with the W&B
     run files (under WANDB_DIR when set), not in the study's results: it records what those files hold."""
-    return Path(files_root(str(directory))) / "wandb" / "aggregates" / project / f"{study}.json"
+    return Path(cast(str, files_root(str(directory)))) / "wandb" / "aggregates" / project / f"{study}.json"
 
 
 def log_aggregate_dir(study_dir: str | Path, project: str, run_hashes: Iterable[str]) -> bool:
@@ -344,7 +348,8 @@ def log_aggregate_dir(study_dir: str | Path, project: str, run_hashes: Iterable[
     try:
         import wandb
 
-        payload = {AGGREGATE_TABLE: wandb.Table(columns=AGGREGATE_COLUMNS, data=rows)}
+        table = wandb.Table(columns=AGGREGATE_COLUMNS, data=rows)  # pyright: ignore[reportArgumentType] (invariant lists)
+        payload: Dict[str, object] = {AGGREGATE_TABLE: table}
         for image in images:
             payload[f"plots/{image.stem}"] = wandb.Image(str(image))
         run.log(payload, step=step)
