@@ -12,7 +12,7 @@ import dataclasses
 import math
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, cast
 
 import numpy as np
 
@@ -44,7 +44,9 @@ def load_seed_plan(study_dir: Path) -> Optional[SeedPlan]:
 def _final_window(operative: str) -> int:
     """`ppo.final_window` of an operative config (a plan.json written before RunSpec recorded it)."""
     m = re.search(r"^ppo\.final_window\s*=\s*(\d+)", operative, re.M)
-    return int(m.group(1)) if m else next(f.default for f in dataclasses.fields(PPOConfig) if f.name == "final_window")
+    # cast: PPOConfig.final_window has a plain int default (never dataclasses.MISSING)
+    return int(m.group(1)) if m else cast(int, next(f.default for f in dataclasses.fields(PPOConfig)
+                                                    if f.name == "final_window"))
 
 
 def final_window_value(run_dir: str, metric: str, window: int) -> Optional[float]:

@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast, overload
 
 
-def portable(path: str | Path, base: Optional[str | Path] = None) -> str:
-    """`path` relative to `base` (default: the working directory) when it lies under it, else as given."""
+@overload
+def portable(path: str | Path, base: Optional[str | Path] = None) -> str: ...
+@overload
+def portable(path: None, base: Optional[str | Path] = None) -> None: ...
+def portable(path: Optional[str | Path], base: Optional[str | Path] = None) -> Optional[str]:
+    """`path` relative to `base` (default: the working directory) when it lies under it, else as given
+    (None and "" as they are)."""
     if path is None or str(path) == "":
-        return path
+        return cast(Optional[str], path)  # None, or "" (a Path never reads as "")
     try:
         target, root = Path(path).resolve(), Path(base or os.getcwd()).resolve()
     except (OSError, ValueError):

@@ -138,7 +138,7 @@ def expand(study: Study, results_dir: str | Path) -> List[RunSpec]:
     study = resumed_study(study)
     start_hashes = {p: hash_directory(p) for p in set(starts.values())}
     data_hashes: Dict[str, str] = {}
-    checkpoint_hashes: Dict[str, str] = {}
+    checkpoint_hashes: Dict[str, Optional[str]] = {}
     base_cfg, _ = resolve_config(study.baseline_recipe, study.baseline_bindings, "study.baseline_bindings")
     base_flat = flat_dict(base_cfg)
     _data_hash(base_cfg.task, data_hashes)
@@ -264,7 +264,7 @@ def _data_hash(task, known: Dict[str, str]) -> str:
     return known[key]
 
 
-def _checkpoint_hashes(cfg, known: Dict[str, str]) -> dict:
+def _checkpoint_hashes(cfg, known: Dict[str, Optional[str]]) -> dict:
     """Hashes of the local checkpoints a run reads besides its start (the policy, the reward
     model), each read once: retraining one of them reruns the runs that use it."""
     paths: Dict[str, Optional[str]] = {"model": cfg.model.name_or_path if cfg.model.name_or_path != "tiny" else "",

@@ -32,7 +32,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from experiments import stats
 from experiments.errors import StudyError
@@ -91,7 +91,8 @@ def make_plan(pilot: Optional[StudyAggregate], *, target_effect: float, power: f
                     pilot_variants=k, correlation=r, seeds_run=seeds_run)
     if sigma is None:
         return plan
-    design = dict(paired=r is not None, correlation=stats.design_correlation(r) if r is not None else 0.0)
+    design: Dict[str, Any] = dict(paired=r is not None,
+                                  correlation=stats.design_correlation(r) if r is not None else 0.0)
     at_run = stats.power(target_effect, sigma, seeds_run, seeds_run, per_test, **design)
     return dataclasses.replace(plan, sigma=sigma,
                                seeds=stats.seeds_needed(target_effect, sigma, per_test, power, **design),
@@ -130,6 +131,7 @@ def seed_plan(study: Study, results_dir: str | Path) -> Optional[SeedPlan]:
                      analysis=study.analysis)
     if study.adaptive_seeds is not None and study.adaptive_seeds.max_seeds is None and plan.seeds is not None:
         planned = max(plan.seeds, study.adaptive_seeds.min_seeds)  # adaptive seeds stop at the plan
+        assert plan.sigma is not None  # make_plan sets seeds only beside sigma
         at_run = stats.power(plan.target_effect, plan.sigma, planned, planned, plan.alpha / plan.comparisons,
                              paired=plan.correlation is not None,
                              correlation=stats.design_correlation(plan.correlation))

@@ -38,9 +38,10 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy import optimize, special, stats
 
 from experiments.results import Comparison, PairedComparison
@@ -67,7 +68,7 @@ def _scalar_or_array(p):
     return float(p) if p.ndim == 0 else p
 
 
-def is_flat(sd, resolution: float = 0.0, scale: float = 1.0) -> bool:
+def is_flat(sd, resolution: float = 0.0, scale: float = 1.0) -> Union[np.ndarray, np.bool_]:
     """Whether a std is no spread at all: below `resolution / 4` (a metric on a grid of step
     `resolution`: untied values on it spread at least 0.58 of a step) or below RELATIVE_FLAT
     times the values' scale (floating-point noise around tied values). NaN is not flat."""
@@ -76,7 +77,7 @@ def is_flat(sd, resolution: float = 0.0, scale: float = 1.0) -> bool:
     return np.less_equal(sd, tol)
 
 
-def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE, resolution: float = 0.0) -> tuple:
+def mean_ci(values: ArrayLike, confidence: float = CONFIDENCE, resolution: float = 0.0) -> tuple:
     """The t interval of the mean, mean +- t(n - 1) * s / sqrt(n): nominal coverage for normal
     seeds at any n (a percentile bootstrap of 3 seeds is [min, max], which covers 75%). A point
     when the values do not spread (`is_flat`); NaNs below n = 2."""
@@ -102,7 +103,7 @@ def _flat_differences(d: np.ndarray, x: np.ndarray, y: np.ndarray, resolution: f
     return is_flat(np.std(d, axis=-1), resolution, scale)
 
 
-def difference_ci(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE,
+def difference_ci(a: ArrayLike, b: ArrayLike, confidence: float = CONFIDENCE,
                   resolution: float = 0.0) -> tuple:
     """Welch's t interval of mean(a) - mean(b): the test behind `welch_p`, so at the same level
     it excludes zero exactly when p < 1 - confidence. A point when neither group spreads
@@ -119,7 +120,7 @@ def difference_ci(a: Sequence[float], b: Sequence[float], confidence: float = CO
     return (float(ci.low), float(ci.high))
 
 
-def summarize(values: Sequence[float], resolution: float = 0.0) -> Dict:
+def summarize(values: ArrayLike, resolution: float = 0.0) -> Dict:
     """n, mean, std (ddof=1), standard error, median, IQM (25% trimmed mean) and the mean's 95% t
     interval (`mean_ci`)."""
     x = np.asarray(values, float)
@@ -133,7 +134,7 @@ def summarize(values: Sequence[float], resolution: float = 0.0) -> Dict:
             "iqm": float(stats.trim_mean(x, 0.25)), "ci95": [_nan_to_none(lo), _nan_to_none(hi)]}
 
 
-def welch_p(a: Sequence[float], b: Sequence[float], resolution: float = 0.0):
+def welch_p(a: ArrayLike, b: ArrayLike, resolution: float = 0.0):
     """Two-sided Welch's t-test p-value; NaN when it is undefined (n < 2, or neither group
     spreads: `is_flat`). Along the last axis of (..., n) arrays: one p-value per leading index."""
     x, y = np.asarray(a, float), np.asarray(b, float)
@@ -142,11 +143,11 @@ def welch_p(a: Sequence[float], b: Sequence[float], resolution: float = 0.0):
         return _scalar_or_array(np.full(shape, math.nan))
     with warnings.catch_warnings():  # near-identical values: scipy warns, the p-value is still right
         warnings.simplefilter("ignore", RuntimeWarning)
-        p = stats.ttest_ind(x, y, axis=-1, equal_var=False).pvalue
+        p = stats.ttest_ind(x, y, axis=-1, equal_var=False).pvalue  # pyright: ignore[reportAttributeAccessIssue]
     return _scalar_or_array(np.where(_flat_pair(x, y, resolution), math.nan, p))
 
 
-def paired_p(a: Sequence[float], b: Sequence[float], resolution: float = 0.0):
+def paired_p(a: ArrayLike, b: ArrayLike, resolution: float = 0.0):
     """Two-sided paired t-test (scipy.stats.ttest_rel) of a - b, pair i being a[i] and b[i]; NaN
     when undefined: fewer than 2 pairs, or the differences do not spread (`is_flat`: every pair
     differs by the same amount). Along the last axis of (..., n) arrays: one p-value per leading
@@ -161,7 +162,7 @@ def paired_p(a: Sequence[float], b: Sequence[float], resolution: float = 0.0):
     return _scalar_or_array(np.where(_flat_differences(d, x, y, resolution), math.nan, p))
 
 
-def paired_ci(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE,
+def paired_ci(a: ArrayLike, b: ArrayLike, confidence: float = CONFIDENCE,
               resolution: float = 0.0) -> tuple:
     """The paired t interval of mean(a - b) (scipy's `ttest_rel(...).confidence_interval`): it
     excludes zero exactly when `paired_p` < 1 - confidence. A point when the differences do not
@@ -178,7 +179,7 @@ def paired_ci(a: Sequence[float], b: Sequence[float], confidence: float = CONFID
     return (float(ci.low), float(ci.high))
 
 
-def wilcoxon_p(a: Sequence[float], b: Sequence[float]) -> float:
+def wilcoxon_p(a: ArrayLike, b: ArrayLike) -> float:
     """Two-sided Wilcoxon signed-rank p-value of the pairs' differences (scipy.stats.wilcoxon:
     exact for small n without ties, zero differences dropped). NaN when fewer than 2 pairs or
     every difference is zero (no signed rank to test). It assumes no normality, at a price with
@@ -189,10 +190,10 @@ def wilcoxon_p(a: Sequence[float], b: Sequence[float]) -> float:
         return math.nan
     with warnings.catch_warnings():  # ties or zeros: scipy warns and uses the normal approximation
         warnings.simplefilter("ignore")
-        return float(stats.wilcoxon(d).pvalue)
+        return float(stats.wilcoxon(d).pvalue)  # pyright: ignore[reportAttributeAccessIssue]
 
 
-def pair_correlation(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
+def pair_correlation(a: ArrayLike, b: ArrayLike) -> Optional[float]:
     """Pearson's correlation (scipy.stats.pearsonr) of the pairs (a[i], b[i]): how much of a seed's
     luck the two arms share. None below 3 pairs (two points always lie on a line) or when either
     side does not vary."""
@@ -201,7 +202,7 @@ def pair_correlation(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
         return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return _nan_to_none(stats.pearsonr(x, y).statistic)
+        return _nan_to_none(stats.pearsonr(x, y).statistic)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def design_correlation(correlation: Optional[float]) -> float:
@@ -229,7 +230,7 @@ def paired_is_more_sensitive(n: int, correlation: Optional[float], alpha: float 
     return bool(np.isfinite(paired) and np.isfinite(welch) and paired < welch)
 
 
-def tost_p(a: Sequence[float], b: Sequence[float], margin: float, paired: bool = False, resolution: float = 0.0):
+def tost_p(a: ArrayLike, b: ArrayLike, margin: float, paired: bool = False, resolution: float = 0.0):
     """Equivalence of mean(a) - mean(b) within +-margin by two one-sided t-tests (TOST), Welch's
     or, with `paired`, the paired t of a[i] - b[i]: H0 difference <= -margin and H0 difference
     >= +margin, each one-sided (scipy's `alternative`); the p-value is the larger of the two, so
@@ -244,12 +245,16 @@ def tost_p(a: Sequence[float], b: Sequence[float], margin: float, paired: bool =
         warnings.simplefilter("ignore", RuntimeWarning)
         if paired:
             d = x - y
-            above = stats.ttest_1samp(d, -margin, axis=-1, alternative="greater").pvalue
-            below = stats.ttest_1samp(d, margin, axis=-1, alternative="less").pvalue
+            above = stats.ttest_1samp(d, -margin, axis=-1,
+                                      alternative="greater").pvalue  # pyright: ignore[reportAttributeAccessIssue]
+            below = stats.ttest_1samp(d, margin, axis=-1,
+                                      alternative="less").pvalue  # pyright: ignore[reportAttributeAccessIssue]
             undefined = _flat_differences(d, x, y, resolution)
         else:
-            above = stats.ttest_ind(x + margin, y, axis=-1, equal_var=False, alternative="greater").pvalue
-            below = stats.ttest_ind(x - margin, y, axis=-1, equal_var=False, alternative="less").pvalue
+            above = stats.ttest_ind(x + margin, y, axis=-1, equal_var=False,
+                                    alternative="greater").pvalue  # pyright: ignore[reportAttributeAccessIssue]
+            below = stats.ttest_ind(x - margin, y, axis=-1, equal_var=False,
+                                    alternative="less").pvalue  # pyright: ignore[reportAttributeAccessIssue]
             undefined = _flat_pair(x, y, resolution)
     return _scalar_or_array(np.where(undefined, math.nan, np.maximum(above, below)))
 
@@ -270,7 +275,7 @@ def holm(pvalues: Sequence[float]) -> List[float]:
     return np.where(finite, adjusted, math.nan).tolist()
 
 
-def pooled_std(*groups: Sequence[float]) -> float:
+def pooled_std(*groups: ArrayLike) -> float:
     """The within-group std pooled over groups: sqrt(sum (n_i - 1) s_i^2 / sum (n_i - 1)), each
     group's values around its own mean; NaN when any group has fewer than two values."""
     arrays = [np.asarray(g, float) for g in groups]
@@ -279,7 +284,8 @@ def pooled_std(*groups: Sequence[float]) -> float:
     return math.sqrt(sum((len(x) - 1) * np.var(x, ddof=1) for x in arrays) / sum(len(x) - 1 for x in arrays))
 
 
-def hedges_g(a: Sequence[float], b: Sequence[float], resolution: float = 0.0) -> float:
+def hedges_g(a: Union[Sequence[float], np.ndarray], b: Union[Sequence[float], np.ndarray],
+             resolution: float = 0.0) -> float:
     """(mean(a) - mean(b)) / pooled std, with the small-sample correction J = 1 - 3 / (4 df - 1);
     NaN when the groups do not spread (`is_flat`: a ratio over floating-point noise is no effect
     size)."""
@@ -293,7 +299,7 @@ def hedges_g(a: Sequence[float], b: Sequence[float], resolution: float = 0.0) ->
     return float((np.mean(a) - np.mean(b)) / s * (1 - 3 / (4 * df - 1)))
 
 
-def prob_improvement(a: Sequence[float], b: Sequence[float], higher_is_better: bool = True) -> float:
+def prob_improvement(a: ArrayLike, b: ArrayLike, higher_is_better: bool = True) -> float:
     """P(a better than b) over all seed pairs, ties counting one half (rliable's definition)."""
     x, y = np.asarray(a, float)[:, None], np.asarray(b, float)[None, :]
     if x.size == 0 or y.size == 0:
@@ -383,7 +389,8 @@ def min_detectable_effect(sd: float, n1: int, n2: int, alpha: float = 0.05, targ
         hi *= 2
         if hi > 1e12 * scale:
             return math.nan
-    return float(optimize.brentq(lambda d: pw(d) - target, 0.0, hi, xtol=1e-12 * hi))
+    return float(optimize.brentq(lambda d: pw(d) - target, 0.0, hi,  # pyright: ignore[reportArgumentType]
+                                 xtol=1e-12 * hi))
 
 
 def seeds_needed(effect: float, sd: float, alpha: float = 0.05, target: float = POWER, paired: bool = False,

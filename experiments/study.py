@@ -22,20 +22,19 @@ import inspect
 import math
 import re
 from pathlib import Path
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, cast
 
 from gin import config_parser
-
-from rlhf.errors import ConfigError
-from rlhf.configurable import RECIPES_DIR, SCOPES, find_recipe, iter_statements, statements
-from rlhf.metrics import EVAL_METRICS, METRICS, NAMESPACES, is_known_metric
-from rlhf.validation import invalid, positive_int, why_not_a_file
 
 from experiments import stats
 from experiments.adaptive import AdaptiveSeeds, parse_adaptive_seeds
 from experiments.errors import StudyError
 from experiments.results import BASELINE, PAIRED, WELCH  # one definition: the results name them
 from experiments.stats import POWER
+from rlhf.configurable import RECIPES_DIR, SCOPES, find_recipe, iter_statements, statements
+from rlhf.errors import ConfigError
+from rlhf.metrics import EVAL_METRICS, METRICS, NAMESPACES, is_known_metric
+from rlhf.validation import invalid, positive_int, why_not_a_file
 
 EVAL_PREFIX = "eval/"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=+-]*$")
@@ -164,7 +163,8 @@ class Study:
             raise _bad("study.resume_setting", self.resume_setting, "must be True or False")
         if not _is_number(self.start_gap_s) or self.start_gap_s < 0:
             raise _bad("study.start_gap_s", self.start_gap_s, "must be a number of seconds >= 0")
-        if self.target_effect is not None and not (_is_number(self.target_effect) and 0 < self.target_effect < math.inf):
+        if self.target_effect is not None and not (_is_number(self.target_effect)
+                                                   and 0 < self.target_effect < math.inf):
             raise _bad("study.target_effect", self.target_effect,
                        f"must be a number > 0 in the units of {self.metric} (the smallest change worth detecting), "
                        f"or None for no seed plan")
@@ -256,7 +256,8 @@ def _choice(key: str, value, allowed: tuple) -> None:
         raise _bad(f"study.{key}", value, f"must be one of {allowed}")
 
 
-REQUIRED = object()
+REQUIRED: Any = object()
+"""The default of the parameters a study file must bind; Any, as it stands in for a value of each one's type."""
 
 
 STUDY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Study) if f.default is not dataclasses.MISSING}
@@ -266,7 +267,7 @@ STUDY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Study) if f.defa
 def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "tiny.gin",
           baseline_bindings: Sequence[str] = (), variants: Mapping = REQUIRED,
           coupled: Sequence[str] = (), seeds=3, metric: str = "eval/accuracy",
-          metric_from: str = "final", direction: str = "higher", guardrails: Mapping = None,
+          metric_from: str = "final", direction: str = "higher", guardrails: Optional[Mapping] = None,
           resume_from: str = "", resume_variant: str = "", cpus_per_run: int = 1,
           gpus_per_run: float = 0, retries: int = 1, alpha: float = 0.05, **fields) -> dict:
     """What a study file binds (`study.<parameter> = value`), with its defaults; returns them. The
@@ -346,7 +347,7 @@ STUDY_PARAMETERS = tuple(p.name for p in inspect.signature(study).parameters.val
 
 
 def _bad(binding: str, value, allowed: str) -> StudyError:
-    return invalid(binding, value, allowed, StudyError)
+    return cast(StudyError, invalid(binding, value, allowed, StudyError))  # `invalid` builds the class it is given
 
 
 def split_binding(line: str, where: str) -> Tuple[str, str]:
@@ -657,8 +658,7 @@ def check_overrides(path: str | Path, overrides: Sequence[str], spec: str) -> No
     unknown parameter, an invalid value, or a value that makes a variant the baseline (the variant's
     own change) fails here, in one line naming `spec` (the overrides file and key), before anything
     runs. A problem the study has without the overrides is left to the usual checks."""
-    from rlhf.configurable import flat_dict
-    from rlhf.configurable import resolve
+    from rlhf.configurable import flat_dict, resolve
 
     try:
         overridden = load_study(path, overrides)

@@ -35,7 +35,7 @@ def parse_threshold(text: str) -> Tuple[str, str, float]:
     return rule, field.strip(), number
 
 
-def build_rules(overrides: Mapping[str, Mapping[str, float]] = None, groups: Optional[Sequence[str]] = None,
+def build_rules(overrides: Optional[Mapping[str, Mapping[str, float]]] = None, groups: Optional[Sequence[str]] = None,
                 names: Optional[Sequence[str]] = None) -> List[Rule]:
     """The default rules with thresholds overridden ({rule: {field: value}}), restricted to `groups`
     and/or rule `names`. Unknown names raise AdviceError listing what exists."""

@@ -212,11 +212,12 @@ class OverOptimisation(KLScaling, Rule):
             half = len(c) // 2
             a = scipy_stats.linregress(np.arange(half, dtype=float), c[:half])
             b = scipy_stats.linregress(np.arange(len(c) - half, dtype=float), c[half:])
-            se, d = math.hypot(a.stderr, b.stderr), b.slope - a.slope
+            # linregress's stub types its result without attributes: slope and stderr exist at run time.
+            se, d = math.hypot(a.stderr, b.stderr), b.slope - a.slope  # pyright: ignore[reportAttributeAccessIssue]
             zs.append(d / se if se > 0 else (math.copysign(8.0, d) if d else 0.0))
-            accelerating += bool(d > 0 and b.slope > 0)
-            early.append(a.slope)
-            late.append(b.slope)
+            accelerating += bool(d > 0 and b.slope > 0)  # pyright: ignore[reportAttributeAccessIssue]
+            early.append(a.slope)  # pyright: ignore[reportAttributeAccessIssue]
+            late.append(b.slope)  # pyright: ignore[reportAttributeAccessIssue]
             extra.append(d * (len(c) - half))
         if not zs:
             return None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Dict, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 from scipy import stats
@@ -43,13 +43,13 @@ class Suggestion:
     rule: str
     group: str
     parameter: Optional[str]
-    current: object
-    proposed: object
+    current: Any
+    proposed: Any
     rationale: str
-    evidence: Dict[str, float]
+    evidence: Dict[str, Optional[float]]
     severity: float
     """How far past its threshold the evidence is, relative to the threshold (ranks suggestions)."""
-    bracket: Tuple[object, ...] = ()
+    bracket: Tuple[Any, ...] = ()
     """Further values of the same parameter, each tried as its own variant beside `proposed`: a
     bracket, when the evidence says the step must be large but not how large. Still one parameter
     per variant; one suggestion, several variants. Empty for a single change."""
@@ -75,6 +75,7 @@ class Suggestion:
     def variants(self) -> Tuple[Tuple[str, str], ...]:
         """(variant name, binding) per proposed value: 'kl_coef_up' or 'max_response_length_down'
         for a single change, 'kl_coef_x2.7' and 'kl_coef_x8.2' for a bracket (names a results folder)."""
+        assert self.parameter is not None, "a flag proposes no change, so it has no variants"
         short = self.parameter.split(".", 1)[-1]
         if not self.bracket:
             return ((f"{short}_{'up' if self.proposed > self.current else 'down'}", self.binding),)
@@ -117,11 +118,12 @@ def excess(value: float, threshold: float, above: bool = True) -> float:
     return max((value - threshold) / abs(threshold) if above else (threshold - value) / abs(threshold), 1e-6)
 
 
-def slope_z(curve: np.ndarray) -> Tuple[object, float]:
+def slope_z(curve: np.ndarray) -> Tuple[Any, float]:
     """(scipy.stats.linregress fit of `curve` against its step index, z of an upward slope): the
-    slope's t statistic turned into a standard normal quantile (+-8 when the fit is exact)."""
+    slope's t statistic turned into a standard normal quantile (+-8 when the fit is exact). The fit
+    is scipy's LinregressResult, a class scipy builds at run time and does not export (hence Any)."""
     x = np.arange(len(curve), dtype=float)
-    fit = stats.linregress(x, curve)
+    fit: Any = stats.linregress(x, curve)  # its stub types the result without slope and stderr
     if fit.stderr > 0:
         return fit, float(stats.norm.isf(stats.t.sf(fit.slope / fit.stderr, len(curve) - 2)))
     return fit, (math.copysign(8.0, fit.slope) if fit.slope else 0.0)
@@ -170,9 +172,9 @@ class Rule:
         default) when its sizing makes no measurable prediction."""
         return {}
 
-    def _suggest(self, window: Window, proposed, evidence: Dict[str, float], severity: float,
+    def _suggest(self, window: Window, proposed, evidence: Dict[str, Optional[float]], severity: float,
                  rationale: str = "", bracket: Sequence = ()) -> Optional[Suggestion]:
-        current = window.param(self.parameter)
+        current = window.param(self.parameter) if self.parameter is not None else None
         if self.parameter is not None:
             if current is None or proposed is None or proposed == current:
                 return None

@@ -15,6 +15,7 @@ from typing import ClassVar, Optional, Tuple
 
 import numpy as np
 
+from experiments.advisor.drift import EntropyBlowUp, EntropyCollapse, OverOptimisation
 from experiments.advisor.rule_api import (
     GROUPS,
     GUIDE_KL_STEP,
@@ -28,7 +29,6 @@ from experiments.advisor.rule_api import (
     reward_trend,
     significant,
 )
-from experiments.advisor.drift import EntropyBlowUp, EntropyCollapse, OverOptimisation
 from experiments.advisor.window import Window
 
 __all__ = ["GROUPS", "HEALTH", "RULES", "STABILITY", "THROUGHPUT", "Rule", "Suggestion", "reward_trend",

@@ -22,7 +22,7 @@ import dataclasses
 import re
 import warnings
 from pathlib import Path
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -90,7 +90,9 @@ class Window:
             warnings.simplefilter("ignore", RuntimeWarning)
             return np.nanmean(self.values[metric], axis=0)
 
-    def param(self, name: str, default=None):
+    def param(self, name: str, default=None) -> Any:
+        """The variant's value of `name` (a number, string or bool as the config holds it; Any because rules
+        do arithmetic on the numeric ones), `default` when the config does not set it."""
         return self.config.get(name, default)
 
     def eval_ends(self, metric: str) -> np.ndarray:
