@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,7 @@ def packed_kwargs(lengths: Sequence[int], device) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _varlen():
+def _varlen() -> tuple[Callable[..., Any], frozenset[str]] | None:
     """(torch's varlen_attn, the keyword arguments its signature takes), or None where torch lacks it."""
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -61,7 +61,9 @@ def _compute_dtype(query: torch.Tensor) -> torch.dtype:
 def varlen_attention(query, key, value, cu: torch.Tensor, max_length: int, scaling: float | None):
     """[1, H, T, D] query, [1, Hkv, T, D] key/value -> [1, T, H, D], each sequence causal over itself
     (flash variable-length kernel; GPU, bf16/fp16)."""
-    varlen_attn, params = _varlen()
+    found = _varlen()
+    assert found is not None, "varlen_attention needs torch's varlen_attn (can_use_varlen checks it)"
+    varlen_attn, params = found
     dtype = _compute_dtype(query)
     q, k, v = (t[0].transpose(0, 1).to(dtype).contiguous() for t in (query, key, value))  # [T, heads, D]
     extra = {}

@@ -4,7 +4,7 @@ dimension, plus per-sample Python values (prompts, answers, decoded responses).
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Sequence
+from typing import Any, Dict, Iterator, List, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,8 @@ class Batch:
             return len(v)
         return 0
 
-    def __getitem__(self, key: str):
+    def __getitem__(self, key: str) -> Any:
+        """The tensor or the per-sample list named `key` (Any: the key, known only at run time, decides which)."""
         return self.tensors[key] if key in self.tensors else self.meta[key]
 
     def __setitem__(self, key: str, value) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Dict
 
 from rlhf.errors import ConfigError
 from rlhf.validation import check, choice, number, positive_int
@@ -306,7 +306,7 @@ class PPOConfig:
         number(s, "lora_alpha", self.lora_alpha, 0.0, 1e6, lo_open=True)
         number(s, "lora_dropout", self.lora_dropout, 0.0, 1.0, hi_open=True)
         targets = self.lora_target_modules
-        check(targets == "all-linear" or (isinstance(targets, (list, tuple)) and targets
+        check(targets == "all-linear" or (isinstance(targets, (list, tuple)) and bool(targets)
                                           and all(isinstance(t, str) and t for t in targets)),
               "ppo.lora_target_modules", targets,
               "must be 'all-linear' or a non-empty list of module names such as ['q_proj', 'v_proj']")
@@ -687,8 +687,8 @@ def check_adapter_starts(ppo: "PPOConfig") -> None:
                               f"{saved_rank}; set {binding} = {saved_rank}")
         if saved_alpha != float(ppo.lora_alpha):
             raise ConfigError(f"ppo.lora_alpha = {ppo.lora_alpha:g} is invalid: ppo.init_from's adapter {path.parent} "
-                              f"was trained with lora_alpha {saved_alpha:g} (its update is scaled by lora_alpha / rank); "
-                              f"set ppo.lora_alpha = {saved_alpha:g}")
+                              f"was trained with lora_alpha {saved_alpha:g} (its update is scaled by lora_alpha / "
+                              f"rank); set ppo.lora_alpha = {saved_alpha:g}")
 
 
 TINY_MAX_POSITIONS = 256

@@ -14,7 +14,7 @@ import os
 import re
 import tokenize
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import gin
 
@@ -93,13 +93,15 @@ def register_scope(name: str, cls) -> None:
         pass
 
 
-def _scope_class(scope: str):
+def _scope_class(scope: str) -> type[Any] | None:
     return SCOPES.get(scope) or OTHER_SCOPES.get(scope)
 
 
 def _known_params(scope: str) -> list[str]:
     import dataclasses
-    return [f.name for f in dataclasses.fields(_scope_class(scope))]
+    cls = _scope_class(scope)
+    assert cls is not None, f"{scope} is not a known scope"  # callers ask only of known scopes
+    return [f.name for f in dataclasses.fields(cls)]
 
 
 def _close_param(param: str, known: Sequence[str]) -> str | None:
@@ -160,7 +162,8 @@ _TYPE_WORDS = {"float": "a number", "int": "an integer", "bool": "True or False"
 def _expected(scope: str, param: str, value: str) -> str:
     """'expected a number, e.g. ppo.kl_coef = 0.05', from the dataclass field of `scope.param`."""
     import dataclasses
-    fields = {f.name: f for f in dataclasses.fields(_scope_class(scope))} if _scope_class(scope) is not None else {}
+    cls = _scope_class(scope)
+    fields = {f.name: f for f in dataclasses.fields(cls)} if cls is not None else {}
     field = fields.get(param)
     if field is None:
         return "a value is a number, True/False, a quoted string, a list or a dict"

@@ -227,7 +227,8 @@ def _write(actor: Path, tmp: Path, plan: dict, dtype: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rlhf.export", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rlhf.export",
+                                description=(__doc__ or "").split("\n")[0])
     p.add_argument("checkpoint", help="a run's checkpoints/step_N (or its actor/ dir)")
     p.add_argument("--out", required=True, help="where to write the HF checkpoint")
     p.add_argument("--base", default=None, help="the LoRA base model dir (default: the one the adapter names)")

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Dict, List, Protocol
 
-
 METRICS = ("reward_mean", "reward_std", "accuracy", "kl_divergence", "kl_coef", "clip_fraction",
            "clip_fraction_lower", "clip_fraction_upper", "policy_ratio_hist", "response_length_mean",
            "response_clip_ratio", "rollout_success_rate")

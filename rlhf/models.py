@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict, Iterator, Mapping, Tuple
+from typing import Dict, Iterable, Iterator, Mapping, Tuple, cast
 
 import torch
 from torch import nn
@@ -302,7 +302,8 @@ def _features(module: nn.Module) -> Tuple[int, int]:
         return module.num_embeddings, module.embedding_dim
     if isinstance(module, nn.modules.conv._ConvNd):
         return module.in_channels, module.out_channels
-    return tuple(module.weight.shape[:2])  # transformers' Conv1D: [in, out]
+    in_features, out_features = cast(torch.Tensor, module.weight).shape[:2]  # transformers' Conv1D: [in, out]
+    return in_features, out_features
 
 
 def _matches(target: str, names) -> list:
@@ -331,8 +332,8 @@ def check_lora_targets(model: nn.Module, role: str, rank: int, rank_binding: str
     which = ("the critic (the policy's backbone with a value head, without the LM head)" if role == "critic"
              else f"the {role}")
     if isinstance(target_modules, str):  # 'all-linear': peft's own choice (every linear layer but the output head)
-        targeted = sorted(_maybe_include_all_linear_layers(LoraConfig(target_modules=target_modules), model)
-                          .target_modules)
+        resolved = cast(LoraConfig, _maybe_include_all_linear_layers(LoraConfig(target_modules=target_modules), model))
+        targeted = sorted(cast(Iterable[str], resolved.target_modules))  # the names peft resolved 'all-linear' to
     else:
         targeted = []
         for target in target_modules:
@@ -368,7 +369,8 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: to
     check_policy_dir(path)
     on_gpu = device is not None and torch.device(device).type == "cuda"
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
-                                                 **({"device_map": str(torch.device(device))} if on_gpu else {}))
+                                                 **({"device_map": str(torch.device(device))}
+                                                    if device is not None and on_gpu else {}))
     model.config.use_cache = True
     return model
 
@@ -411,8 +413,8 @@ def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target_m
     it first), their B matrices are zero, so the wrapped model starts equal to the base."""
     from peft import LoraConfig, get_peft_model
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
-                        task_type=task_type)
+    config = LoraConfig(r=rank, lora_alpha=alpha,  # pyright: ignore[reportArgumentType]  # peft says int; floats work
+                        lora_dropout=dropout, target_modules=targets, bias="none", task_type=task_type)
     try:
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as err:  # target modules not found in the model
@@ -430,9 +432,9 @@ def is_lora(model: nn.Module) -> bool:
 
 def lora_scaling(model: nn.Module) -> float:
     """alpha / rank of the model's adapters (peft's `scaling`, rsLoRA off)."""
-    from peft import PeftModel
+    from peft import LoraConfig, PeftModel
     peft_model = next(m for m in model.modules() if isinstance(m, PeftModel))
-    config = peft_model.peft_config[ADAPTER_NAME]
+    config = cast(LoraConfig, peft_model.peft_config[ADAPTER_NAME])
     return config.lora_alpha / config.r
 
 
@@ -475,6 +477,7 @@ def adapter_files(model: nn.Module, state: Dict[str, torch.Tensor] | None = None
     `state`: the trained parameters (names as in `model.named_parameters()`), e.g. gathered from
     FSDP shards; default: the model's own."""
     import tempfile
+
     from peft import PeftModel
     peft_model = next(m for m in model.modules() if isinstance(m, PeftModel))
     with tempfile.TemporaryDirectory() as tmp:
@@ -521,9 +524,9 @@ class ValueModel(nn.Module):
             torch.manual_seed(seed)
             if random_init:
                 config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-                lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
+                lm = cast(PreTrainedModel, AutoModelForCausalLM.from_config(config, dtype=dtype))
             else:
-                lm = load_policy(path, dtype, device)
+                lm = cast(PreTrainedModel, load_policy(path, dtype, device))
             backbone = lm.base_model
             if lora:
                 backbone = add_lora(backbone, **lora, base_path=path)
@@ -538,6 +541,7 @@ class ValueModel(nn.Module):
         """Padded rows (attention_mask), or packed rows: no mask, position ids restarting at 0 for
         each sequence and the sequences' spans in `packed` (rlhf/packing.py `PackedRow.forward_kwargs`)."""
         if position_ids is None:
+            assert attention_mask is not None, "padded rows need attention_mask; packed rows pass position_ids"
             position_ids = position_ids_from_mask(attention_mask)
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids, use_cache=False, **packed)

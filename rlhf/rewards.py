@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, cast
 
 REWARD_FUNCTIONS: Dict[str, Callable[..., "RewardResult"]] = {}
 
@@ -148,7 +148,8 @@ def rule_results(reward_fn, responses, answers, finished, data_sources: Optional
     if routes_by_source(reward_fn):
         if data_sources is None:
             raise ValueError(f"task.reward_fn = {reward_fn!r} picks scorers by data_source; the batch has none")
-        names = [scorer_for(reward_fn, s) for s in data_sources]
+        # rlhf/data.py refuses, before the run, every row whose data_source has no scorer
+        names = [cast(str, scorer_for(reward_fn, s)) for s in data_sources]
     else:
         names = [reward_fn] * len(responses)
     return [REWARD_FUNCTIONS[n](r, a, bool(f), **params)
@@ -193,6 +194,8 @@ class RewardCombiner:
         if self.cfg.kind == "rule":
             out["scores"] = rule
             return out
+        if rm_scores is None:
+            raise ValueError(f"reward.kind = {self.cfg.kind!r} needs the reward model's scores (rm_scores)")
         penalty = (~finished).float() * t.missing_eos_penalty
         model = self.model_term(rm_scores, update)
         if self.cfg.kind == "model":

@@ -17,7 +17,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 ENGINE_OUTPUTS = ("config.gin", "metrics.jsonl", "perf.jsonl", "summary.json", "perf.json", "checkpoints")
 """What a run writes into its run dir; an earlier run's copies are what --overwrite replaces and
@@ -128,7 +128,8 @@ def earlier_run(out: str | Path) -> Optional[str]:
         status = json.loads((out / "summary.json").read_text()).get("status")
     except (OSError, ValueError, AttributeError):
         status = None
-    return {COMPLETED: COMPLETED, DIVERGED: DIVERGED}.get(status, UNFINISHED)
+    outcomes: dict[Any, str] = {COMPLETED: COMPLETED, DIVERGED: DIVERGED}  # `status` is whatever the JSON held
+    return outcomes.get(status, UNFINISHED)
 
 
 def remove_outputs(out: str | Path) -> None:

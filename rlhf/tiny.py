@@ -13,7 +13,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 import torch
@@ -51,8 +51,8 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, s
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_heads, max_position_embeddings=max_positions,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        pad_token_id=cast(int, tokenizer.pad_token_id), bos_token_id=cast(int, tokenizer.bos_token_id),
+        eos_token_id=cast(int, tokenizer.eos_token_id), tie_word_embeddings=False, rms_norm_eps=1e-5,
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
@@ -70,9 +70,9 @@ def sft_batch(examples: Sequence[Example], tokenizer, device="cpu"):
     ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
     lab = torch.full((len(seqs), width), -100, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, (s, l) in enumerate(zip(seqs, labels)):
+    for i, (s, row_labels) in enumerate(zip(seqs, labels)):
         ids[i, :len(s)] = torch.tensor(s)
-        lab[i, :len(l)] = torch.tensor(l)
+        lab[i, :len(row_labels)] = torch.tensor(row_labels)
         mask[i, :len(s)] = 1
     return ids.to(device), mask.to(device), lab.to(device)
 

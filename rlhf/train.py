@@ -33,7 +33,8 @@ from rlhf.errors import (
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m rlhf.train", description=__doc__.split("\n")[1])
+    p = argparse.ArgumentParser(prog="python -m rlhf.train",
+                                description=(__doc__ or "\n").split("\n")[1])
     p.add_argument("recipe", help="a gin recipe, e.g. recipes/tiny.gin")
     p.add_argument("-b", "--binding", action="append", default=[], help="a gin binding, e.g. 'ppo.kl_coef = 0.05'")
     p.add_argument("--out", required=True, help="the run directory")

@@ -17,7 +17,7 @@ import math
 import resource
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, cast
 
 import torch
 import transformers
@@ -25,16 +25,17 @@ import transformers
 from rlhf import algos, checkpoint, memory
 from rlhf.atomic import write_json
 from rlhf.batch import Batch
-from rlhf.config import RunConfig
 from rlhf.chat import PromptRenderer, check_rows, prompt_key
+from rlhf.config import RunConfig
 from rlhf.data import Example, PromptSampler, check_prompt_lengths, dataset_hash, load_task
 from rlhf.metrics import PERF_SUMMARY, MetricLogger, is_machine_metric, read_metrics, step_record, window_means
 from rlhf.models import check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles
 from rlhf.placement.context import deterministic_algorithms
-from rlhf.placement.proxy import submit
+from rlhf.placement.proxy import RoleProxy, submit
 from rlhf.rollout import SamplingParams, SeedStream, decode_responses, derive_seed, rollout_logprob_gap
 from rlhf.tiny import prepare_tiny
+
 
 class TrainingDiverged(RuntimeError):
     """A loss or metric became NaN or infinite."""
@@ -127,6 +128,7 @@ class PPOTrainer:
                             start_dir=start_dir, device=self.device, autocast_dtype=self.autocast_dtype,
                             ray_address=ray_address, log=log, memory_plan=self.memory_plan)
         self.roles = roles
+        assert roles.reward is not None, "build_roles sets the reward phase"
         self.actor, self.critic, self.reference, self.reward = roles.actor, roles.critic, roles.reference, roles.reward
         self.placement, self.close = roles.placement, roles.close
         if self.memory_plan is not None:  # provenance: beside the measured `memory`
@@ -179,8 +181,8 @@ class PPOTrainer:
             out["prompts"] = [ex.prompt for ex in repeated]
             out["answers"] = [ex.answer for ex in repeated]
             out["data_sources"] = [ex.data_source for ex in repeated]
-        batch = Batch.concat(parts, pad_values={"prompt_ids": self.tokenizer.pad_token_id,
-                                                "response_ids": self.tokenizer.pad_token_id},
+        pad_id = cast(int, self.tokenizer.pad_token_id)  # load_tokenizer sets one
+        batch = Batch.concat(parts, pad_values={"prompt_ids": pad_id, "response_ids": pad_id},
                              left_pad=("prompt_ids", "prompt_mask"))
         batch["responses"] = decode_responses(self.tokenizer, batch)
         n = self.ppo.samples_per_prompt if samples_per_prompt > 1 else 1
@@ -259,7 +261,8 @@ class PPOTrainer:
         prompts = self.sampler.next(ppo.rollout_micro_batch_size * ppo.num_rollout_batches)
         requests, calls_made = self._requests(prompts, (ppo.seed, self.step + 1), ppo.samples_per_prompt,
                                               ppo.num_rollout_batches)
-        self._ahead = (prompts, calls_made, submit(self.actor, "generate", requests, self.sampling))
+        actor = cast(RoleProxy, self.actor)  # the placement's proxy of the actor
+        self._ahead = (prompts, calls_made, submit(actor, "generate", requests, self.sampling))
 
     def drain(self) -> None:
         """Waits for a rollout running ahead and drops it (its prompts are spent): for a caller

@@ -28,7 +28,8 @@ TABLE_WORLD_SIZES = (1, 2, 4, 8)
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m rlhf.memory", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rlhf.memory",
+                                description=(__doc__ or "").split("\n")[0])
     p.add_argument("recipe", help="a gin recipe, e.g. recipes/models/lora.gin")
     p.add_argument("-b", "--binding", action="append", default=[], help="a gin binding, e.g. 'ppo.lora_rank = 64'")
     p.add_argument("--gpu-memory-gib", default=None,
@@ -103,8 +104,8 @@ def render(plan, cfg, policy, recipe: str, where: str) -> str:
 
 def table(cfg, gib: float) -> str:
     """Rows: published shape x variant; columns: per-GPU peak (GiB) at each world size."""
-    from rlhf.errors import ConfigError
     from rlhf import memory
+    from rlhf.errors import ConfigError
     available = int(gib * memory.GIB)
     head = ["| policy shape | params | training | " + " | ".join(
         f"{n} GPU{'s' if n > 1 else ''}" for n in TABLE_WORLD_SIZES) + " |",
@@ -114,7 +115,7 @@ def table(cfg, gib: float) -> str:
         for label, change in TABLE_VARIANTS:
             cells = []
             for n in TABLE_WORLD_SIZES:
-                extra = {"world_size": n}
+                extra: dict[str, object] = {"world_size": n}
                 if n > 1 and cfg.ppo.placement == "local":
                     extra["placement"] = "colocated"
                 try:
@@ -131,9 +132,8 @@ def table(cfg, gib: float) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    from rlhf import configurable
+    from rlhf import configurable, memory
     from rlhf.errors import ConfigError
-    from rlhf import memory
     bindings = list(args.binding)
     try:
         if args.gpu_memory_gib is not None:
@@ -158,6 +158,7 @@ def main(argv=None) -> int:
         plan = memory.predict(cfg, policy, reward_model, available=available, gpu=gpu)
         print(render(plan, cfg, policy, args.recipe, where))
         if gpu:
+            assert available is not None  # set above on every GPU run
             memory.check(cfg, policy, reward_model, available=available)
         print(f"verdict: the run {plan.verdict()}")
     except ConfigError as err:

@@ -20,9 +20,19 @@ import torch
 
 from rlhf.config import RunConfig
 from rlhf.errors import ConfigError
-from rlhf.memory.formulas import (GIB, RoleMemory, engine_bytes, forward_working_bytes, fsdp_gather_bytes,
-                                  hf_generate_bytes, lm_head_bytes, micro_batches, shard, trained_role,
-                                  value_head_bytes)
+from rlhf.memory.formulas import (
+    GIB,
+    RoleMemory,
+    engine_bytes,
+    forward_working_bytes,
+    fsdp_gather_bytes,
+    hf_generate_bytes,
+    lm_head_bytes,
+    micro_batches,
+    shard,
+    trained_role,
+    value_head_bytes,
+)
 from rlhf.memory.shapes import ModelShape, tiny_shape
 from rlhf.models import check_policy_dir
 
@@ -95,7 +105,8 @@ class MemoryPlan:
 
     @property
     def slim(self) -> bool:
-        return bool(self.fits) and self.available - self.peak.total < SLIM_MARGIN * self.available
+        return (self.available is not None and bool(self.fits)
+                and self.available - self.peak.total < SLIM_MARGIN * self.available)
 
     def headroom(self) -> int:
         """What the runtime decision keeps free beside the roles' state: the largest phase's micro-batch
@@ -238,7 +249,8 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
                 "tokens_per_micro_batch": batches["train"][1], "forward_tokens_per_micro_batch": batches["forward"][1],
                 "world_size": n, "placement": ppo.resolved_placement, "activation_bytes": act,
                 "policy_params": policy.parameter_count(),
-                "reward_model_params": reward_model.parameter_count(False) if "reward_model" in roles else None}
+                "reward_model_params": (reward_model.parameter_count(False)
+                                        if "reward_model" in roles and reward_model is not None else None)}
     return MemoryPlan(roles=roles, phases=busiest(offload, sleep), engine=engine, available=available,
                       offload=offload, sleep=sleep, gpus=n * len(devices), settings=settings)
 

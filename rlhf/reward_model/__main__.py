@@ -16,7 +16,8 @@ from rlhf.errors import EXIT_CONFIG, EXIT_DISK_FULL, EXIT_OK, ConfigError, check
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rlhf.reward_model", description=__doc__.split("\n")[1])
+    p = argparse.ArgumentParser(prog="python -m rlhf.reward_model",
+                                description=(__doc__ or "\n").split("\n")[1])
     p.add_argument("recipe", help="a gin recipe with rm.* bindings, e.g. recipes/rm/tiny_reward_model.gin")
     p.add_argument("-b", "--binding", action="append", default=[], help="a gin binding, e.g. 'rm.seed = 1'")
     p.add_argument("--out", required=True, help="the output dir: the trained checkpoint, metrics, checkpoints/")
@@ -32,8 +33,8 @@ def main(argv=None) -> int:
     from pathlib import Path
 
     from rlhf import checkpoint
-    from rlhf.reward_model.config import resolve
     from rlhf.reward_model.bradley_terry import RewardModelTrainer
+    from rlhf.reward_model.config import resolve
 
     out = Path(args.out)
     try:

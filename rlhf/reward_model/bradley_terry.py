@@ -19,7 +19,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -29,13 +29,19 @@ from transformers.utils import logging as hf_logging
 
 from rlhf import checkpoint as ckpt_io
 from rlhf.chat import PromptRenderer, prompt_key
-from rlhf.errors import ConfigError
 from rlhf.data import PreferencePair, _unit_hash, load_pairs
+from rlhf.errors import ConfigError
 from rlhf.lr_schedule import lr_schedule
 from rlhf.models import adamw, check_vocab_fits, enable_gradient_checkpointing
 from rlhf.reward_model.config import RMTrainConfig
-from rlhf.reward_model.score import (encode_conversation, ensure_pad_id, last_token_scores, load_reward_tokenizer,
-                                     pack_left, write_tokenizer_probe)
+from rlhf.reward_model.score import (
+    encode_conversation,
+    ensure_pad_id,
+    last_token_scores,
+    load_reward_tokenizer,
+    pack_left,
+    write_tokenizer_probe,
+)
 
 
 def pair_key(pair: PreferencePair) -> str:
@@ -111,7 +117,8 @@ class Progress:
         self.total, self.start = total, start
         self._bar = None
         if self.tty:
-            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
             self._bar = RichProgress(TextColumn("rm step {task.completed}/{task.total}"), BarColumn(),
                                      TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
             self._task = self._bar.add_task("rm", total=total, completed=start, info="")
@@ -184,7 +191,8 @@ class RewardModelTrainer:
         return np.array(out)
 
     def _scores(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
-        ids, mask, pos = pack_left(seqs, self.tokenizer.pad_token_id, self.cfg.max_length)
+        pad_id = cast(int, self.tokenizer.pad_token_id)  # load_reward_tokenizer sets one
+        ids, mask, pos = pack_left(seqs, pad_id, self.cfg.max_length)
         with torch.autocast(device_type=self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             return last_token_scores(self.model, ids.to(self.device), mask.to(self.device), pos.to(self.device))
 

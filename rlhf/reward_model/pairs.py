@@ -71,7 +71,7 @@ def policy_samples(model_dir: str, tokenizer_dir: str, prompts: Sequence[str], n
     with torch.no_grad():
         for start in range(0, len(flat), batch_size):
             enc = tok(flat[start:start + batch_size], return_tensors="pt", padding=True, add_special_tokens=True)
-            out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            out = model.generate(**enc,  # pyright: ignore[reportAttributeAccessIssue]  # a causal LM generates do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                                  max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
                                  eos_token_id=tok.eos_token_id)
             for ids in out[:, enc["input_ids"].shape[1]:].tolist():
@@ -81,7 +81,7 @@ def policy_samples(model_dir: str, tokenizer_dir: str, prompts: Sequence[str], n
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--data", required=True, help="a dir with train.jsonl and eval.jsonl of prompt/answer rows")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
@@ -96,8 +96,8 @@ def main(argv=None) -> int:
     from rlhf import numerics
     numerics.apply()  # before torch loads: the same policy samples on every x86-64 CPU
     numerics.set_threads(0)
-    from rlhf.errors import ConfigError
     from rlhf.data import read_records
+    from rlhf.errors import ConfigError
     out = Path(args.out)
     try:
         splits = {name: read_records(Path(args.data) / f"{name}.jsonl") for name in ("train", "eval")}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, cast
 
 import torch
 from transformers import AutoModelForSequenceClassification
@@ -248,5 +248,6 @@ class RewardModelScorer:
                 for p, r, f in zip(batch["prompts"], responses, batch["finished"].tolist())]
 
     def score_batch(self, batch) -> torch.Tensor:
-        return score_sequences(self.model, self.sequences(batch), self.tokenizer.pad_token_id, self.micro_batch_size,
+        pad_id = cast(int, self.tokenizer.pad_token_id)  # load_reward_tokenizer sets one
+        return score_sequences(self.model, self.sequences(batch), pad_id, self.micro_batch_size,
                                self.device, max_length=self.max_length)

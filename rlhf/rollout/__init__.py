@@ -6,8 +6,16 @@ from __future__ import annotations
 
 import importlib
 
-from rlhf.rollout.base import (RolloutBackend, SamplingParams, SeedStream, decode_responses, derive_seed,
-                               encode_prompts, response_mask_from_ids, rollout_logprob_gap)
+from rlhf.rollout.base import (
+    RolloutBackend,
+    SamplingParams,
+    SeedStream,
+    decode_responses,
+    derive_seed,
+    encode_prompts,
+    response_mask_from_ids,
+    rollout_logprob_gap,
+)
 
 BACKENDS = {"hf": "rlhf.rollout.hf:HFRollout", "vllm": "rlhf.rollout.vllm:VLLMRollout"}
 """`ppo.rollout_backend` name -> "module:class" of a `RolloutBackend`."""

@@ -57,7 +57,7 @@ class HFRollout:
         with torch.random.fork_rng(devices=[gen_device] if gen_device.type == "cuda" else []), \
                 torch.compiler.set_stance("force_eager"), autocast:
             torch.manual_seed(seed)
-            out = self.model.generate(
+            out = self.model.generate(  # pyright: ignore[reportCallIssue]  # a transformers model's generate
                 input_ids=prompt_ids.to(gen_device), attention_mask=prompt_mask.to(gen_device),
                 max_new_tokens=sampling.max_new_tokens, min_new_tokens=0,
                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,

@@ -32,7 +32,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import List, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -63,7 +63,7 @@ def batch_from_token_lists(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         if k:
             response[i, :k] = torch.tensor(tokens, dtype=torch.long)
             mask[i, :k] = 1
-            if lps is not None:
+            if lps is not None and logprobs is not None:
                 lps[i, :k] = torch.tensor(list(logprobs[i])[:k], dtype=torch.float32)
     out = Batch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                  "response_ids": response, "response_mask": mask, "finished": finished})
@@ -118,7 +118,7 @@ class VLLMRollout:
         except ImportError as err:
             raise ImportError("ppo.rollout_backend = 'vllm' needs the vllm package (0.24.0 matches torch 2.11); "
                               "install it or use ppo.rollout_backend = 'hf'") from err
-        self._vllm = vllm
+        self._vllm: Any = vllm  # the package, typed loosely: where it is not installed the checker reads this file
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.return_logprobs = return_logprobs
@@ -134,14 +134,15 @@ class VLLMRollout:
         # deterministic mode which refuses the kernel benchmarking vLLM's start-up compilation does.
         # The flag is lifted while the engine is built (not while it generates: see `generate`).
         with without_deterministic_algorithms():
-            self.llm = vllm.LLM(
+            self.llm = vllm.LLM(  # pyright: ignore[reportAttributeAccessIssue]  # vllm's types where it is installed
                 model=str(model_dir), tokenizer=tok_dir if has_tok_dir else None, skip_tokenizer_init=not has_tok_dir,
                 dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, enable_sleep_mode=self.sleep_mode, enforce_eager=enforce_eager,
                 # Trainer log-probs divide logits by the temperature; vLLM's raw log-probs would not.
                 logprobs_mode="processed_logprobs" if return_logprobs else "raw_logprobs")
         self.timings["engine_start_s"] = time.perf_counter() - t0
-        log(f"vLLM {vllm.__version__} engine ready in {self.timings['engine_start_s']:.1f} s")
+        version = vllm.__version__  # pyright: ignore[reportAttributeAccessIssue]  # vllm's types where installed
+        log(f"vLLM {version} engine ready in {self.timings['engine_start_s']:.1f} s")
 
     # ------------------------------------------------------------------ weights and memory
     def _model(self):
