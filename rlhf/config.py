@@ -13,6 +13,7 @@ import os
 from typing import TYPE_CHECKING, Dict
 
 from rlhf.errors import ConfigError
+from rlhf.start_checks import check_adapter_starts, model_position_limit
 from rlhf.validation import check, choice, number, positive_int
 
 if TYPE_CHECKING:
@@ -661,58 +662,3 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def check_adapter_starts(ppo: "PPOConfig") -> None:
-    """A LoRA start (`ppo.init_from` holding adapters) continues each adapter only at the rank and
-    lora_alpha it was trained with: another alpha rescales the saved update (lora_alpha / rank), so
-    the starting model would not be the checkpoint's. Read from adapter_config.json, before any model loads."""
-    import json
-    from pathlib import Path
-    roles = [("actor", ppo.lora_rank, "ppo.lora_rank")]
-    if ppo.uses_critic:
-        roles.append(("critic", ppo.resolved_critic_lora_rank, "ppo.critic_lora_rank"))
-    for role, rank, binding in roles:
-        path = Path(ppo.init_from) / role / "adapter_config.json"
-        if not rank or not path.is_file():
-            continue  # full fine-tuning merges a LoRA start; a full start under LoRA is refused when it loads
-        try:
-            saved = json.loads(path.read_text())
-            saved_rank, saved_alpha = int(saved["r"]), float(saved["lora_alpha"])
-        except (OSError, ValueError, TypeError, KeyError) as err:
-            raise ConfigError(f"ppo.init_from = {ppo.init_from!r} is invalid: {path} is not a readable peft adapter "
-                              f"config ({err}); start from an intact LoRA checkpoint") from None
-        if saved_rank != rank:
-            raise ConfigError(f"{binding} = {rank} is invalid: ppo.init_from's adapter {path.parent} has rank "
-                              f"{saved_rank}; set {binding} = {saved_rank}")
-        if saved_alpha != float(ppo.lora_alpha):
-            raise ConfigError(f"ppo.lora_alpha = {ppo.lora_alpha:g} is invalid: ppo.init_from's adapter {path.parent} "
-                              f"was trained with lora_alpha {saved_alpha:g} (its update is scaled by lora_alpha / "
-                              f"rank); set ppo.lora_alpha = {saved_alpha:g}")
-
-
-TINY_MAX_POSITIONS = 256
-"""max_position_embeddings of the embedded default (rlhf/tiny.py)."""
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-
-
-def model_position_limit(cfg: "RunConfig") -> tuple:
-    """(the policy's longest sequence, where that number comes from), or (None, None) when its
-    config does not say; read from the start checkpoint's config.json without loading the model."""
-    import json
-    from pathlib import Path
-    if cfg.ppo.init_from and (Path(cfg.ppo.init_from) / "actor" / "config.json").is_file():
-        path = Path(cfg.ppo.init_from) / "actor" / "config.json"
-    elif cfg.model.name_or_path == "tiny":
-        return TINY_MAX_POSITIONS, "the tiny default's max_position_embeddings"
-    else:
-        path = Path(cfg.model.name_or_path) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None, None
-    config = config.get("text_config", config) if isinstance(config, dict) else {}
-    for key in POSITION_KEYS:
-        if isinstance(config.get(key), int) and config[key] > 0:
-            return config[key], f"{key} in {path}"
-    return None, None

@@ -22,10 +22,11 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rlhf import numerics
-from rlhf.config import TINY_MAX_POSITIONS, SFTConfig, TaskConfig, TinyModelConfig
+from rlhf.config import SFTConfig, TaskConfig, TinyModelConfig
 from rlhf.data import Example, load_task
 from rlhf.lr_schedule import lr_schedule
 from rlhf.models import adamw
+from rlhf.start_checks import TINY_MAX_POSITIONS
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARACTERS = list("0123456789+-=*/ .,#?:()\n") + [chr(c) for c in range(ord("a"), ord("z") + 1)] \

@@ -32,7 +32,7 @@ from rlhf.metrics import PERF_SUMMARY, MetricLogger, is_machine_metric, read_met
 from rlhf.models import check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles
 from rlhf.placement.context import deterministic_algorithms
-from rlhf.placement.proxy import RoleProxy, submit
+from rlhf.placement.proxy import submit
 from rlhf.rollout import SamplingParams, SeedStream, decode_responses, derive_seed, rollout_logprob_gap
 from rlhf.tiny import prepare_tiny
 
@@ -261,8 +261,7 @@ class PPOTrainer:
         prompts = self.sampler.next(ppo.rollout_micro_batch_size * ppo.num_rollout_batches)
         requests, calls_made = self._requests(prompts, (ppo.seed, self.step + 1), ppo.samples_per_prompt,
                                               ppo.num_rollout_batches)
-        actor = cast(RoleProxy, self.actor)  # the placement's proxy of the actor
-        self._ahead = (prompts, calls_made, submit(actor, "generate", requests, self.sampling))
+        self._ahead = (prompts, calls_made, submit(self.actor, "generate", requests, self.sampling))
 
     def drain(self) -> None:
         """Waits for a rollout running ahead and drops it (its prompts are spent): for a caller
