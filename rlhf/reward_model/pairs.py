@@ -71,7 +71,7 @@ def policy_samples(model_dir: str, tokenizer_dir: str, prompts: Sequence[str], n
     with torch.no_grad():
         for start in range(0, len(flat), batch_size):
             enc = tok(flat[start:start + batch_size], return_tensors="pt", padding=True, add_special_tokens=True)
-            out = model.generate(**enc,  # pyright: ignore[reportAttributeAccessIssue]  # a causal LM generates do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,  # pyright: ignore[reportAttributeAccessIssue]
                                  max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
                                  eos_token_id=tok.eos_token_id)
             for ids in out[:, enc["input_ids"].shape[1]:].tolist():
