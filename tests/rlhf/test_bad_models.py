@@ -252,11 +252,11 @@ def test_ppo_disk_full_is_one_line_and_resume_continues_exactly(tmp_path, capsys
 
 def test_rm_disk_full_is_one_line_leaves_no_temporary_folder_and_resumes(rm_data, tmp_path, capsys,  # noqa: F811
                                                                          monkeypatch):
-    from rlhf.reward_model import train
+    from rlhf.reward_model import bradley_terry
     out = tmp_path / "rm"
     args = [rm_data, "--out", out, *[x for b in RM_SHORT for x in ("-b", b)]]
     full = OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(train, "save_file", fill_disk_at(4, train.save_file, full))
+    monkeypatch.setattr(bradley_terry, "save_file", fill_disk_at(4, bradley_terry.save_file, full))
     assert rm_main(capsys, *args) == 4
     assert one_error(capsys) == (f"error: disk full: cannot write checkpoint {out / 'checkpoints' / 'step_4'} (No "
                                  f"space left on device; nothing half-written is left); free space, then --resume "
