@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union, cast
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 from scipy import special
 
-from experiments import stats
+from experiments import sequential, stats
 from experiments.paths import portable
 from experiments.results import (
     BASELINE,
@@ -58,12 +58,14 @@ from experiments.results import (
     Robustness,
     RunOutcome,
     RunStatus,
+    SequentialRecord,
     StudyAggregate,
     Summary,
     VariantResult,
 )
 from experiments.resume_from import shared_starts
 from experiments.run_records import GOLD_METRIC
+from experiments.seed_plan import study_design
 from experiments.study import Study, resolve_analysis
 
 __all__ = ["BETTER", "WORSE", "EQUIVALENT", "NO_DIFFERENCE", "INSUFFICIENT", "VARIANT_FAILED", "UNDECIDABLE",
@@ -335,14 +337,76 @@ def _beside(study: Study, runs: Sequence[RunOutcome]) -> Dict[str, Summary]:
     return out
 
 
+def planned_seeds(study: Study, results: Sequence[RunOutcome]) -> Dict[str, List[int]]:
+    """{arm: the seeds it was planned at}: every run of the plan, whatever its outcome."""
+    out: Dict[str, List[int]] = {v.name: [] for v in study.all_variants}
+    for r in results:
+        out.setdefault(r.variant, []).append(r.seed)
+    return out
+
+
+def completed_values(results: Sequence[RunOutcome]) -> Dict[str, Dict[int, float]]:
+    """{arm: {seed: decision metric}} of the completed runs that logged it."""
+    out: Dict[str, Dict[int, float]] = {}
+    for r in results:
+        out.setdefault(r.variant, {})
+        if r.status == RunStatus.COMPLETED and r.value is not None and math.isfinite(r.value):
+            out[r.variant][r.seed] = r.value
+    return out
+
+
+def replay_waves(study: Study, design: sequential.Design, results: Sequence[RunOutcome], analysis: str,
+                 starts: Optional[Mapping[int, str]] = None) -> sequential.Replay:
+    """The seed waves' looks over the study's results (`sequential.replay`): what the manager
+    decided after each wave, and what `report` finds again from the same runs."""
+    planned = planned_seeds(study, results)
+    seeds = sequential.extra_seeds(study.seeds, design.waves[-1])
+    return sequential.replay(design, seeds, completed_values(results), BASELINE, paired=analysis == PAIRED,
+                             higher=study.direction == "higher", lineages=shared_starts(starts or {}),
+                             ran={name: len(set(s)) for name, s in planned.items()})
+
+
+def _sequential_verdict(judge: Verdict, record: Dict, design: sequential.Design, compared: int) -> Verdict:
+    """A variant's verdict as the seed waves decided it: the stagewise interval and the design's
+    p-value (times the variants compared: each is tested at alpha over them) replace the fixed
+    sample's, and the verdict is the look's decision, never a re-test."""
+    cmp: Comparison = judge.comparison
+    interval = cast(Tuple[Optional[float], Optional[float]], tuple(record.get("interval") or (None, None)))
+    p = record.get("p_value")
+    adjusted = min(1.0, p * compared) if p is not None else None
+    if cmp.analysis == PAIRED and cmp.paired is not None:
+        cmp = dataclasses.replace(cmp, paired=dataclasses.replace(cmp.paired, difference_ci95=interval),
+                                  p_value_holm=adjusted)
+    else:
+        cmp = dataclasses.replace(cmp, difference_ci95=interval, p_value_holm=adjusted)
+    look, seeds, z = record["look"], record["seeds"], record.get("z")
+    where = f"look {look} of {len(design.waves)} ({seeds} seeds a side, {record['units']} units)"
+    zs = f"z = {z:+.3g}" if z is not None else "z undefined"
+    decision = record["decision"]
+    if decision in (sequential.BETTER, sequential.WORSE):
+        verdict = BETTER if decision == sequential.BETTER else WORSE
+        why = (f"crossed the efficacy boundary at {where}: |{zs}| >= {record['efficacy_z']:.3g} "
+               f"(design p = {p:.3g}, x{compared} variants = {adjusted:.3g} < alpha)")
+        return Verdict(cmp, verdict, False, why)
+    if decision == sequential.FUTILE:
+        last = look == len(design.waves)
+        why = (f"did not cross the efficacy boundary at the last {where}: {zs} < {record['efficacy_z']:.3g}" if last
+               else f"stopped for futility at {where}: {zs} < {record['futility_z']:.3g}, the improvement the waves "
+                    f"were planned to detect is unlikely; its remaining seeds were not run")
+        return Verdict(cmp, NO_DIFFERENCE, False, why)
+    return Verdict(cmp, INSUFFICIENT, True, f"undecided at {where}: its remaining waves have not run "
+                                             f"(`python -m experiments run` continues them)")
+
+
 def aggregate(study: Study, results: Sequence[RunOutcome], provenance: Optional[Dict] = None,
-              plots: Optional[Dict[str, str]] = None, adaptive=None, seed_plan=None,
+              plots: Optional[Dict[str, str]] = None, seed_plan=None,
               pilot_correlation: Optional[float] = None, starts: Optional[Mapping[int, str]] = None
               ) -> StudyAggregate:
-    """Study settings, per-variant stats and verdicts, their robustness, and the decision.
-    `pilot_correlation`: the correlation between paired seeds a previous round measured, which
-    'auto' reads to choose the analysis (`study.resolve_analysis`). `starts`: {seed: the checkpoint
-    it started from}; seeds that share one are tested as one unit (`lineage_units`)."""
+    """Study settings, per-variant stats and verdicts, and the decision. `pilot_correlation`: the
+    correlation between paired seeds a previous round measured, which 'auto' reads to choose the
+    analysis (`study.resolve_analysis`). `starts`: {seed: the checkpoint it started from}; seeds that
+    share one are tested as one unit (`lineage_units`). With seed waves (`study.sequential`), the
+    verdicts are the looks' decisions (`replay_waves`)."""
     higher = study.direction == "higher"
     by_variant: Dict[str, List[RunOutcome]] = {v.name: [] for v in study.all_variants}
     for r in results:
@@ -356,6 +420,13 @@ def aggregate(study: Study, results: Sequence[RunOutcome], provenance: Optional[
     margin, step = study.equivalence_margin, study.metric_resolution
     units, lineages = lineage_units(by_seed, starts or {})
     judged = verdicts(units, higher, study.alpha, analysis, margin, step)
+    design = study_design(study, seed_plan)
+    record = None
+    if design is not None:
+        waves = replay_waves(study, design, results, analysis, starts)
+        judged = {name: _sequential_verdict(v, waves.stopped[name], design, len(judged)) if name in waves.stopped
+                  else v for name, v in judged.items()}
+        record = sequential_record(design, waves, len(results), len(study.variants), seed_plan)
     robust = leave_one_seed_out(units, higher, study.alpha, analysis, margin, step)
     declared = {v.name: v for v in study.all_variants}
     metric = f"{study.metric_from} {study.metric}"
@@ -394,8 +465,20 @@ def aggregate(study: Study, results: Sequence[RunOutcome], provenance: Optional[
         metric_from=study.metric_from, direction=study.direction, alpha=study.alpha, seeds=tuple(study.seeds),
         guardrails=tuple(g.describe() for g in study.guardrails), variants=variants,
         decision=decide(variants, higher, metric), provenance=provenance or {}, plots=plots or {},
-        adaptive=adaptive, seed_plan=seed_plan, best_checkpoints=best_checkpoints(results, study.name),
+        sequential=record, seed_plan=seed_plan, best_checkpoints=best_checkpoints(results, study.name),
         analysis=analysis, equivalence_margin=margin, metric_resolution=step, lineages=lineages)
+
+
+def sequential_record(design: sequential.Design, waves: sequential.Replay, runs_used: int, variants: int,
+                      seed_plan=None) -> SequentialRecord:
+    """The aggregate's record of a study run in seed waves."""
+    planned = (seed_plan.sequential or {}) if seed_plan is not None else {}
+    return SequentialRecord(
+        waves=design.waves, spending=design.spending, futility=design.futility_spending,
+        alpha_per_variant=design.alpha, power=design.power, boundaries=tuple(design.boundary_rows()),
+        variants=dict(waves.stopped), looks=waves.looks, runs_used=runs_used,
+        runs_max=(variants + 1) * design.waves[-1], runs_fixed=planned.get("runs_fixed"),
+        runs_expected_null=planned.get("runs_expected_null"), runs_expected_target=planned.get("runs_expected_target"))
 
 
 def decide(variants: Dict[str, VariantResult], higher: bool, metric: str = "the decision metric") -> Decision:

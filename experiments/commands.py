@@ -20,16 +20,16 @@ from experiments.launch import decide, is_locked
 from experiments.plan import expand, study_dir
 from experiments.results import RunStatus
 from experiments.run_records import last_attempt, scalar, state, tail_metrics
-from experiments.seed_plan import plan_lines, seed_plan, with_planned_max_seeds
+from experiments.seed_plan import plan_lines, seed_plan, with_planned_waves
 from experiments.study import load_study
 
 
 def _planned(args: Namespace):
-    """(study, run specs, seed plan): adaptive seeds left without 'max_seeds' take the plan's N."""
+    """(study, run specs, seed plan): seed waves left without 'max_seeds' take the plan's last wave."""
     study = load_study(args.study, args.bindings)
     specs = expand(study, args.results)
     plan = seed_plan(study, args.results)
-    return with_planned_max_seeds(study, plan), specs, plan
+    return with_planned_waves(study, plan), specs, plan
 
 
 PLAN_TABLE_RUNS = 1000

@@ -1,13 +1,13 @@
 """Running a planned study: what `python -m experiments run` does once the plan is made.
 
-A fixed design is one launch of the whole plan. A study with `study.adaptive_seeds` is one launch
-per look: each look plans the baseline and the still-undecided variants at the current seed count
-and launches that plan; runs already finished (same hash) are skipped, so a look costs only its
-new seeds, and an interrupted adaptive study resumes like any other. Either way the runs the plan
-no longer has are then removed and the report written; the adaptive report covers every run of
-every look, with an `adaptive` section (seeds per variant, the look that decided it, runs used
-against the fixed design) built into the aggregate before it is written. SIGTERM stops a study
-like Ctrl-C: runs are stopped in order and recorded as interrupted.
+A fixed design is one launch of the whole plan. A study with `study.sequential` is one launch per
+wave: each look plans the baseline and the variants still running at the wave's seeds and launches
+that plan; runs already finished (same hash) are skipped, so a look costs only its new seeds, and
+an interrupted study resumes like any other (its looks are replayed from the runs on disk:
+`aggregate.replay_waves`, the same function the report decides with). Either way the runs the plan
+no longer has are then removed and the report written, with the waves' record (boundaries, the
+look each variant stopped at, runs used against the fixed design). SIGTERM stops a study like
+Ctrl-C: runs are stopped in order and recorded as interrupted.
 """
 
 from __future__ import annotations
@@ -22,23 +22,22 @@ from typing import Dict, List, Optional
 
 from rich.console import Console
 
-from experiments.adaptive import Measured, extra_seeds, run_looks
 from experiments.collect import collect
 from experiments.errors import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNS_FAILED, INTERRUPTED
 from experiments.launch import LaunchResult, StudyBusy, launch, prune_superseded
 from experiments.plan import RunSpec, expand, study_dir
-from experiments.results import BASELINE, AdaptiveRecord, AdaptiveVariant, RunStatus, SeedPlan
+from experiments.results import BASELINE, SeedPlan
+from experiments.sequential import extra_seeds
 from experiments.study import Study
 
 
 def run_study(study: Study, specs: List[RunSpec], args: Namespace, console: Console,
               seed_plan: Optional[SeedPlan] = None) -> int:
-    """Runs the plan `specs` of `study` (adaptive seeds: its looks) on Ray with the command line's
-    settings (`args`), then writes the report; returns the command's exit code. `seed_plan`, the
-    seeds planned for study.target_effect, is recorded; an adaptive study's max_seeds is set
-    (`seed_plan.with_planned_max_seeds`)."""
-    if study.adaptive_seeds is not None:
-        return run_adaptive(study, args, console, seed_plan)
+    """Runs the plan `specs` of `study` (seed waves: one launch per wave) on Ray with the command
+    line's settings (`args`), then writes the report; returns the command's exit code. `seed_plan`,
+    the seeds planned for study.target_effect, is recorded."""
+    if study.sequential is not None:
+        return run_waves(study, args, console, seed_plan)
     return run_fixed(study, specs, args, console, seed_plan)
 
 
@@ -90,73 +89,62 @@ def run_fixed(study: Study, specs: List[RunSpec], args: Namespace, console: Cons
     return EXIT_RUNS_FAILED if result.failed or agg.decision.chosen is None else EXIT_OK
 
 
-def run_adaptive(study: Study, args: Namespace, console: Console, seed_plan: Optional[SeedPlan] = None) -> int:
-    """Looks until every variant is decided or at max_seeds; SIGTERM stops it like Ctrl-C. The
-    study's max_seeds is set (`seed_plan.with_planned_max_seeds`); `seed_plan` is recorded."""
+def run_waves(study: Study, args: Namespace, console: Console, seed_plan: Optional[SeedPlan] = None) -> int:
+    """Runs wave after wave until every variant has stopped; SIGTERM stops it like Ctrl-C."""
     try:
         with sigterm_as_interrupt():
-            return _run_adaptive(study, args, console, seed_plan)
+            return _run_waves(study, args, console, seed_plan)
     except StudyBusy as err:
         console.print(f"error: {err}", highlight=False)
         return EXIT_CONFIG
 
 
-def _run_adaptive(study: Study, args: Namespace, console: Console, seed_plan: Optional[SeedPlan]) -> int:
+def _run_waves(study: Study, args: Namespace, console: Console, seed_plan: Optional[SeedPlan]) -> int:
+    from experiments.aggregate import replay_waves
     from experiments.report import write_report
+    from experiments.seed_plan import find_pilot, pilot_correlation, study_design
+    from experiments.study import resolve_analysis
 
-    cfg = study.adaptive_seeds
-    assert cfg is not None and cfg.max_seeds is not None, "an adaptive study with its max_seeds planned"
-    max_seeds = cfg.max_seeds
-    seeds = extra_seeds(study.seeds, max_seeds)
-    confidence = cfg.confidence(study.alpha, len(study.variants))
+    design = study_design(study, seed_plan)
+    assert design is not None, "a study with seed waves"
+    seeds = extra_seeds(study.seeds, design.waves[-1])
+    full = dataclasses.replace(study, seeds=tuple(seeds))
+    analysis = resolve_analysis(study.analysis, {v.name: seeds for v in study.all_variants},
+                                pilot_correlation(find_pilot(study, args.results)), study.alpha)
     specs_by_key: Dict[str, RunSpec] = {}
-    failed = {}
-
-    def measure(n: int, active: List[str]) -> Optional[Measured]:
-        """One look: the baseline and the active variants planned at n seeds and launched (the runs
-        already finished are skipped), then every run so far collected; None when interrupted."""
+    active = [v.name for v in study.variants]
+    failed: Dict[str, str] = {}
+    for k, n in enumerate(design.waves):
         look_study = dataclasses.replace(study, variants=tuple(v for v in study.variants if v.name in active),
                                          seeds=tuple(seeds[:n]))
         specs = expand(look_study, args.results)
         specs_by_key.update({s.key: s for s in specs})
-        # plan.json records every run of every look so far: `report` re-reads them all.
+        # plan.json records every run of every wave so far: `report` re-reads them all.
         result = _launch(look_study, specs, args, seed_plan, recorded=list(specs_by_key.values()))
         failed.update(result.failed)
         if result.interrupted:
-            return None
-        results = collect(list(specs_by_key.values()), look_study)
-
-        def values(variant: str) -> List[float]:
-            return [r.value for r in results if r.variant == variant and r.status == RunStatus.COMPLETED
-                    and r.value is not None]
-        return {name: values(name) for name in active}, values(BASELINE)
-
-    def said(look: int, n: int, decisions: Dict) -> None:
-        console.print(f"look {look} at {n} seeds: "
-                      + ", ".join(f"{k} {'decided' if d['decided'] else 'undecided'} "
-                                  f"[{d['interval'][0]:+.4g}, {d['interval'][1]:+.4g}]" for k, d in decisions.items()),
-                      highlight=False)
-
-    ended = run_looks(cfg, [v.name for v in study.variants], confidence, measure, said)
-    if ended is None:
-        console.print(INTERRUPTED, highlight=False)
-        return EXIT_INTERRUPTED
-    decided = {name: AdaptiveVariant(n=d["n"], decided=d["decided"], interval=tuple(d["interval"]), look=look,
-                                     stopped="decided" if d["decided"] else "max_seeds")
-               for name, (d, look) in ended.stopped.items()}
-    out = study_dir(study, args.results)
+            console.print(INTERRUPTED, highlight=False)
+            return EXIT_INTERRUPTED
+        all_specs = list(specs_by_key.values())
+        waves = replay_waves(full, design, collect(all_specs, full), analysis,
+                             {s.seed: s.init_from for s in all_specs if s.variant == BASELINE and s.init_from})
+        judged = waves.looks[k]["judged"] if k < len(waves.looks) else {}
+        console.print(f"look {k + 1}/{len(design.waves)} at {n} seeds: " + ", ".join(
+            f"{name} {j['decision']} (z = {j['z']:+.3g})" if j["z"] is not None else f"{name} {j['decision']}"
+            for name, j in judged.items()), highlight=False)
+        active = [name for name in active if waves.stopped.get(name, {}).get("decision") == "continue"]
+        if not active:
+            break
     all_specs = list(specs_by_key.values())
+    out = study_dir(study, args.results)
     report_pruned(prune_superseded(out, all_specs), console)
-    full = dataclasses.replace(study, seeds=tuple(seeds[:max(d.n for d in decided.values())
-                                                        if decided else ended.seeds]))
-    used, fixed = len(all_specs), (1 + len(study.variants)) * max_seeds
-    adaptive = AdaptiveRecord(max_seeds=max_seeds, min_seeds=cfg.min_seeds, step=cfg.step,
-                              confidence=confidence, spend_alpha_over_looks=cfg.spend_alpha_over_looks,
-                              variants=decided, looks=ended.looks, runs_used=used, runs_fixed=fixed)
-    agg = write_report(full, out, all_specs, adaptive=adaptive, seed_plan=seed_plan)
+    agg = write_report(full, out, all_specs, seed_plan=seed_plan)
     log_wandb_aggregate(study, all_specs, args, console)
-    console.print(f"{study.name}: {used} runs instead of {fixed} at a fixed {max_seeds} seeds "
-                  f"({1 - used / fixed:.0%} saved); {decision_line(agg)}", highlight=False)
+    record = agg.sequential
+    assert record is not None
+    fixed = f" ({record.runs_fixed} for the fixed design)" if record.runs_fixed else ""
+    console.print(f"{study.name}: {record.runs_used} runs of at most {record.runs_max}{fixed}; {decision_line(agg)}",
+                  highlight=False)
     return EXIT_RUNS_FAILED if failed or agg.decision.chosen is None else EXIT_OK
 
 

@@ -21,11 +21,11 @@ from experiments.results import (
     EQUIVALENT,
     PAIRED,
     WELCH,
-    AdaptiveRecord,
     CheckpointScore,
     RunOutcome,
     RunStatus,
     SeedPlan,
+    SequentialRecord,
     StudyAggregate,
     VariantResult,
     aggregate_path,
@@ -169,8 +169,8 @@ def render(agg: StudyAggregate) -> str:
         lines += ["", "## Curves (mean ± std (ddof = 1) over seeds)", ""]
         lines += [f"![{stem}]({path})" for stem, path in agg.plots.items()]
     lines += provenance_lines(agg)
-    if agg.adaptive:
-        lines.append(render_adaptive(agg.adaptive))
+    if agg.sequential:
+        lines.append(render_waves(agg.sequential, agg.direction))
     return "\n".join(lines) + "\n"
 
 
@@ -315,21 +315,37 @@ def provenance_lines(agg: StudyAggregate) -> List[str]:
     return lines
 
 
-def render_adaptive(adaptive: AdaptiveRecord) -> str:
-    """The report section: seeds used per variant and why it stopped, runs saved."""
-    lines = ["", "## Adaptive seeds", "",
-             f"Seeds were added to undecided variants from {adaptive.min_seeds} up to {adaptive.max_seeds} "
-             f"(Welch interval of the difference at {adaptive.confidence:.4g} confidence).", "",
-             "| variant | seeds | stopped | interval of the difference |", "|---|---|---|---|"]
-    for name, d in adaptive.variants.items():
-        lines.append(f"| {name} | {d.n} | {d.stopped} at look {d.look} | {_ci(d.interval)} |")
-    used, fixed = adaptive.runs_used, adaptive.runs_fixed
-    lines += ["", f"Runs used: {used} of {fixed} for a fixed design ({1 - used / fixed:.0%} saved).", ""]
+def render_waves(record: SequentialRecord, direction: str = "higher") -> str:
+    """The report section of a study run in seed waves: the boundaries, how each variant ended,
+    the runs used."""
+    better = "above" if direction == "higher" else "below"
+    lines = ["", "## Seed waves", "",
+             f"Seeds ran in waves of {'/'.join(map(str, record.waves))} per variant; at each look a variant was "
+             f"decided when its z crossed the efficacy boundary ({record.spending} spending) and stopped when it "
+             f"fell below the futility boundary ({record.futility} spending, non-binding), each variant at two-sided "
+             f"alpha {record.alpha_per_variant:.3g}. z is the difference's t statistic at the look, as the normal "
+             f"quantile of the same p-value ({better} zero improves).", "",
+             "| look | seeds | efficacy \\|z\\| >= | nominal p | futility z < |", "|---|---|---|---|---|"]
+    for row in record.boundaries:
+        fut = f"{row['futility_z']:.3f}" if row.get("futility_z") is not None else "–"
+        lines.append(f"| {row['look']} | {row['seeds']} | {row['efficacy_z']:.3f} | {row['nominal_p']:.3g} | {fut} |")
+    lines += ["", "| variant | stopped at look | seeds | units | z | decision | difference | adjusted | 95% interval "
+                  "| design p |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, v in record.variants.items():
+        lines.append(f"| {name} | {v['look']} | {v['seeds']} | {v['units']} | {_fmt(v.get('z'), 3)} | {v['decision']} "
+                     f"| {_fmt(v.get('difference'))} | {_fmt(v.get('estimate'))} | {_ci(v.get('interval'))} "
+                     f"| {_fmt(v.get('p_value'), 3)} |")
+    lines += ["", "The interval is the stagewise-ordering interval, valid under the design (a t interval at the "
+                  "stopping look is not: an early stop for efficacy overestimates); 'adjusted' is the median-unbiased "
+                  "difference. Units are the independent starts the look compared (seeds that share a start "
+                  "checkpoint count as one).", ""]
+    fixed = f", against {record.runs_fixed} for the fixed design of the same power" if record.runs_fixed else ""
+    lines += [f"Runs used: {record.runs_used} of at most {record.runs_max}{fixed}.", ""]
     return "\n".join(lines)
 
 
 def write_report(study: Study, study_dir: Path, specs: Optional[List[RunSpec]] = None,
-                 adaptive: Optional[AdaptiveRecord] = None, seed_plan: Optional[SeedPlan] = None) -> StudyAggregate:
+                 seed_plan: Optional[SeedPlan] = None) -> StudyAggregate:
     """Collects, aggregates and writes aggregate.json, report.md and plots; returns the aggregate.
     The seed plan, when not given, is the one plan.json recorded at launch."""
     specs = specs if specs is not None else load_plan(study_dir)
@@ -337,7 +353,7 @@ def write_report(study: Study, study_dir: Path, specs: Optional[List[RunSpec]] =
     results: List[RunOutcome] = collect(specs, study)
     plots = plot_study(study.name, results, study_dir / "plots")
     provenance, machine = provenance_summary(specs)
-    agg = aggregate(study, results, provenance, plots=plots, adaptive=adaptive, seed_plan=seed_plan,
+    agg = aggregate(study, results, provenance, plots=plots, seed_plan=seed_plan,
                     pilot_correlation=pilot_correlation(find_pilot(study, study_dir.parent)),
                     starts={s.seed: s.init_from for s in specs if s.variant == BASELINE and s.init_from})
     write_json(study_dir / MACHINE_PROVENANCE, machine)

@@ -30,7 +30,7 @@ The file (`RESULTS/<study>/aggregate.json`), one JSON object:
   checkpoints, recipe) and `hardware_mixed` when runs came from different machines; the
   machines themselves (git commit, versions, hardware) are in the study's `provenance.json`
   beside it, a machine record (report.MACHINE_PROVENANCE); `plots`: {stem: relative path};
-- `adaptive`: the adaptive-seeds record (seeds per variant, looks, runs used), or null;
+- `sequential`: the seed waves' record (boundaries, each variant's last look, runs used), or null;
 - `seed_plan`: the seeds per variant planned before the round for `study.target_effect`
   (experiments/seed_plan.py: target_effect, power, alpha, comparisons, seeds planned, sigma, the
   pilot it came from, its seeds and variants, the paired correlation or null for Welch's design,
@@ -284,34 +284,32 @@ class Decision:
 
 
 @dataclasses.dataclass(frozen=True)
-class AdaptiveVariant:
-    """How adaptive seeding ended for one variant."""
+class SequentialRecord:
+    """A study run in seed waves (experiments/sequential.py): the design and how each variant ended."""
 
-    n: int
-    """Seeds it ran."""
-    decided: bool
-    interval: Tuple[Optional[float], Optional[float]]
-    """Welch interval of the difference at the study's adaptive confidence (null: unbounded)."""
-    look: int
-    stopped: str
-    """'decided' (the interval excludes zero) or 'max_seeds'."""
-
-
-@dataclasses.dataclass(frozen=True)
-class AdaptiveRecord:
-    """The adaptive-seeds run of a study (experiments/adaptive.py)."""
-
-    max_seeds: int
-    min_seeds: int
-    step: int
-    confidence: float
-    spend_alpha_over_looks: bool
-    variants: Dict[str, AdaptiveVariant]
+    waves: Tuple[int, ...]
+    """Cumulative seeds per variant at each look."""
+    spending: str
+    futility: str
+    alpha_per_variant: float
+    """Each variant's two-sided level: study.alpha over the variants (Bonferroni)."""
+    power: float
+    """The power the futility boundaries were spent for."""
+    boundaries: Tuple[Dict[str, Any], ...]
+    """Per look: seeds, information fraction, efficacy and futility z, the efficacy boundary's nominal p."""
+    variants: Dict[str, Dict[str, Any]]
+    """Per variant, its last look (`sequential.judge`): look, seeds, units, z, t, df, difference, se,
+    decision ('better' / 'worse' / 'futile'; 'continue' when its waves did not all run), and for
+    a stop the stagewise interval, the design's p-value and the median-unbiased difference."""
     looks: Tuple[Dict[str, Any], ...]
-    """Per look: seeds, the variants still active, their intervals."""
+    """Per look: seeds and each judged variant's record."""
     runs_used: int
-    runs_fixed: int
-    """Runs a fixed design at max_seeds would have taken."""
+    runs_max: int
+    """Runs the design takes at most: every variant and the baseline at the last wave."""
+    runs_fixed: Optional[int] = None
+    """Runs the fixed design for the same target, power and alpha takes (with a seed plan)."""
+    runs_expected_null: Optional[float] = None
+    runs_expected_target: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,9 +340,17 @@ class SeedPlan:
     """The paired design's correlation between paired seeds (the pilot's
     comparison.paired.correlation); None: Welch's two-sample design."""
     seeds_run: int = 0
-    """Seeds per variant the study runs (adaptive seeds: its max_seeds)."""
+    """Seeds per variant the study runs (seed waves: the last wave's)."""
     power_at_seeds_run: Optional[float] = None
     """The power those seeds give for a true difference of target_effect."""
+    sd_baseline: Optional[float] = None
+    """The pilot's spread of the arm this round continues (its chosen variant's seeds), when it has
+    two; the plan then sizes each arm by its own spread."""
+    sd_variant: Optional[float] = None
+    """The spread planned for the variants: the pilot's pooled over its arms (sigma)."""
+    sequential: Optional[Dict[str, Any]] = None
+    """With seed waves: the planned waves, boundaries, simulated power, and runs at most and
+    expected under the null and at the target, beside the fixed design's (`sequential.WavePlan`)."""
 
     def to_json(self) -> dict:
         return _SEED_PLAN.dump_python(self, mode="json")
@@ -393,7 +399,7 @@ class StudyAggregate:
     decision: Decision
     provenance: Dict[str, Any] = dataclasses.field(default_factory=dict)
     plots: Dict[str, str] = dataclasses.field(default_factory=dict)
-    adaptive: Optional[AdaptiveRecord] = None
+    sequential: Optional[SequentialRecord] = None
     seed_plan: Optional[SeedPlan] = None
     best_checkpoints: Optional[BestCheckpoints] = None
     analysis: str = WELCH
@@ -429,7 +435,8 @@ class StudyAggregate:
     def from_json(cls, data: dict) -> "StudyAggregate":
         """An aggregate as `to_json` writes it: every field present (a file without one was not
         written by this manager; `python -m experiments report` writes it anew)."""
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data] if isinstance(data, dict) else []
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.name not in data and f.name not in ADDED_LATER] if isinstance(data, dict) else []
         if missing:
             raise ValueError(f"no {', '.join(missing)} (`python -m experiments report` writes the aggregate anew)")
         return _ADAPTER.validate_python(data)
@@ -453,6 +460,9 @@ class StudyAggregate:
         return dataclasses.replace(self, **changes)
 
 
+ADDED_LATER = ("sequential",)
+"""Aggregate fields a file written before they existed lacks (it loads with the default); keys a
+file holds that no field names any more (`adaptive`, the seed rule seed waves replaced) are ignored."""
 _ADAPTER = TypeAdapter(StudyAggregate)
 _SEED_PLAN = TypeAdapter(SeedPlan)
 

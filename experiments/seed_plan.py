@@ -22,8 +22,10 @@ choices, each one line:
 
 The plan is study-level: it changes no run's configuration, so no run's hash. `plan` prints it,
 and a notice when the study runs fewer seeds (with the power those give); `run` records it in
-plan.json and the aggregate (`results.SeedPlan`); adaptive seeds without 'max_seeds' stop at its
-N (`with_planned_max_seeds`); the advisor writes its N as the next round's `study.seeds`.
+plan.json and the aggregate (`results.SeedPlan`); seed waves without 'max_seeds' are planned from it
+(`sequential.plan_waves`, `with_planned_waves`); the advisor writes its N as the next round's
+`study.seeds`. Each arm is sized by its own spread: the baseline by the pilot's chosen arm (the
+setting the round continues), the variants by the spread pooled over the pilot's arms.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
-from experiments import stats
+import numpy as np
+
+from experiments import sequential, stats
 from experiments.errors import StudyError
 from experiments.results import BASELINE, SeedPlan, StudyAggregate
 from experiments.resume_from import is_checkpoint_dir, lineage_notice, previous_aggregate
@@ -67,6 +71,15 @@ def pilot_correlation(pilot: Optional[StudyAggregate]) -> Optional[float]:
     return pilot_spread(pilot)[3] if pilot is not None else None
 
 
+def arm_spread(pilot: StudyAggregate) -> Optional[float]:
+    """The spread of the pilot's chosen arm (the setting a round resumed from it continues: its
+    baseline), when it completed two seeds; None otherwise."""
+    chosen = pilot.variants.get(pilot.decision.chosen or BASELINE)
+    values = chosen.values if chosen is not None else []
+    sd = float(np.std(values, ddof=1)) if len(values) >= 2 else math.nan
+    return sd if math.isfinite(sd) and sd > 0 else None
+
+
 def make_plan(pilot: Optional[StudyAggregate], *, target_effect: float, power: float, alpha: float,
               variants: int, seeds_run: int, analysis: str = AUTO) -> SeedPlan:
     """The seed plan for `variants` comparisons with the baseline, from `pilot`'s spread (None: no
@@ -76,9 +89,11 @@ def make_plan(pilot: Optional[StudyAggregate], *, target_effect: float, power: f
     comparisons = max(variants, 1)
     per_test = alpha / comparisons
     sigma, n, k, r = pilot_spread(pilot) if pilot is not None else (None, 0, 0, None)
+    sd_base = cast(float, (arm_spread(pilot) if pilot is not None else None) or sigma)  # None only beside sigma
     if sigma is not None and analysis != WELCH:
         def needed(**design):
-            return stats.seeds_needed(target_effect, sigma, per_test, power, **design) or stats.MAX_SEEDS + 1
+            return (stats.seeds_needed(target_effect, sd_base, per_test, power, sd2=sigma, **design)
+                    or stats.MAX_SEEDS + 1)
         at = stats.design_correlation(r)
         if analysis == AUTO and (r is None or needed(paired=True, correlation=at) >= needed()):
             r = None  # Welch's design: pairing would not save a seed
@@ -92,10 +107,10 @@ def make_plan(pilot: Optional[StudyAggregate], *, target_effect: float, power: f
     if sigma is None:
         return plan
     design: Dict[str, Any] = dict(paired=r is not None,
-                                  correlation=stats.design_correlation(r) if r is not None else 0.0)
-    at_run = stats.power(target_effect, sigma, seeds_run, seeds_run, per_test, **design)
-    return dataclasses.replace(plan, sigma=sigma,
-                               seeds=stats.seeds_needed(target_effect, sigma, per_test, power, **design),
+                                  correlation=stats.design_correlation(r) if r is not None else 0.0, sd2=sigma)
+    at_run = stats.power(target_effect, sd_base, seeds_run, seeds_run, per_test, **design)
+    return dataclasses.replace(plan, sigma=sigma, sd_baseline=sd_base, sd_variant=sigma,
+                               seeds=stats.seeds_needed(target_effect, sd_base, per_test, power, **design),
                                power_at_seeds_run=at_run if math.isfinite(at_run) else None)
 
 
@@ -117,40 +132,57 @@ def find_pilot(study: Study, results_dir: str | Path) -> Optional[StudyAggregate
 
 
 def seeds_run(study: Study) -> int:
-    """Seeds per variant the study runs: its seeds, or adaptive seeds' cap when that is set."""
-    cap = study.adaptive_seeds.max_seeds if study.adaptive_seeds is not None else None
+    """Seeds per variant the study runs: its seeds, or the last wave's when that is set."""
+    cap = study.sequential.max_seeds if study.sequential is not None else None
     return cap if cap is not None else len(study.seeds)
 
 
 def seed_plan(study: Study, results_dir: str | Path) -> Optional[SeedPlan]:
-    """The study's seed plan; None when `study.target_effect` is unset."""
+    """The study's seed plan; None when `study.target_effect` is unset. With seed waves, the waves
+    are planned too (`sequential.plan_waves`): the fewest seeds at the last wave that give the
+    power, from each arm's spread, unless study.sequential['max_seeds'] fixes it."""
     if study.target_effect is None:
         return None
     plan = make_plan(find_pilot(study, results_dir), target_effect=study.target_effect, power=study.power,
                      alpha=study.alpha, variants=len(study.variants), seeds_run=seeds_run(study),
                      analysis=study.analysis)
-    if study.adaptive_seeds is not None and study.adaptive_seeds.max_seeds is None and plan.seeds is not None:
-        planned = max(plan.seeds, study.adaptive_seeds.min_seeds)  # adaptive seeds stop at the plan
-        assert plan.sigma is not None  # make_plan sets seeds only beside sigma
-        at_run = stats.power(plan.target_effect, plan.sigma, planned, planned, plan.alpha / plan.comparisons,
-                             paired=plan.correlation is not None,
-                             correlation=stats.design_correlation(plan.correlation))
-        plan = dataclasses.replace(plan, seeds_run=planned,
-                                   power_at_seeds_run=at_run if math.isfinite(at_run) else None)
-    return plan
+    if study.sequential is None or plan.sigma is None:
+        return plan
+    assert plan.sd_baseline is not None and plan.sd_variant is not None  # make_plan sets them beside sigma
+    waves = sequential.plan_waves(plan.target_effect, sd_baseline=plan.sd_baseline, sd_variant=plan.sd_variant,
+                                  correlation=stats.design_correlation(plan.correlation),
+                                  paired=plan.correlation is not None, alpha=plan.alpha, variants=plan.comparisons,
+                                  power=plan.power, waves=study.sequential, max_seeds=stats.MAX_SEEDS)
+    if waves is None:
+        return dataclasses.replace(plan, seeds=None)
+    d = waves.design
+    return dataclasses.replace(plan, seeds_run=d.waves[-1], power_at_seeds_run=waves.power, sequential={
+        "waves": list(d.waves), "spending": d.spending, "futility": d.futility_spending,
+        "alpha_per_variant": d.alpha, "boundaries": d.boundary_rows(), "power": waves.power,
+        "runs_max": waves.runs_max, "runs_expected_null": waves.runs_null,
+        "runs_expected_target": waves.runs_target, "runs_fixed": waves.runs_fixed})
 
 
-def with_planned_max_seeds(study: Study, plan: Optional[SeedPlan]) -> Study:
-    """The study with adaptive seeds' 'max_seeds', when left out, set to the plan's N (at least
-    min_seeds); a StudyError when there is no plan to take it from."""
-    cfg = study.adaptive_seeds
+def with_planned_waves(study: Study, plan: Optional[SeedPlan]) -> Study:
+    """The study with seed waves' 'max_seeds', when left out, set to the plan's last wave; a
+    StudyError when there is no plan to take it from."""
+    cfg = study.sequential
     if cfg is None or cfg.max_seeds is not None:
         return study
-    if plan is None or plan.seeds is None:
+    if plan is None or plan.sequential is None:
         why = plan_line(plan, study.direction) if plan is not None else "no study.target_effect"
-        raise StudyError(f"study.adaptive_seeds has no 'max_seeds' and no seed plan gives one ({why}): set "
-                         f"study.adaptive_seeds['max_seeds']")
-    return dataclasses.replace(study, adaptive_seeds=dataclasses.replace(cfg, max_seeds=max(plan.seeds, cfg.min_seeds)))
+        raise StudyError(f"study.sequential has no 'max_seeds' and no seed plan gives one ({why}): set "
+                         f"study.sequential['max_seeds']")
+    return dataclasses.replace(study, sequential=dataclasses.replace(cfg, max_seeds=plan.seeds_run))
+
+
+def study_design(study: Study, plan: Optional[SeedPlan]) -> Optional[sequential.Design]:
+    """The seed waves' design of a study (None: a fixed design), its last wave planned or bound."""
+    cfg = with_planned_waves(study, plan).sequential
+    if cfg is None:
+        return None
+    assert cfg.max_seeds is not None
+    return sequential.study_design(cfg, cfg.max_seeds, study.alpha, len(study.variants), study.power)
 
 
 def _signed(effect: float, direction: str) -> str:
@@ -182,8 +214,32 @@ def plan_line(plan: SeedPlan, direction: str = "higher") -> str:
     if plan.seeds is None:
         return (f"plan: more than {stats.MAX_SEEDS} seeds per variant would be needed to detect {effect} at "
                 f"{plan.power:.0%} power ({_spread(plan)}; {family}): raise study.target_effect")
-    return (f"plan: {plan.seeds} seeds per variant detect {effect} at {plan.power:.0%} power "
+    line = (f"plan: {plan.seeds} seeds per variant detect {effect} at {plan.power:.0%} power "
             f"({_spread(plan)}; {family})")
+    waves = plan.sequential
+    if waves:
+        line += (f"; in waves of {'/'.join(map(str, waves['waves']))} seeds: {waves['power']:.0%} power, "
+                 f"at most {waves['runs_max']} runs, expected {waves['runs_expected_null']:.0f} with no true "
+                 f"difference and {waves['runs_expected_target']:.0f} with every variant at {effect}, against "
+                 f"{waves['runs_fixed']} for the fixed design")
+    return line
+
+
+def boundaries_lines(plan: Optional[SeedPlan], direction: str = "higher") -> List[str]:
+    """The waves' boundaries table, one line per look (nothing without seed waves)."""
+    if plan is None or not plan.sequential:
+        return []
+    waves = plan.sequential
+    better = "above" if direction == "higher" else "below"
+    lines = [f"boundaries ({waves['spending']} efficacy, {waves['futility']} futility, non-binding; each variant "
+             f"at two-sided alpha {waves['alpha_per_variant']:.3g}): z of the difference from the baseline",
+             "  look  seeds  efficacy |z| >=  nominal p  futility z <"]
+    for row in waves["boundaries"]:
+        fut = f"{row['futility_z']:.3f}" if row["futility_z"] is not None else "-"
+        lines.append(f"  {row['look']:>4}  {row['seeds']:>5}  {row['efficacy_z']:>15.3f}  {row['nominal_p']:>9.3g}  "
+                     f"{fut:>11}")
+    lines.append(f"  (z {better} zero improves; a variant stops at the first look it crosses either boundary)")
+    return lines
 
 
 def shortfall(plan: SeedPlan, direction: str = "higher", knob: str = "study.seeds") -> Optional[str]:
@@ -204,6 +260,7 @@ def plan_lines(study: Study, plan: Optional[SeedPlan], specs: Sequence = ()) -> 
     lineages = list(filter(None, [lineage_notice(starts)]))
     if plan is None:
         return lineages
-    adaptive = study.adaptive_seeds is not None
-    knob = "study.adaptive_seeds['max_seeds']" if adaptive else "study.seeds"
+    if plan.sequential:
+        return [plan_line(plan, study.direction), *boundaries_lines(plan, study.direction), *lineages]
+    knob = "study.sequential['max_seeds']" if study.sequential is not None else "study.seeds"
     return [plan_line(plan, study.direction), *filter(None, [shortfall(plan, study.direction, knob)]), *lineages]

@@ -309,8 +309,9 @@ def prob_improvement(a: ArrayLike, b: ArrayLike, higher_is_better: bool = True) 
 
 
 @functools.lru_cache(maxsize=512)
-def _welch_threshold(n1: int, n2: int, alpha: float) -> tuple:
-    """Welch's rejection threshold over the two sample variances, for groups of true std 1:
+def _welch_threshold(n1: int, n2: int, alpha: float, ratio: float = 1.0) -> tuple:
+    """Welch's rejection threshold over the two sample variances, for groups of true std 1 and
+    `ratio` (the second's over the first's):
     (c, w), where c[i, j] = t-quantile(df_ij) * se_ij at Gauss-Legendre nodes of the variances'
     chi-square quantiles and w their weights. Power for a true difference d is then
     sum w * (Phi((d - c) / sd_D) + Phi((-d - c) / sd_D)), exactly (the difference of the means is
@@ -318,23 +319,26 @@ def _welch_threshold(n1: int, n2: int, alpha: float) -> tuple:
     x, w = np.polynomial.legendre.leggauss(WELCH_NODES)
     u, w = (x + 1) / 2, w / 2
     v1 = special.chdtri(n1 - 1, 1 - u) / (n1 - 1) / n1  # s1^2 / n1 at the nodes (sigma = 1)
-    v2 = special.chdtri(n2 - 1, 1 - u) / (n2 - 1) / n2
+    v2 = ratio ** 2 * special.chdtri(n2 - 1, 1 - u) / (n2 - 1) / n2
     v1, v2 = v1[:, None], v2[None, :]
     df = (v1 + v2) ** 2 / (v1 ** 2 / (n1 - 1) + v2 ** 2 / (n2 - 1))
     c = special.stdtrit(df, 1 - alpha / 2) * np.sqrt(v1 + v2)
     return c, w[:, None] * w[None, :]
 
 
-def welch_power(effect: float, sd: float, n1: int, n2: int, alpha: float = 0.05) -> float:
+def welch_power(effect: float, sd: float, n1: int, n2: int, alpha: float = 0.05,
+                sd2: Optional[float] = None) -> float:
     """Power of Welch's two-sided test at level alpha for a true difference `effect` between
-    normal groups of std `sd` with n1 and n2 seeds: the rejection probability integrated over the
-    sample variances, whose ratio sets the test's degrees of freedom (`_welch_threshold`). Below
-    the pooled t's power at small n (0.70 against 0.80 at 3 seeds a group), equal to it as n
-    grows. NaN when undefined (fewer than 2 seeds a group, or no finite positive std)."""
-    if min(n1, n2) < 2 or not np.isfinite(sd) or not sd > 0 or not np.isfinite(effect):
+    normal groups of std `sd` (and `sd2` for the second group, when the arms spread differently)
+    with n1 and n2 seeds: the rejection probability integrated over the sample variances, whose
+    ratio sets the test's degrees of freedom (`_welch_threshold`). Below the pooled t's power at
+    small n (0.70 against 0.80 at 3 seeds a group), equal to it as n grows. NaN when undefined
+    (fewer than 2 seeds a group, or no finite positive std)."""
+    ratio = 1.0 if sd2 is None else sd2 / sd if np.isfinite(sd2) and sd2 > 0 and sd > 0 else math.nan
+    if min(n1, n2) < 2 or not np.isfinite(sd) or not sd > 0 or not np.isfinite(effect) or not np.isfinite(ratio):
         return math.nan
-    c, w = _welch_threshold(int(n1), int(n2), float(alpha))
-    sd_d = math.sqrt(1 / n1 + 1 / n2)
+    c, w = _welch_threshold(int(n1), int(n2), float(alpha), float(ratio))
+    sd_d = math.sqrt(1 / n1 + ratio ** 2 / n2)
     d = abs(effect) / sd
     return float(np.sum(w * (special.ndtr((d - c) / sd_d) + special.ndtr((-d - c) / sd_d))))
 
@@ -356,18 +360,21 @@ def paired_power(effect: float, sd_difference: float, n: int, alpha: float = 0.0
 
 
 def power(effect: float, sd: float, n1: int, n2: int, alpha: float = 0.05, paired: bool = False,
-          correlation: float = 0.0, sd_difference: Optional[float] = None) -> float:
-    """Power of the deciding test to detect a true difference `effect` between groups of std `sd`.
+          correlation: float = 0.0, sd_difference: Optional[float] = None, sd2: Optional[float] = None) -> float:
+    """Power of the deciding test to detect a true difference `effect` between groups of std `sd`
+    (the second group's `sd2` when the arms spread differently).
 
     Welch's test by default (`welch_power`). With `paired`, the paired t-test of the
     n = min(n1, n2) per-seed differences (`paired_power`), whose std is `sd_difference` when
-    measured, else sd * sqrt(2 (1 - correlation)) for a correlation between the paired outcomes:
-    common random numbers help exactly as far as the two arms' seeds correlate."""
+    measured, else sqrt(sd^2 + sd2^2 - 2 correlation sd sd2) for a correlation between the paired
+    outcomes: common random numbers help exactly as far as the two arms' seeds correlate."""
     if paired:
         if sd_difference is None:
-            sd_difference = sd * math.sqrt(max(2.0 * (1.0 - correlation), 0.0)) if np.isfinite(sd) else math.nan
+            other = sd if sd2 is None else sd2
+            var = sd * sd + other * other - 2.0 * correlation * sd * other
+            sd_difference = math.sqrt(max(var, 0.0)) if np.isfinite(var) else math.nan
         return paired_power(effect, sd_difference, min(n1, n2), alpha)
-    return welch_power(effect, sd, n1, n2, alpha)
+    return welch_power(effect, sd, n1, n2, alpha, sd2)
 
 
 def min_detectable_effect(sd: float, n1: int, n2: int, alpha: float = 0.05, target: float = POWER,
@@ -394,9 +401,10 @@ def min_detectable_effect(sd: float, n1: int, n2: int, alpha: float = 0.05, targ
 
 
 def seeds_needed(effect: float, sd: float, alpha: float = 0.05, target: float = POWER, paired: bool = False,
-                 correlation: float = 0.0, sd_difference: Optional[float] = None) -> Optional[int]:
+                 correlation: float = 0.0, sd_difference: Optional[float] = None,
+                 sd2: Optional[float] = None) -> Optional[int]:
     """Seeds per variant the deciding test needs to detect `effect` with `target` power (`paired`,
-    `correlation` and `sd_difference` as in `power`); None if more than MAX_SEEDS or undefined."""
+    `correlation`, `sd_difference` and `sd2` as in `power`); None if more than MAX_SEEDS or undefined."""
     spread = sd_difference if paired and sd_difference is not None else sd
     if effect is None or spread is None or not np.isfinite(spread) or not np.isfinite(effect) or effect == 0:
         return None
@@ -404,7 +412,7 @@ def seeds_needed(effect: float, sd: float, alpha: float = 0.05, target: float = 
         return 2
 
     def enough(n):
-        return power(effect, sd, n, n, alpha, paired, correlation, sd_difference) >= target
+        return power(effect, sd, n, n, alpha, paired, correlation, sd_difference, sd2) >= target
 
     lo, hi = 2, 2
     while not enough(hi):

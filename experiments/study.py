@@ -27,9 +27,9 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple, cast
 from gin import config_parser
 
 from experiments import stats
-from experiments.adaptive import AdaptiveSeeds, parse_adaptive_seeds
 from experiments.errors import StudyError
 from experiments.results import BASELINE, PAIRED, WELCH  # one definition: the results name them
+from experiments.sequential import Waves, parse_waves
 from experiments.stats import POWER
 from rlhf.configurable import RECIPES_DIR, SCOPES, find_recipe, iter_statements, statements
 from rlhf.errors import ConfigError
@@ -106,8 +106,8 @@ class Study:
     campaign: str = ""
     """The tuning campaign this study is a round of: its rounds share one W&B project named after it.
     Study-level: no run's hash depends on it (nor on the W&B project)."""
-    adaptive_seeds: Optional[AdaptiveSeeds] = None
-    """When set, seeds are added to undecided variants up to a maximum (experiments/adaptive.py)."""
+    sequential: Optional[Waves] = None
+    """When set, seeds run in waves with group-sequential boundaries (experiments/sequential.py)."""
     resume_setting: bool = False
     """Also take the resumed variant's bindings into the baseline (planning reads them)."""
     start_gap_s: float = START_GAP_S
@@ -238,7 +238,7 @@ def resolve_analysis(analysis: str, planned_seeds: Mapping[str, Sequence[int]],
     makes the paired t-test the more sensitive at this round's seeds (a smaller minimum detectable
     effect: pairing halves the degrees of freedom, which a weak correlation does not repay);
     'welch' otherwise, and when no previous round measured a correlation. Both designs a study
-    declares pair their runs: fixed `study.seeds` are every variant's, and adaptive seeds give
+    declares pair their runs: fixed `study.seeds` are every variant's, and seed waves give
     the baseline every look's seeds, so a variant that stopped early ran a prefix of them."""
     if analysis != AUTO:
         return analysis
@@ -304,8 +304,8 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
         its prompts and sampling streams with seed s of the baseline, so pairing removes the luck
         they share), 'welch' (Welch's t-test of the two groups of seeds), or 'auto': decided from
         the design and the pilot round before any of this round's values are read: 'paired' when
-        every variant runs on the baseline's seeds (true of fixed study.seeds and of adaptive
-        seeds) and the pilot's measured correlation between paired seeds makes the paired test the
+        every variant runs on the baseline's seeds (true of fixed study.seeds and of seed
+        waves) and the pilot's measured correlation between paired seeds makes the paired test the
         more sensitive at this round's seeds, 'welch' otherwise (`resolve_analysis`). Both are
         reported; this one decides.
     equivalence_margin: a number >= 0 in the metric's units (0: off). A variant neither better nor
@@ -323,10 +323,12 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
     wandb_project: the W&B project of the study's runs. The first of: this binding, the
         WANDB_PROJECT environment variable, study.campaign, the study's name
         (experiments/wandb_sink.py `project_for`). Changes no run, so no run hash.
-    adaptive_seeds: {'max_seeds': N} (optional 'min_seeds', 'step', 'spend_alpha_over_looks'): start
-        with study.seeds and add seeds to variants whose difference from the baseline is undecided.
-        With study.target_effect set, 'max_seeds' may be left out: it is then the seed plan's N
-        (at least min_seeds); an explicit 'max_seeds' wins.
+    sequential: seed waves (experiments/sequential.py): True or {'looks': 5, 'first': study.seeds,
+        'max_seeds': N, 'spending': 'obrien_fleming' | 'pocock', 'futility': 'pocock' |
+        'obrien_fleming' | 'none'}. Every variant and the baseline run each wave's seeds; at each
+        look a variant that crosses the efficacy boundary is decided and one below the futility
+        boundary stops, both get no more seeds; the boundaries keep the family-wise error at
+        alpha. 'max_seeds' (the last wave) defaults to the seed plan's N for study.target_effect.
     target_effect: the smallest change of the decision metric worth detecting, in its units (e.g.
         0.02 = two points of gold accuracy); when set, `plan` sizes the seeds per variant for it from
         the pilot's spread (experiments/seed_plan.py). None (default): no seed plan.
@@ -344,6 +346,29 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
 
 STUDY_PARAMETERS = tuple(p.name for p in inspect.signature(study).parameters.values()
                          if p.kind is not inspect.Parameter.VAR_KEYWORD) + tuple(STUDY_DEFAULTS)
+REPLACED = {"adaptive_seeds": "was replaced by study.sequential, seed waves whose boundaries keep the false-positive "
+                              "rate at study.alpha across looks: e.g. study.sequential = {'looks': 5} with "
+                              "study.target_effect, or {'looks': 5, 'max_seeds': 12}"}
+"""Study bindings that no longer exist: {parameter: what the error says instead}."""
+
+
+def _sequential(value, seeds: int, target_effect, margin) -> Optional[Waves]:
+    """`study.sequential` -> Waves: 'first' defaults to the study's seeds (at least 2); the last
+    wave needs 'max_seeds' or study.target_effect (the seed plan's N); equivalence (a TOST at one
+    fixed sample) is a fixed design's question."""
+    if isinstance(value, Mapping) and "first" not in value:
+        value = {**value, "first": max(2, seeds)}
+    cfg = parse_waves(value)
+    if cfg is None:
+        return None
+    if cfg.max_seeds is None and target_effect is None:
+        raise StudyError("study.sequential has no 'max_seeds' and no study.target_effect to plan it from: set "
+                         "study.target_effect (the seed plan sizes the waves) or study.sequential['max_seeds']")
+    if _is_number(margin) and margin > 0:
+        raise StudyError(f"study.equivalence_margin = {margin:g} with study.sequential: equivalence is tested on a "
+                         "fixed design (set study.equivalence_margin = 0, or remove study.sequential); seed waves "
+                         "stop a variant that cannot reach the target effect for futility instead")
+    return cfg
 
 
 def _bad(binding: str, value, allowed: str) -> StudyError:
@@ -370,7 +395,7 @@ def _engine_binding(line: str, where: str) -> str:
 
 
 MAX_SEEDS = stats.MAX_SEEDS
-"""The most seeds per variant a study may run (`study.seeds`, a count or a list, and adaptive seeds'
+"""The most seeds per variant a study may run (`study.seeds`, a count or a list, and seed waves'
 'max_seeds'): the most the seed plan proposes (`stats.seeds_needed`) and the advisor writes as the
 next round's `study.seeds`, so a plan is never refused; beyond it a count is a typo (seeds = 100000),
 refused before planning: `plan` lists the cap's 10000 seeds x 2 variants in about 10 s."""
@@ -485,8 +510,8 @@ def _validate(args: dict, path: Path) -> Study:
         gpus_per_run=float(args["gpus_per_run"]) if _is_number(args["gpus_per_run"]) else args["gpus_per_run"],
         retries=args["retries"], alpha=args["alpha"], wandb_project=args["wandb_project"],
         campaign=args["campaign"],
-        adaptive_seeds=parse_adaptive_seeds(args["adaptive_seeds"], len(seeds),
-                                            planned=args["target_effect"] is not None),
+        sequential=_sequential(args["sequential"], len(seeds), args["target_effect"],
+                               _as_float(args["equivalence_margin"])),
         resume_setting=args["resume_setting"], start_gap_s=args["start_gap_s"],
         target_effect=args["target_effect"], power=args["power"], pilot=pilot, analysis=args["analysis"],
         equivalence_margin=_as_float(args["equivalence_margin"]),
@@ -538,6 +563,8 @@ def load_study(path: str | Path, bindings: Sequence[str] = ()) -> Study:
         if s.selector != "study" or s.scope:
             stray.append(name)
             continue
+        if s.arg_name in REPLACED:
+            raise StudyError(f"{name} ({where}) {REPLACED[s.arg_name]}")
         if s.arg_name not in STUDY_PARAMETERS:
             close = difflib.get_close_matches(s.arg_name, STUDY_PARAMETERS, n=1)
             hint = f"; did you mean study.{close[0]}?" if close else ""

@@ -201,14 +201,13 @@ def test_more_seeds_than_a_plan_proposes_is_one_line_before_planning(capsys, tmp
     assert not (tmp_path / "smoke").exists()
 
 
-def test_the_seed_cap_holds_for_adaptive_seeds_and_the_cap_itself_is_allowed(capsys, tmp_path):
+def test_the_seed_cap_holds_for_seed_waves_and_the_cap_itself_is_allowed(capsys, tmp_path):
     from experiments.study import load_study
-    err = one_line_error(capsys, ["plan", SMOKE, "-b", "study.adaptive_seeds = {'max_seeds': 20000}",
+    err = one_line_error(capsys, ["plan", SMOKE, "-b", "study.sequential = {'max_seeds': 20000}",
                                   "--results", str(tmp_path)])
-    assert err == ("error: study.adaptive_seeds['max_seeds'] = 20000 is invalid: must be at most 10000 seeds per "
-                   "variant (the most a seed plan proposes, as for study.seeds)")
+    assert err == "error: study.sequential['max_seeds'] = 20000 is invalid: must be an integer from 2 to 10000"
     assert len(load_study(SMOKE, ["study.seeds = 10000"]).seeds) == 10000
-    assert load_study(SMOKE, ["study.adaptive_seeds = {'max_seeds': 10000}"]).adaptive_seeds.max_seeds == 10000
+    assert load_study(SMOKE, ["study.sequential = {'max_seeds': 10000}"]).sequential.max_seeds == 10000
 
 
 def test_many_seeds_plan_without_resolving_the_engine_config_per_seed(tmp_path, monkeypatch, capsys):

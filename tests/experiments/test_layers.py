@@ -17,8 +17,8 @@ from tests.conftest import REPO
 from tests.import_graph import cycles, import_graph, layer_violations
 
 LAYERS = (
-    ("errors", "results", "stats", "paths"),
-    ("study", "adaptive"),
+    ("errors", "results", "stats", "paths", "sequential"),
+    ("study",),
     ("run_records",),
     ("resume_from", "gpu_fit", "plan", "seed_plan"),
     ("collect", "aggregate", "execute", "display", "wandb_sink", "watchdog", "launch"),
@@ -26,11 +26,11 @@ LAYERS = (
     ("commands", "advisor.command", "cli", "__main__"),
 )
 """0 the vocabulary (the one error and the exit codes, the result types with the run-status enum
-and the run record, statistics, paths as files record them) -> 1 declarations (the study, adaptive
-seeds' stopping rule) -> 2 what a run dir holds -> 3 the plan (where runs start, whether they fit
+and the run record, statistics and seed waves' design, paths as files record them) -> 1
+declarations (the study) -> 2 what a run dir holds -> 3 the plan (where runs start, whether they fit
 their GPU, specs and hashes, seeds planned for power) -> 4 runs launched, executed and read back,
 and the aggregate -> 5 what is made of them (report, plots, the advisor, the pipeline stages, W&B
-reports) and the driver of the fixed and adaptive loops -> 6 the command line."""
+reports) and the driver of the fixed design and the seed waves -> 6 the command line."""
 
 
 def test_the_manager_imports_only_downward():
@@ -87,7 +87,7 @@ def test_each_run_state_and_study_file_is_written_out_once():
     assert caught == [(1, "failed"), (2, "running"), (3, "stale")]
 
 
-@pytest.mark.parametrize("module", ["experiments.errors", "experiments.adaptive", "experiments.run_records",
+@pytest.mark.parametrize("module", ["experiments.errors", "experiments.sequential", "experiments.run_records",
                                     "experiments.plan", "experiments.driver", "experiments.advisor.command"])
 def test_each_module_imports_on_its_own(module):
     proc = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=REPO, capture_output=True, text=True)

@@ -178,7 +178,7 @@ def test_auto_picks_paired_for_a_fixed_design_and_the_aggregate_round_trips(writ
 
 
 def test_resolve_analysis_reads_the_design():
-    shared = {"baseline": [0, 1, 2, 3], "a": [0, 1, 2, 3], "b": [0, 1]}  # adaptive: b stopped early
+    shared = {"baseline": [0, 1, 2, 3], "a": [0, 1, 2, 3], "b": [0, 1]}  # seed waves: b stopped early
     # 'auto' pairs shared seeds only where a previous round measured a correlation that repays the
     # halved degrees of freedom at this round's seeds (b's 2 here: from about 0.6, Welch's test
     # having between 1 and 2 degrees of freedom itself).

@@ -26,7 +26,7 @@ from experiments.results import (
     VariantResult,
     load_aggregate,
 )
-from experiments.seed_plan import make_plan, plan_line, seed_plan, with_planned_max_seeds
+from experiments.seed_plan import make_plan, plan_line, seed_plan, with_planned_waves
 from experiments.study import load_study
 from tests.experiments.conftest import fake_run
 from tests.experiments.test_advise_recipe import synthetic_study
@@ -70,11 +70,15 @@ def test_planned_seeds_are_seeds_needed_at_the_pilots_spread(write_study, tmp_pa
     sigma = pilot_sigma()
     assert plan.sigma == pytest.approx(sigma, rel=1e-9) and plan.pilot == "pilot"
     assert (plan.pilot_seeds, plan.pilot_variants, plan.comparisons, plan.correlation) == (6, 2, 2, None)
-    expected = stats.seeds_needed(0.05, sigma, 0.05 / 2, 0.8)  # Bonferroni over the 2 variants, Welch
+    # Each arm by its own spread: the baseline continues the pilot's chosen arm (its baseline here),
+    # the variants are planned at the spread pooled over the pilot's arms.
+    chosen = float(np.std(PILOT["baseline"], ddof=1))
+    assert (plan.sd_baseline, plan.sd_variant) == (pytest.approx(chosen), pytest.approx(sigma))
+    expected = stats.seeds_needed(0.05, chosen, 0.05 / 2, 0.8, sd2=sigma)  # Bonferroni over 2 variants, Welch
     assert expected > 3 and plan.seeds == expected
-    assert plan.power_at_seeds_run == pytest.approx(stats.power(0.05, sigma, 3, 3, 0.025), rel=1e-9)
+    assert plan.power_at_seeds_run == pytest.approx(stats.power(0.05, chosen, 3, 3, 0.025, sd2=sigma), rel=1e-9)
     stricter = seed_plan(load_study(write_study(STUDY), [*TARGET, "study.power = 0.95"]), tmp_path / "results")
-    assert stricter.seeds == stats.seeds_needed(0.05, sigma, 0.025, 0.95) > plan.seeds
+    assert stricter.seeds == stats.seeds_needed(0.05, chosen, 0.025, 0.95, sd2=sigma) > plan.seeds
     # A pilot that recorded the correlation between paired seeds (comparison.paired.correlation)
     # plans the paired design, at its smallest correlation.
     paired = StudyAggregate.load(tmp_path / "results" / "pilot" / "aggregate.json")
@@ -152,7 +156,7 @@ def test_resume_from_is_the_default_pilot(write_study, tmp_path):
     ("study.power = '80%'", "study.power = '80%' is invalid"),
     ("study.pilot = 3", "study.pilot = 3 is invalid: must be a previous study's name"),
     ("study.pilot = 'round 1'", "study.pilot = 'round 1' is invalid: must be a previous study's name"),
-    ("study.adaptive_seeds = {'step': 1}", "needs 'max_seeds' (or study.target_effect"),
+    ("study.sequential = {'looks': 3}", "no 'max_seeds' and no study.target_effect"),
 ])
 def test_bad_values_are_one_line(write_study, capsys, tmp_path, binding, match):
     err = one_line_error(capsys, ["plan", str(write_study(STUDY)), "--results", str(tmp_path), "-b", binding])
@@ -168,30 +172,30 @@ def test_new_bindings_leave_every_run_unchanged(write_study, tmp_path):
     assert len({s["run_hash"] for s in plain}) == 9
 
 
-def test_adaptive_max_seeds_defaults_to_the_planned_seeds(write_study, tmp_path):
+def test_seed_waves_are_planned_from_the_pilot(write_study, tmp_path):
+    """Seed waves without 'max_seeds' take the last wave the planner finds (at least the fixed
+    design's N: waves pay a few seeds at most for stopping early), and `plan` prints the boundaries
+    and the runs it expects; an explicit 'max_seeds' wins; with nothing to plan from, one line."""
+    from experiments.seed_plan import plan_lines
     results = write_pilot(tmp_path / "results").parent
     path = write_study(STUDY)
-    study = load_study(path, [*TARGET, "study.adaptive_seeds = {'step': 2}"])
-    assert study.adaptive_seeds.max_seeds is None
+    study = load_study(path, [*TARGET, "study.sequential = {'looks': 3}"])
+    assert study.sequential.max_seeds is None and study.sequential.first == 3
     plan = seed_plan(study, results)
-    filled = with_planned_max_seeds(study, plan)
-    assert filled.adaptive_seeds.max_seeds == plan.seeds == plan.seeds_run == stats.seeds_needed(
-        0.05, pilot_sigma(), 0.025, 0.8)
-    assert filled.adaptive_seeds.step == 2 and filled.adaptive_seeds.min_seeds == 3
-    # An explicit max_seeds wins; the plan says it is short.
-    explicit = load_study(path, [*TARGET, "study.adaptive_seeds = {'max_seeds': 4}"])
+    filled = with_planned_waves(study, plan)
+    assert filled.sequential.max_seeds == plan.seeds_run == plan.sequential["waves"][-1] >= plan.seeds
+    assert plan.seeds == stats.seeds_needed(0.05, pilot_sigma(), 0.025, 0.8)
+    assert len(plan.sequential["boundaries"]) == len(plan.sequential["waves"]) <= 3
+    assert plan.sequential["runs_expected_null"] < plan.sequential["runs_fixed"] <= plan.sequential["runs_max"]
+    lines = plan_lines(filled, plan)
+    assert "in waves of " in lines[0] and lines[1].startswith("boundaries (obrien_fleming efficacy, pocock futility")
+    explicit = load_study(path, [*TARGET, "study.sequential = {'max_seeds': 4}"])
     short = seed_plan(explicit, results)
-    assert with_planned_max_seeds(explicit, short).adaptive_seeds.max_seeds == 4 and short.seeds_run == 4
-    from experiments.seed_plan import plan_lines
-    assert "set study.adaptive_seeds['max_seeds'] = " in plan_lines(explicit, short)[1]
-    # A plan of fewer seeds than the study starts with stops at min_seeds.
-    easy = load_study(path, ["study.target_effect = 1.0", "study.pilot = 'pilot'",
-                             "study.adaptive_seeds = {'step': 1}"])
-    assert with_planned_max_seeds(easy, seed_plan(easy, results)).adaptive_seeds.max_seeds == 3
-    # Nothing to plan from: one line asking for max_seeds.
-    bare = load_study(path, ["study.target_effect = 0.05", "study.adaptive_seeds = {'step': 1}"])
+    assert with_planned_waves(explicit, short).sequential.max_seeds == 4 and short.seeds_run == 4
+    assert short.power_at_seeds_run is not None and short.power_at_seeds_run < 0.8
+    bare = load_study(path, ["study.target_effect = 0.05", "study.sequential = {'looks': 2}"])
     with pytest.raises(StudyError, match=r"no 'max_seeds' and no seed plan gives one \(plan: no spread"):
-        with_planned_max_seeds(bare, seed_plan(bare, results))
+        with_planned_waves(bare, seed_plan(bare, results))
 
 
 def test_run_records_the_plan_in_plan_json_and_the_aggregate(write_study, tmp_path, capsys, monkeypatch):
