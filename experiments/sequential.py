@@ -403,6 +403,8 @@ class Simulated:
     look: np.ndarray
     """The look (0-based) each variant stopped at."""
     z: np.ndarray
+    t: np.ndarray
+    df: np.ndarray
     se: np.ndarray
     runs: np.ndarray
     """Runs per study: every variant's seeds and the baseline's (it runs while any variant does)."""
@@ -424,20 +426,21 @@ def simulate(d: Design, effects: Sequence[float], *, sd_baseline: float = 1.0, s
     var = np.asarray(effects, float)[None, :, None] + sd_variant * (rho * b + math.sqrt(max(1 - rho * rho, 0.0)) * e)
     verdict = np.full((studies, m), CONTINUE, dtype=object)
     look = np.full((studies, m), len(d.waves) - 1)
-    z_at = np.full((studies, m), math.nan)
-    se_at = np.full((studies, m), math.nan)
+    z_at, t_at, df_at, se_at = (np.full((studies, m), math.nan) for _ in range(4))
     active = np.ones((studies, m), bool)
     for k, n in enumerate(d.waves):
-        z, _, _, _, se = look_statistic(var[..., :n], base[..., :n], paired)
+        z, t, df, _, se = look_statistic(var[..., :n], base[..., :n], paired)
+        df = np.broadcast_to(df, z.shape)
         last = k == len(d.waves) - 1
         c, f = d.efficacy[k], d.futility[k]
         decided = np.where(z >= c, BETTER, np.where(z <= -c, WORSE,
                            np.where((z < f) | last | ~np.isfinite(z) & last, FUTILE, CONTINUE)))
         stop = active & (decided != CONTINUE)
         verdict[stop], look[stop], z_at[stop], se_at[stop] = decided[stop], k, z[stop], se[stop]
+        t_at[stop], df_at[stop] = t[stop], df[stop]
         active &= ~stop
     seeds = np.asarray(d.waves)[look]
-    return Simulated(verdict=verdict.astype(str), look=look, z=z_at, se=se_at,
+    return Simulated(verdict=verdict.astype(str), look=look, z=z_at, t=t_at, df=df_at, se=se_at,
                      runs=seeds.sum(1) + seeds.max(1))
 
 

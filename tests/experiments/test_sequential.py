@@ -141,9 +141,7 @@ def test_the_stagewise_interval_covers_at_its_level(effect):
     d = design((3, 6, 9), ALPHA, "obrien_fleming", "pocock")
     out = simulate(d, [effect], studies=STUDIES, rng=np.random.default_rng(6))
     lo, hi = interval_table(d)(out.z[:, 0], out.look[:, 0])
-    n = np.asarray(d.waves)[out.look[:, 0]]
-    t = sps.t.ppf(sps.norm.cdf(out.z[:, 0]), n - 1)
-    low, high = (to_difference(out.z[:, 0], m, t, n - 1, out.se[:, 0]) for m in (lo, hi))
+    low, high = (to_difference(out.z[:, 0], m, out.t[:, 0], out.df[:, 0], out.se[:, 0]) for m in (lo, hi))
     assert 0.94 <= np.mean((low <= effect) & (effect <= high)) <= 0.96
 
 
