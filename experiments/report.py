@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from experiments.aggregate import aggregate, fragile_text
+from experiments.aggregate import aggregate
 from experiments.collect import collect, load_plan, load_seed_plan
 from experiments.paths import portable
 from experiments.plan import RunSpec, git_commit
@@ -96,8 +96,6 @@ def _verdict_text(v: VariantResult, margin: float = 0.0) -> str:
         p = v.comparison.equivalence_p_holm
         text = f"equivalent within ±{margin:g}" + (f" (p = {p:.3g})" if p is not None else "")
     text += " (underpowered)" if v.underpowered else ""
-    if v.fragile:
-        text += " (fragile)"
     if not v.guardrails_ok:
         text += " ⚠ guardrail"
     return text
@@ -142,10 +140,6 @@ def render(agg: StudyAggregate) -> str:
                   ""]
     if d.guardrail_violations:
         lines += [f"**Guardrail violations:** {', '.join(d.guardrail_violations)}.", ""]
-    fragile = agg.fragile_variants
-    if fragile:
-        lines += [f"**Fragile verdicts:** {', '.join(fragile)}: one seed carries the verdict (see the "
-                  f"explanations, which say how many seeds settle it).", ""]
     if agg.lineages:
         shared = "; ".join(f"seeds {', '.join(map(str, seeds))} start from `{start}`"
                            for start, seeds in agg.lineages.items() if len(seeds) > 1)
@@ -220,14 +214,12 @@ def beside_text(variant, metric: str) -> str:
 
 
 def explanations(agg: StudyAggregate) -> List[str]:
-    """One line per verdict: why, and with each seed left out when the verdict is fragile."""
+    """One line per verdict: why."""
     lines = []
     for name, v in agg.variants.items():
         if v.explanation:
             said = v.explanation.startswith(v.verdict)  # "equivalent within ±0.02 (...)" names itself
             line = f"- `{name}`: {v.explanation}" if said else f"- `{name}`: {v.verdict}: {v.explanation}"
-            if v.fragile and v.robustness is not None:
-                line += f"; fragile: {fragile_text(v.robustness)}"
             lines.append(line + ".")
     return lines
 
@@ -389,8 +381,6 @@ def _flags(v: VariantResult) -> str:
     text = v.verdict
     if v.underpowered:
         text += " (underpowered)"
-    if v.fragile:
-        text += " (fragile)"
     return text
 
 

@@ -265,7 +265,7 @@ def holm(pvalues: Sequence[float]) -> List[float]:
     still costs the others its share of alpha, and its own adjusted p is NaN. The values of
     statsmodels' `multipletests(method='holm')` (tests/experiments/test_stats.py checks them), whose
     Holm branch runs a full garbage collection per call: 0.25 s in a process holding torch, and the
-    leave-one-seed-out check and the Monte Carlo benchmark call this thousands of times."""
+    Monte Carlo benchmark calls this thousands of times."""
     p = np.asarray(pvalues, float)
     finite = np.isfinite(p)
     order = np.argsort(np.where(finite, p, 1.0), kind="stable")
