@@ -17,11 +17,11 @@ order and sampling streams); `study.analysis` names the one that decides (`study
   seeds completed on both); `failed`: no run completed; `undecidable`: runs completed but none
   logged the decision metric.
 Minimum detectable effects and seeds needed are at alpha over the variants compared
-(`per_test_alpha`: Holm's first step, the seed plan's level). A test whose seeds do not spread at
-the metric's resolution (`study.metric_resolution`, `stats.is_flat`) is undefined: `insufficient
-data`, and it stays in Holm's family. Seeds that share a start checkpoint are tested as one unit,
-their mean (`lineage_units`).
-A guardrail is violated by a run whose final-window value is outside its bounds (or missing);
+(`stats.per_test_alpha`: Holm's first step, the seed plan's level, at which 'auto' also compares
+the two designs). A test whose seeds do not spread at the metric's resolution
+(`study.metric_resolution`, `stats.is_flat`) is undefined: `insufficient data`, and it stays in
+Holm's family. Seeds that share a start checkpoint are tested as one unit, their mean
+(`lineage_units`). A guardrail is violated by a run whose final-window value is outside its bounds (or missing);
 a variant with any violation, or any failed run, is never chosen.
 """
 
@@ -89,13 +89,6 @@ class Verdict:
         return self.comparison.decisive
 
 
-def per_test_alpha(alpha: float, compared: int) -> float:
-    """The level a single comparison's power is promised at: alpha over the variants compared.
-    Holm's first step tests at exactly this level (the seed plan plans at it), so a minimum
-    detectable effect at it holds whichever variant Holm tests first."""
-    return alpha / max(1, compared)
-
-
 def _verdict(cmp: Comparison, n: int, n_base: int, higher: bool, alpha: float, margin: float) -> Verdict:
     """The verdict of one comparison, read from its deciding analysis."""
     own = cmp.decisive
@@ -150,11 +143,11 @@ def verdicts(values: Mapping[str, Values], higher: bool, alpha: float, analysis:
     `values['baseline']`; `analysis` ('welch' | 'paired') decides, its p-values (and TOST
     p-values, with a `margin` > 0) Holm-corrected across every compared variant (one whose test is
     undefined stays in the family); minimum detectable effects and seeds needed are at
-    `per_test_alpha`. Pure."""
+    `stats.per_test_alpha`. Pure."""
     by_seed = {n: _by_seed(v) for n, v in values.items()}
     names = [n for n in by_seed if n != BASELINE]
     base = by_seed.get(BASELINE, {})
-    level = per_test_alpha(alpha, len(names))
+    level = stats.per_test_alpha(alpha, len(names))
     comparisons = {}
     for n in names:
         welch = stats.compare(list(by_seed[n].values()), list(base.values()), higher, level, margin, resolution)

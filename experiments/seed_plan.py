@@ -74,7 +74,7 @@ def make_plan(pilot: Optional[StudyAggregate], *, target_effect: float, power: f
     measured a correlation at which the paired design needs fewer seeds (`resolve_analysis` then
     chooses it at the planned seeds), Welch's otherwise. Pure: the same numbers give the same plan."""
     comparisons = max(variants, 1)
-    per_test = alpha / comparisons
+    per_test = stats.per_test_alpha(alpha, comparisons)
     sigma, n, k, r = pilot_spread(pilot) if pilot is not None else (None, 0, 0, None)
     if sigma is not None and analysis != WELCH:
         def needed(**design):
@@ -132,8 +132,8 @@ def seed_plan(study: Study, results_dir: str | Path) -> Optional[SeedPlan]:
     if study.adaptive_seeds is not None and study.adaptive_seeds.max_seeds is None and plan.seeds is not None:
         planned = max(plan.seeds, study.adaptive_seeds.min_seeds)  # adaptive seeds stop at the plan
         assert plan.sigma is not None  # make_plan sets seeds only beside sigma
-        at_run = stats.power(plan.target_effect, plan.sigma, planned, planned, plan.alpha / plan.comparisons,
-                             paired=plan.correlation is not None,
+        at_run = stats.power(plan.target_effect, plan.sigma, planned, planned,
+                             stats.per_test_alpha(plan.alpha, plan.comparisons), paired=plan.correlation is not None,
                              correlation=stats.design_correlation(plan.correlation))
         plan = dataclasses.replace(plan, seeds_run=planned,
                                    power_at_seeds_run=at_run if math.isfinite(at_run) else None)

@@ -176,6 +176,22 @@ def test_resolve_analysis_reads_the_design():
     assert resolve_analysis("welch", shared) == WELCH and resolve_analysis("paired", {"baseline": [0]}) == PAIRED
 
 
+def test_auto_weighs_pairing_at_the_per_test_level(write_study):
+    """'auto' compares the designs at alpha over the variants compared: the level the verdicts'
+    minimum detectable effects and the seed plan use, not alpha itself."""
+    three = {"baseline": [0, 1, 2], "a": [0, 1, 2], "b": [0, 1, 2], "c": [0, 1, 2]}
+    # At 3 seeds a correlation of 0.5 repays pairing at alpha 0.05 (one variant), not at 0.05 / 3.
+    assert stats.paired_is_more_sensitive(3, 0.5, 0.05) and not stats.paired_is_more_sensitive(3, 0.5, 0.05 / 3)
+    assert resolve_analysis("auto", {"baseline": [0, 1, 2], "a": [0, 1, 2]}, pilot_correlation=0.5) == PAIRED
+    assert resolve_analysis("auto", three, pilot_correlation=0.5) == WELCH
+    assert resolve_analysis("auto", three, pilot_correlation=0.7) == PAIRED
+    # The study's two variants of 5 seeds: 0.27 repays pairing at 0.05, not at 0.05 / 2.
+    assert stats.paired_is_more_sensitive(5, 0.27, 0.05) and not stats.paired_is_more_sensitive(5, 0.27, 0.025)
+    agg = aggregate(load_study(write_study(STUDY)), results({"baseline": BASE, "near": NEAR, "gain": GAIN}),
+                    pilot_correlation=0.27)
+    assert agg.analysis == WELCH
+
+
 def test_report_shows_the_analysis_both_analyses_and_the_margin(write_study):
     agg = aggregate(load_study(write_study(STUDY)), results({"baseline": BASE, "near": NEAR, "gain": GAIN}),
                     pilot_correlation=0.9)
