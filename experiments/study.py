@@ -60,7 +60,9 @@ class Guardrail:
     max: float | None = None
 
     def violated_by(self, value: float | None) -> bool:
-        if value is None or value != value:  # missing or NaN counts as a violation
+        """Whether a run's value breaks the bounds: outside [min, max], or missing or not a finite
+        number (NaN, +-inf: a KL of -inf is a broken run, not one within `max`)."""
+        if value is None or not math.isfinite(value):
             return True
         return (self.min is not None and value < self.min) or (self.max is not None and value > self.max)
 
