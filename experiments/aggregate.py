@@ -28,6 +28,7 @@ a variant with any violation, or any failed run, is never chosen.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union, cast
 
 import numpy as np
@@ -58,7 +59,7 @@ from experiments.results import (
     VariantResult,
 )
 from experiments.resume_from import shared_starts
-from experiments.run_records import GOLD_METRIC
+from experiments.run_records import GOLD_METRIC, scalar
 from experiments.study import Study, resolve_analysis
 
 __all__ = ["BETTER", "WORSE", "EQUIVALENT", "NO_DIFFERENCE", "INSUFFICIENT", "VARIANT_FAILED", "UNDECIDABLE",
@@ -205,14 +206,17 @@ gold accuracy and the reward model's score, so over-optimisation of a reward mod
 
 
 def _beside(study: Study, runs: Sequence[RunOutcome]) -> Dict[str, Summary]:
+    """{metric: Summary} of each BESIDE_METRICS metric a completed run logged, over the completed
+    runs' finite values: a NaN or inf is no value, as a missing one is (a summary's n below the
+    variant's completed runs says how many had none)."""
     out = {}
     for metric in BESIDE_METRICS:
         if metric == study.metric:
             continue
-        values = [r.final[metric] for r in runs
-                  if r.status == RunStatus.COMPLETED and r.final and r.final.get(metric) is not None]
-        if values:
-            out[metric] = _summary(values)
+        logged = [v for v in (scalar((r.final or {}).get(metric)) for r in runs if r.status == RunStatus.COMPLETED)
+                  if v is not None]
+        if logged:
+            out[metric] = _summary([v for v in logged if math.isfinite(v)])
     return out
 
 

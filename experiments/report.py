@@ -8,6 +8,7 @@ aggregate.json alone.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -209,8 +210,23 @@ def beside_metrics(agg: StudyAggregate) -> List[str]:
 
 
 def beside_text(variant, metric: str) -> str:
+    """'2.05 +- 0.13' over the seeds with a finite value, then '(1 of 4 missing)' when some completed
+    seed has none (not logged, NaN or inf); '–' for no value."""
     s = variant.beside.get(metric)
-    return f"{_fmt(s.mean)} +- {_fmt(s.std)}" if s and s.mean is not None else "–"
+    if s is None:
+        return "–"
+    text = f"{_fmt(s.mean)} +- {_fmt(s.std)}" if s.mean is not None else "–"
+    return text + _missing(variant.completed - s.n, variant.completed)
+
+
+def _missing(missing: int, of: int) -> str:
+    return f" ({missing} of {of} missing)" if missing > 0 else ""
+
+
+def _finite_mean(values: Sequence[float]) -> str:
+    """'0.5000' over the finite values, then '(1 of 4 missing)' when some are NaN or inf; '–' for none."""
+    finite = [x for x in values if math.isfinite(x)]
+    return (f"{sum(finite) / len(finite):.4f}" if finite else "–") + _missing(len(values) - len(finite), len(values))
 
 
 def explanations(agg: StudyAggregate) -> List[str]:
@@ -486,7 +502,8 @@ def _deploy_lines(rounds, results_dir: Path, setting: Dict[str, object], start_v
     if start_values:
         start = [(last.metric, start_values), *((m, v) for m, v in start_beside.items() if v)]
         lines.append("At the warm start (each first-round baseline seed's evaluation before training): "
-                     + "; ".join(f"{m} = {sum(v) / len(v):.4f}" for m, v in start) + ".")
+                     + "; ".join(f"{m} = {_finite_mean(v)}" for m, v in start) + ".")
+    start_values = [x for x in start_values if math.isfinite(x)]
     diff, (lo, hi), sd = _gain(chosen.values, start_values)
     if diff is not None:
         in_sd = f", {diff / sd:+.2g} seed-sd" if sd else ""

@@ -236,7 +236,8 @@ class VariantResult:
     explanation: str = ""
     beside: Dict[str, Summary] = dataclasses.field(default_factory=dict)
     """Final held-out metrics reported beside the decision metric (gold accuracy and the reward
-    model's score, `aggregate.BESIDE_METRICS`), over the completed seeds that logged them."""
+    model's score, `aggregate.BESIDE_METRICS`), over the completed seeds that logged a finite
+    value (`completed` - n of them had none: missing, NaN or inf)."""
 
     @property
     def values(self) -> List[float]:
