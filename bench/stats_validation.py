@@ -440,42 +440,6 @@ def coverage(rng, studies: int) -> list:
     return rows
 
 
-# ---------------------------------------------------------------- (g) the fragile flag
-FRAGILE_VARIANTS = 3
-"""Variants per simulated study in (g): the demo's round 2."""
-
-
-def fragile_rates(rng, studies: int) -> list:
-    """(g) How often `aggregate.leave_one_seed_out` flags a verdict: a true effect of the planned
-    size (the minimum detectable effect at alpha / variants, one variant of FRAGILE_VARIANTS, the
-    others null) among its `better` verdicts, against the false positives of null studies (every
-    variant null; screened by the vectorised Welch p before the full verdicts, which only a raw
-    p below alpha / variants can reach). A flag that separates is rarer on the true effects."""
-    from experiments.aggregate import leave_one_seed_out
-    out = []
-    for n in (3, 5):
-        effect = stats.min_detectable_effect(1.0, n, n, ALPHA / FRAGILE_VARIANTS)
-        row = {"seeds": n, "variants": FRAGILE_VARIANTS, "effect_sd": effect}
-        for name, size, count in (("true_effect", effect, max(studies // 50, 100)), ("null", 0.0, studies)):
-            base = rng.normal(0.0, 1.0, (count, n))
-            arms = rng.normal(0.0, 1.0, (count, FRAGILE_VARIANTS, n))
-            arms[:, 0] += size
-            raw = stats.welch_p(arms[:, 0], base)
-            candidates = np.flatnonzero(raw < ALPHA / FRAGILE_VARIANTS) if size == 0 else np.arange(count)
-            decided = flagged = 0
-            for i in candidates:
-                values = {"baseline": dict(enumerate(base[i])),
-                          **{f"v{j}": dict(enumerate(arms[i, j])) for j in range(FRAGILE_VARIANTS)}}
-                if verdicts(values, True, ALPHA)["v0"].verdict != BETTER:
-                    continue
-                decided += 1
-                flagged += bool(leave_one_seed_out(values, True, ALPHA)["v0"].fragile)
-            row[name] = {"studies": int(count), "better": decided, "fragile": flagged,
-                         "fragile_rate": flagged / decided if decided else None}
-        out.append(row)
-    return out
-
-
 # ---------------------------------------------------------------- (f) the demo
 def demo_pairs(results_dir: Path) -> dict:
     """Pearson's correlation of baseline and variant values over shared seeds in the demo's rounds."""
@@ -653,19 +617,6 @@ def main(argv=None) -> int:
                   _pm(r["old_percentile_bootstrap"]) if "old_percentile_bootstrap" in r else "",
                   ("ok" if r["ok"] else "OFF") if r["checked"] else "not checked"] for r in cov], text_columns=2))
 
-    frag = fragile_rates(rng, studies)
-    lap("fragile")
-    print(f"\n(g) the fragile flag (leave_one_seed_out) on `better` verdicts, {FRAGILE_VARIANTS} variants, "
-          f"Holm: a true effect at the planned size (MDE at alpha / {FRAGILE_VARIANTS}) against null studies' "
-          f"false positives")
-
-    def share(x):
-        return f"{x['fragile']}/{x['better']} = {x['fragile_rate']:.2f}" if x["better"] else "none decided"
-    for r in frag:
-        t, f0 = r["true_effect"], r["null"]
-        print(f"  n {r['seeds']:>2}: true effect {r['effect_sd']:.2f} sd: flagged {share(t)} ({t['studies']} studies); "
-              f"null: flagged {share(f0)} false positives ({f0['studies']} studies)")
-
     demo = demo_measurement(Path(args.demo_results), Path(args.json))
     designs = demo_designs(rng, studies, demo) if demo is not None else None
     lap("demo")
@@ -705,7 +656,7 @@ def main(argv=None) -> int:
                             "planned Welch's design before the power was Welch's own; shown for comparison only",
            "false_positives": fp, "verdict_agreement": agreement, "tost_at_margin": tost,
            "power_at_the_mde": mde_rows, "power_at_planned_n": plan_rows, "coverage": cov,
-           "fragile": frag, "demo": demo, "demo_designs": designs, "checks": checks, "seconds": round(elapsed, 1),
+           "demo": demo, "demo_designs": designs, "checks": checks, "seconds": round(elapsed, 1),
            "seconds_per_section": seconds}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

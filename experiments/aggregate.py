@@ -17,12 +17,11 @@ order and sampling streams); `study.analysis` names the one that decides (`study
   seeds completed on both); `failed`: no run completed; `undecidable`: runs completed but none
   logged the decision metric.
 Minimum detectable effects and seeds needed are at alpha over the variants compared
-(`per_test_alpha`: Holm's first step, the seed plan's level). A test whose seeds do not spread at
-the metric's resolution (`study.metric_resolution`, `stats.is_flat`) is undefined: `insufficient
-data`, and it stays in Holm's family. Seeds that share a start checkpoint are tested as one unit,
-their mean (`lineage_units`). Each verdict is checked for a seed that carries it
-(`leave_one_seed_out`): the report marks such a verdict fragile and says how many seeds settle it.
-A guardrail is violated by a run whose final-window value is outside its bounds (or missing);
+(`stats.per_test_alpha`: Holm's first step, the seed plan's level, at which 'auto' also compares
+the two designs). A test whose seeds do not spread at the metric's resolution
+(`study.metric_resolution`, `stats.is_flat`) is undefined: `insufficient data`, and it stays in
+Holm's family. Seeds that share a start checkpoint are tested as one unit, their mean
+(`lineage_units`). A guardrail is violated by a run whose final-window value is outside its bounds (or missing);
 a variant with any violation, or any failed run, is never chosen.
 """
 
@@ -33,14 +32,12 @@ import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
-from scipy import special
 
 from experiments import sequential, stats
 from experiments.paths import portable
 from experiments.results import (
     BASELINE,
     BETTER,
-    DECIDED,
     EQUIVALENT,
     INSUFFICIENT,
     NO_DIFFERENCE,
@@ -55,7 +52,6 @@ from experiments.results import (
     Decision,
     GuardrailCheck,
     PairedComparison,
-    Robustness,
     RunOutcome,
     RunStatus,
     SequentialRecord,
@@ -64,12 +60,12 @@ from experiments.results import (
     VariantResult,
 )
 from experiments.resume_from import shared_starts
-from experiments.run_records import GOLD_METRIC
+from experiments.run_records import GOLD_METRIC, scalar
 from experiments.seed_plan import study_design
 from experiments.study import Study, resolve_analysis
 
 __all__ = ["BETTER", "WORSE", "EQUIVALENT", "NO_DIFFERENCE", "INSUFFICIENT", "VARIANT_FAILED", "UNDECIDABLE",
-           "aggregate", "decide", "verdicts", "leave_one_seed_out"]
+           "aggregate", "decide", "verdicts"]
 
 ANALYSIS_NAMES = {WELCH: "Welch", PAIRED: "paired t"}
 
@@ -94,13 +90,6 @@ class Verdict:
     @property
     def decisive(self):
         return self.comparison.decisive
-
-
-def per_test_alpha(alpha: float, compared: int) -> float:
-    """The level a single comparison's power is promised at: alpha over the variants compared.
-    Holm's first step tests at exactly this level (the seed plan plans at it), so a minimum
-    detectable effect at it holds whichever variant Holm tests first."""
-    return alpha / max(1, compared)
 
 
 def _verdict(cmp: Comparison, n: int, n_base: int, higher: bool, alpha: float, margin: float) -> Verdict:
@@ -157,11 +146,11 @@ def verdicts(values: Mapping[str, Values], higher: bool, alpha: float, analysis:
     `values['baseline']`; `analysis` ('welch' | 'paired') decides, its p-values (and TOST
     p-values, with a `margin` > 0) Holm-corrected across every compared variant (one whose test is
     undefined stays in the family); minimum detectable effects and seeds needed are at
-    `per_test_alpha`. Pure."""
+    `stats.per_test_alpha`. Pure."""
     by_seed = {n: _by_seed(v) for n, v in values.items()}
     names = [n for n in by_seed if n != BASELINE]
     base = by_seed.get(BASELINE, {})
-    level = per_test_alpha(alpha, len(names))
+    level = stats.per_test_alpha(alpha, len(names))
     comparisons = {}
     for n in names:
         welch = stats.compare(list(by_seed[n].values()), list(base.values()), higher, level, margin, resolution)
@@ -177,113 +166,6 @@ def verdicts(values: Mapping[str, Values], higher: bool, alpha: float, analysis:
         cmp = dataclasses.replace(comparisons[n], p_value_holm=p, equivalence_p_holm=tost)
         out[n] = _verdict(cmp, len(by_seed[n]), len(base), higher, alpha, margin)
     return out
-
-
-def _difference(analysis: str, variant: Mapping[int, float], baseline: Mapping[int, float],
-                n: Optional[tuple] = None) -> tuple:
-    """(difference, standard error, degrees of freedom) of the deciding test: Welch's (groups) or
-    the paired t (the seeds both sides ran); NaNs when undefined. `n`: the sample sizes the
-    standard error divides by, when not the values' own (`leave_one_seed_out`)."""
-    if analysis == PAIRED:
-        seeds = sorted(set(variant) & set(baseline))
-        d = np.array([variant[s] - baseline[s] for s in seeds], float)
-        if len(d) < 2:
-            return float(d.mean()) if len(d) else math.nan, math.nan, math.nan
-        size = n[0] if n else len(d)
-        return float(d.mean()), float(np.std(d, ddof=1) / math.sqrt(size)), len(d) - 1
-    x, y = np.array(list(variant.values()), float), np.array(list(baseline.values()), float)
-    if len(x) < 1 or len(y) < 1:
-        return math.nan, math.nan, math.nan
-    if len(x) < 2 or len(y) < 2:
-        return float(x.mean() - y.mean()), math.nan, math.nan
-    n1, n2 = n if n else (len(x), len(y))
-    v1, v2 = np.var(x, ddof=1) / n1, np.var(y, ddof=1) / n2
-    df = (v1 + v2) ** 2 / (v1 ** 2 / (len(x) - 1) + v2 ** 2 / (len(y) - 1)) if v1 + v2 > 0 else math.nan
-    return float(x.mean() - y.mean()), float(math.sqrt(v1 + v2)), df
-
-
-def _threshold(p_raw: Optional[float], p_holm: Optional[float], alpha: float, fallback: float) -> float:
-    """The raw p-value this variant needed for its Holm-corrected p to reach alpha: alpha over its
-    Holm multiplier (p_holm / p_raw), or `fallback` (alpha over the variants) when undefined."""
-    if p_raw and p_holm and p_raw > 0 and p_holm < 1:
-        return alpha * p_raw / p_holm
-    return fallback
-
-
-def leave_one_seed_out(values_by_seed: Mapping[str, Mapping[int, float]], higher: bool,
-                       alpha: float, analysis: str = WELCH, margin: float = 0.0,
-                       resolution: float = 0.0) -> Dict[str, Robustness]:
-    """Per variant, whether one seed carries its verdict. Leaving a seed out of a handful and
-    testing again mostly measures the test's lost degrees of freedom: at 3 seeds a true `better`
-    almost never survives it, so such a flag is always on and says nothing. Instead, with each seed
-    left out (of both arms), the deciding test's statistic is recomputed from the remaining seeds'
-    difference and spread but at the full sample size and the full data's threshold (the critical
-    t at the p-value this variant's Holm step needs): what changes is only what that seed
-    contributed. A better/worse statistic that falls below the threshold (or changes sign), an
-    equivalent one that leaves the bound, or an undetected one that rises above it, hangs on that
-    seed. With it, the seeds per variant that detect, at 80% power, the difference remaining
-    without the seed (what settles the question). bench/stats_validation.py measures how often a
-    true effect of the planned size is flagged, and how often a false positive is. Pure."""
-    judged = verdicts(values_by_seed, higher, alpha, analysis, margin, resolution)
-    base = _by_seed(values_by_seed.get(BASELINE, {}))
-    level = per_test_alpha(alpha, len(judged))
-    out = {}
-    for name, v in judged.items():
-        if v.verdict not in (*DECIDED, NO_DIFFERENCE):
-            continue
-        variant = _by_seed(values_by_seed[name])
-        diff, se, df = _difference(analysis, variant, base)
-        if not (np.isfinite(se) and se > 0 and np.isfinite(df)):
-            continue
-        own, cmp = v.decisive, v.comparison
-        full_n = (cast(PairedComparison, own).n_pairs,) if analysis == PAIRED else (len(variant), len(base))
-        without, t_without, se_without = {}, {}, {}
-        for s in sorted(set(variant) | set(base)):
-            d, se_s, _ = _difference(analysis, {k: x for k, x in variant.items() if k != s},
-                                     {k: x for k, x in base.items() if k != s}, full_n)
-            without[s] = d
-            se_s = se_s if np.isfinite(se_s) and se_s > 0 else se  # one seed left: its spread is the data's
-            t_without[s], se_without[s] = (d / se_s if np.isfinite(d) else math.nan), se_s
-        if v.verdict == EQUIVALENT:
-            critical = stats_t_quantile(df, 1 - _threshold(own.equivalence_p, cmp.equivalence_p_holm, alpha, level))
-            bad = [s for s, d in without.items() if not np.isfinite(d) or (margin - abs(d)) / se_without[s] < critical]
-        else:
-            critical = stats_t_quantile(df, 1 - _threshold(own.p_value, cmp.p_value_holm, alpha, level) / 2)
-            if v.verdict in (BETTER, WORSE):
-                bad = [s for s, t in t_without.items() if not np.isfinite(t) or t * diff <= 0 or abs(t) < critical]
-            else:  # undetected: one seed hides a difference, or (with a margin) an equivalence
-                eq = (stats_t_quantile(df, 1 - _threshold(own.equivalence_p, cmp.equivalence_p_holm, alpha, level))
-                      if margin > 0 else math.inf)
-                bad = [s for s, t in t_without.items() if np.isfinite(t)
-                       and (abs(t) >= critical or (margin - abs(without[s])) / se_without[s] >= eq)]
-        settle = None
-        if bad and v.verdict in (BETTER, WORSE):
-            remaining = min((abs(without[s]) for s in bad if without[s] * diff > 0), default=0.0)
-            settle = _seeds_for(remaining, own, cmp, analysis, level) if remaining > 0 else None
-        elif bad and v.verdict == NO_DIFFERENCE:
-            settle = own.seeds_needed
-        out[name] = Robustness(leave_one_out={str(s): _finite(d) for s, d in without.items()},
-                               leave_one_out_t={str(s): _finite(t) for s, t in t_without.items()},
-                               threshold=_finite(critical), fragile=bool(bad), fragile_seeds=tuple(bad),
-                               settle_seeds=settle)
-    return out
-
-
-def _finite(x) -> Optional[float]:
-    return float(x) if x is not None and np.isfinite(x) else None
-
-
-def stats_t_quantile(df: float, q: float) -> float:
-    """The t distribution's q-quantile at (possibly fractional) df."""
-    return float(special.stdtrit(df, q))
-
-
-def _seeds_for(effect: float, own, cmp: Comparison, analysis: str, level: float) -> Optional[int]:
-    """Seeds per variant the deciding test needs to detect `effect` at `level` with 80% power, at
-    the spread this comparison measured."""
-    if analysis == PAIRED:
-        return stats.seeds_needed(effect, math.nan, level, paired=True, sd_difference=own.sd_difference)
-    return stats.seeds_needed(effect, cmp.pooled_std if cmp.pooled_std is not None else math.nan, level)
 
 
 def lineage_units(by_seed: Mapping[str, Mapping[int, float]], starts: Mapping[int, str]) -> tuple:
@@ -326,14 +208,17 @@ gold accuracy and the reward model's score, so over-optimisation of a reward mod
 
 
 def _beside(study: Study, runs: Sequence[RunOutcome]) -> Dict[str, Summary]:
+    """{metric: Summary} of each BESIDE_METRICS metric a completed run logged, over the completed
+    runs' finite values: a NaN or inf is no value, as a missing one is (a summary's n below the
+    variant's completed runs says how many had none)."""
     out = {}
     for metric in BESIDE_METRICS:
         if metric == study.metric:
             continue
-        values = [r.final[metric] for r in runs
-                  if r.status == RunStatus.COMPLETED and r.final and r.final.get(metric) is not None]
-        if values:
-            out[metric] = _summary(values)
+        logged = [v for v in (scalar((r.final or {}).get(metric)) for r in runs if r.status == RunStatus.COMPLETED)
+                  if v is not None]
+        if logged:
+            out[metric] = _summary([v for v in logged if math.isfinite(v)])
     return out
 
 
@@ -415,19 +300,19 @@ def aggregate(study: Study, results: Sequence[RunOutcome], provenance: Optional[
                for name, runs in by_variant.items()}
     values = {name: list(v.values()) for name, v in by_seed.items()}
     # The design (every planned run, whatever its outcome) picks the analysis, not the values.
-    analysis = resolve_analysis(study.analysis, {name: [r.seed for r in runs] for name, runs in by_variant.items()},
-                                pilot_correlation, study.alpha)
+    design = study_design(study, seed_plan)
+    planned = ({v.name: sequential.extra_seeds(study.seeds, design.waves[-1]) for v in study.all_variants}
+               if design is not None else {name: [r.seed for r in runs] for name, runs in by_variant.items()})
+    analysis = resolve_analysis(study.analysis, planned, pilot_correlation, study.alpha)  # seed waves: the design's
     margin, step = study.equivalence_margin, study.metric_resolution
     units, lineages = lineage_units(by_seed, starts or {})
     judged = verdicts(units, higher, study.alpha, analysis, margin, step)
-    design = study_design(study, seed_plan)
     record = None
     if design is not None:
         waves = replay_waves(study, design, results, analysis, starts)
         judged = {name: _sequential_verdict(v, waves.stopped[name], design, len(judged)) if name in waves.stopped
                   else v for name, v in judged.items()}
         record = sequential_record(design, waves, len(results), len(study.variants), seed_plan)
-    robust = leave_one_seed_out(units, higher, study.alpha, analysis, margin, step)
     declared = {v.name: v for v in study.all_variants}
     metric = f"{study.metric_from} {study.metric}"
     base_completed = sum(r.status == RunStatus.COMPLETED for r in by_variant.get(BASELINE, []))
@@ -457,9 +342,7 @@ def aggregate(study: Study, results: Sequence[RunOutcome], provenance: Optional[
             why += f" (over {len(units[name])} lineage means: seeds sharing a start checkpoint count as one)"
         variants[name] = VariantResult(**fields, comparison=judge.comparison,
                                        verdict=verdict,
-                                       underpowered=underpowered, explanation=why,
-                                       robustness=(robust.get(name) if verdict not in (VARIANT_FAILED, UNDECIDABLE)
-                                                   else None))
+                                       underpowered=underpowered, explanation=why)
     return StudyAggregate(
         study=study.name, study_file=portable(study.path), description=study.description, metric=study.metric,
         metric_from=study.metric_from, direction=study.direction, alpha=study.alpha, seeds=tuple(study.seeds),
@@ -498,29 +381,9 @@ def decide(variants: Dict[str, VariantResult], higher: bool, metric: str = "the 
     if candidates:
         sign = 1 if higher else -1
         chosen = max(candidates, key=lambda n: sign * cast(float, variants[n].summary.mean))  # a better one has values
-        reason = f"{chosen} is better than the baseline ({variants[chosen].explanation})"
-        if variants[chosen].fragile:
-            reason += f"; fragile: {fragile_text(cast(Robustness, variants[chosen].robustness))}"
-        return Decision(chosen, reason, flagged)
+        return Decision(chosen, f"{chosen} is better than the baseline ({variants[chosen].explanation})", flagged)
     return Decision(BASELINE, "no variant is detectably better with its guardrails holding; keep the baseline",
                     flagged)
-
-
-def fragile_text(robust: Robustness) -> str:
-    """'seed 2 carries it (without it the difference is +0.012, below the 0.031 the test needs);
-    9 seeds per variant would settle it'."""
-    seeds = ", ".join(map(str, robust.fragile_seeds))
-    worst = [robust.leave_one_out.get(str(s)) for s in robust.fragile_seeds]
-    shown = ", ".join("undefined" if d is None else f"{d:+.4g}" for d in worst)
-    ts = ", ".join("–" if robust.leave_one_out_t.get(str(s)) is None else f"{robust.leave_one_out_t[str(s)]:+.3g}"
-                   for s in robust.fragile_seeds)
-    several = len(worst) > 1
-    text = (f"seed{'s' if several else ''} {seeds} carr{'y' if several else 'ies'} it (without "
-            f"{'each' if several else 'it'} the difference is {shown}, t = {ts}, against the test's "
-            f"{robust.threshold:.3g})" if robust.threshold is not None else f"seeds {seeds} carry it")
-    if robust.settle_seeds is not None:
-        text += f"; {robust.settle_seeds} seeds per variant would settle it"
-    return text
 
 
 def _relative(run_dir: str, study_name: str) -> str:

@@ -161,7 +161,7 @@ def cmd_report(args: Namespace, console: Console) -> int:
     for name, v in agg.variants.items():
         mean = f"{v.summary.mean:.4g}" if v.summary.mean is not None else "–"
         console.print(f"  {name}: n={v.summary.n} mean={mean} -> {v.verdict}"
-                      f"{' (underpowered)' if v.underpowered else ''}{' (fragile)' if v.fragile else ''}"
+                      f"{' (underpowered)' if v.underpowered else ''}"
                       f"{'' if v.guardrails_ok else ' [guardrail violated]'}", highlight=False)
     console.print(f"{decision_line(agg)}; report: {study_dir(study, args.results) / REPORT}", highlight=False)
     if getattr(args, "wandb", False):

@@ -8,10 +8,11 @@ aggregate.json alone.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from experiments.aggregate import aggregate, fragile_text
+from experiments.aggregate import aggregate
 from experiments.collect import collect, load_plan, load_seed_plan
 from experiments.paths import portable
 from experiments.plan import RunSpec, git_commit
@@ -96,8 +97,6 @@ def _verdict_text(v: VariantResult, margin: float = 0.0) -> str:
         p = v.comparison.equivalence_p_holm
         text = f"equivalent within ±{margin:g}" + (f" (p = {p:.3g})" if p is not None else "")
     text += " (underpowered)" if v.underpowered else ""
-    if v.fragile:
-        text += " (fragile)"
     if not v.guardrails_ok:
         text += " ⚠ guardrail"
     return text
@@ -142,10 +141,6 @@ def render(agg: StudyAggregate) -> str:
                   ""]
     if d.guardrail_violations:
         lines += [f"**Guardrail violations:** {', '.join(d.guardrail_violations)}.", ""]
-    fragile = agg.fragile_variants
-    if fragile:
-        lines += [f"**Fragile verdicts:** {', '.join(fragile)}: one seed carries the verdict (see the "
-                  f"explanations, which say how many seeds settle it).", ""]
     if agg.lineages:
         shared = "; ".join(f"seeds {', '.join(map(str, seeds))} start from `{start}`"
                            for start, seeds in agg.lineages.items() if len(seeds) > 1)
@@ -215,19 +210,32 @@ def beside_metrics(agg: StudyAggregate) -> List[str]:
 
 
 def beside_text(variant, metric: str) -> str:
+    """'2.05 +- 0.13' over the seeds with a finite value, then '(1 of 4 missing)' when some completed
+    seed has none (not logged, NaN or inf); '–' for no value."""
     s = variant.beside.get(metric)
-    return f"{_fmt(s.mean)} +- {_fmt(s.std)}" if s and s.mean is not None else "–"
+    if s is None:
+        return "–"
+    text = f"{_fmt(s.mean)} +- {_fmt(s.std)}" if s.mean is not None else "–"
+    return text + _missing(variant.completed - s.n, variant.completed)
+
+
+def _missing(missing: int, of: int) -> str:
+    return f" ({missing} of {of} missing)" if missing > 0 else ""
+
+
+def _finite_mean(values: Sequence[float]) -> str:
+    """'0.5000' over the finite values, then '(1 of 4 missing)' when some are NaN or inf; '–' for none."""
+    finite = [x for x in values if math.isfinite(x)]
+    return (f"{sum(finite) / len(finite):.4f}" if finite else "–") + _missing(len(values) - len(finite), len(values))
 
 
 def explanations(agg: StudyAggregate) -> List[str]:
-    """One line per verdict: why, and with each seed left out when the verdict is fragile."""
+    """One line per verdict: why."""
     lines = []
     for name, v in agg.variants.items():
         if v.explanation:
             said = v.explanation.startswith(v.verdict)  # "equivalent within ±0.02 (...)" names itself
             line = f"- `{name}`: {v.explanation}" if said else f"- `{name}`: {v.verdict}: {v.explanation}"
-            if v.fragile and v.robustness is not None:
-                line += f"; fragile: {fragile_text(v.robustness)}"
             lines.append(line + ".")
     return lines
 
@@ -405,8 +413,6 @@ def _flags(v: VariantResult) -> str:
     text = v.verdict
     if v.underpowered:
         text += " (underpowered)"
-    if v.fragile:
-        text += " (fragile)"
     return text
 
 
@@ -512,7 +518,8 @@ def _deploy_lines(rounds, results_dir: Path, setting: Dict[str, object], start_v
     if start_values:
         start = [(last.metric, start_values), *((m, v) for m, v in start_beside.items() if v)]
         lines.append("At the warm start (each first-round baseline seed's evaluation before training): "
-                     + "; ".join(f"{m} = {sum(v) / len(v):.4f}" for m, v in start) + ".")
+                     + "; ".join(f"{m} = {_finite_mean(v)}" for m, v in start) + ".")
+    start_values = [x for x in start_values if math.isfinite(x)]
     diff, (lo, hi), sd = _gain(chosen.values, start_values)
     if diff is not None:
         in_sd = f", {diff / sd:+.2g} seed-sd" if sd else ""

@@ -4,7 +4,8 @@
 (planning a `resume_from`, the advisor, the report, the DVC exports, W&B) loads it with
 `StudyAggregate.load(path)` and reads attributes, never raw keys, so the file's format can only
 change here. `to_json()` / `from_json()` go through pydantic's `TypeAdapter` over these stdlib
-dataclasses, which also checks the types when a file is read.
+dataclasses, which also checks the types when a file is read and ignores keys the format no longer
+holds (a variant's `robustness` in files written before it was dropped).
 
 The file (`RESULTS/<study>/aggregate.json`), one JSON object:
 - `study`, `study_file`, `description`, `metric`, `metric_from` (`final` | `final_window`),
@@ -22,9 +23,7 @@ The file (`RESULTS/<study>/aggregate.json`), one JSON object:
   its paired t interval, sd_difference, p_value, wilcoxon_p_value, correlation,
   min_detectable_effect, seeds_needed, equivalence_p), `analysis` (which of the two decided),
   and that analysis's p_value_holm and equivalence_p_holm (Holm across the study's variants);
-  `verdict`, `underpowered`, `explanation`, `robustness` (the deciding difference and statistic
-  with each seed left out, at the full sample size; `fragile` when one seed carries the verdict,
-  and the seeds that would settle it);
+  `verdict`, `underpowered`, `explanation`;
 - `decision`: `chosen` (null when nothing could be decided), `reason`, `guardrail_violations`;
 - `provenance`: what the results depend on (the engine code's hash, data hashes, start
   checkpoints, recipe) and `hardware_mixed` when runs came from different machines; the
@@ -85,8 +84,6 @@ class RunStatus(str, enum.Enum):
 # Verdicts. VARIANT_FAILED: no run of the variant completed (the same word as RunStatus.FAILED in files).
 BETTER, WORSE, EQUIVALENT, NO_DIFFERENCE, INSUFFICIENT, VARIANT_FAILED, UNDECIDABLE = (
     "better", "worse", "equivalent", "no detectable difference", "insufficient data", "failed", "undecidable")
-DECIDED = (BETTER, WORSE, EQUIVALENT)
-"""The verdicts that settle a comparison (leave-one-seed-out checks that they survive)."""
 # Analyses: how a variant's seeds are compared with the baseline's (study.analysis).
 WELCH, PAIRED = "welch", "paired"
 
@@ -223,28 +220,6 @@ class GuardrailCheck:
 
 
 @dataclasses.dataclass(frozen=True)
-class Robustness:
-    """Whether one seed carries the verdict (`aggregate.leave_one_seed_out`): the deciding test's
-    statistic with each seed left out, at the full sample size and threshold, so the test's lost
-    degrees of freedom do not count as fragility."""
-
-    leave_one_out: Dict[str, Optional[float]] = dataclasses.field(default_factory=dict)
-    """{seed left out (as text): the difference without it}."""
-    leave_one_out_t: Dict[str, Optional[float]] = dataclasses.field(default_factory=dict)
-    """{seed left out (as text): the deciding test's t without it, at the full sample size}."""
-    threshold: Optional[float] = None
-    """The critical |t| of the deciding test at the full data's degrees of freedom and the p-value
-    this variant's Holm step needs (for 'equivalent': the one-sided TOST critical t)."""
-    fragile: bool = False
-    """True when leaving out one seed takes a better/worse difference below the threshold (or
-    flips its sign), an equivalent one beyond it, or a 'no detectable difference' above it."""
-    fragile_seeds: Tuple[int, ...] = ()
-    settle_seeds: Optional[int] = None
-    """Seeds per variant that detect, at 80% power, the difference that remains without the
-    seed that carries it (None: none remains, or more than stats.MAX_SEEDS)."""
-
-
-@dataclasses.dataclass(frozen=True)
 class VariantResult:
     bindings: Tuple[str, ...] = ()
     coupled: bool = False
@@ -259,19 +234,15 @@ class VariantResult:
     verdict: str = BASELINE
     underpowered: bool = False
     explanation: str = ""
-    robustness: Optional[Robustness] = None
     beside: Dict[str, Summary] = dataclasses.field(default_factory=dict)
     """Final held-out metrics reported beside the decision metric (gold accuracy and the reward
-    model's score, `aggregate.BESIDE_METRICS`), over the completed seeds that logged them."""
+    model's score, `aggregate.BESIDE_METRICS`), over the completed seeds that logged a finite
+    value (`completed` - n of them had none: missing, NaN or inf)."""
 
     @property
     def values(self) -> List[float]:
         """The decision metric of every completed seed that logged it."""
         return [r.value for r in self.runs if r.status == RunStatus.COMPLETED and r.value is not None]
-
-    @property
-    def fragile(self) -> bool:
-        return bool(self.robustness and self.robustness.fragile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,10 +394,6 @@ class StudyAggregate:
             raise KeyError(f"variant {name!r} is not in study {self.study}; allowed: {', '.join(self.variants)}")
         return self.variants[name]
 
-    @property
-    def fragile_variants(self) -> List[str]:
-        return [n for n, v in self.variants.items() if v.fragile]
-
     # ----------------------------------------------------------------- (de)serialisation
     def to_json(self) -> dict:
         return _ADAPTER.dump_python(self, mode="json")
@@ -434,7 +401,9 @@ class StudyAggregate:
     @classmethod
     def from_json(cls, data: dict) -> "StudyAggregate":
         """An aggregate as `to_json` writes it: every field present (a file without one was not
-        written by this manager; `python -m experiments report` writes it anew)."""
+        written by this manager; `python -m experiments report` writes it anew). Keys the format
+        no longer holds are ignored (pydantic's default for dataclasses), so a file written before
+        a field was dropped still loads: a variant's `robustness`, for one."""
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.name not in data and f.name not in ADDED_LATER] if isinstance(data, dict) else []
         if missing:

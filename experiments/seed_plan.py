@@ -87,7 +87,7 @@ def make_plan(pilot: Optional[StudyAggregate], *, target_effect: float, power: f
     measured a correlation at which the paired design needs fewer seeds (`resolve_analysis` then
     chooses it at the planned seeds), Welch's otherwise. Pure: the same numbers give the same plan."""
     comparisons = max(variants, 1)
-    per_test = alpha / comparisons
+    per_test = stats.per_test_alpha(alpha, comparisons)
     sigma, n, k, r = pilot_spread(pilot) if pilot is not None else (None, 0, 0, None)
     sd_base = cast(float, (arm_spread(pilot) if pilot is not None else None) or sigma)  # None only beside sigma
     if sigma is not None and analysis != WELCH:

@@ -217,12 +217,20 @@ def design_correlation(correlation: Optional[float]) -> float:
     return float(min(max(correlation, 0.0), MAX_DESIGN_CORRELATION))
 
 
+def per_test_alpha(alpha: float, compared: int) -> float:
+    """The level a single comparison's power is promised at: alpha over the variants compared.
+    Holm's first step tests at exactly this level (the seed plan plans at it), so a minimum
+    detectable effect at it holds whichever variant Holm tests first."""
+    return alpha / max(1, compared)
+
+
 def paired_is_more_sensitive(n: int, correlation: Optional[float], alpha: float = 0.05,
                              target: float = POWER) -> bool:
     """Whether n seeds per arm detect a smaller difference paired (the t-test of n per-seed
     differences, at `design_correlation(correlation)`) than as two independent groups (Welch's
     test): pairing trades degrees of freedom for the luck the arms share, which pays only above a
-    correlation that falls as n grows."""
+    correlation that falls as n grows (and rises as alpha falls). `alpha`: the level a comparison is
+    tested at, `per_test_alpha` for a study's."""
     if correlation is None or n < 2:
         return False
     paired = min_detectable_effect(1.0, n, n, alpha, target, paired=True, correlation=design_correlation(correlation))
@@ -265,7 +273,7 @@ def holm(pvalues: Sequence[float]) -> List[float]:
     still costs the others its share of alpha, and its own adjusted p is NaN. The values of
     statsmodels' `multipletests(method='holm')` (tests/experiments/test_stats.py checks them), whose
     Holm branch runs a full garbage collection per call: 0.25 s in a process holding torch, and the
-    leave-one-seed-out check and the Monte Carlo benchmark call this thousands of times."""
+    Monte Carlo benchmark calls this thousands of times."""
     p = np.asarray(pvalues, float)
     finite = np.isfinite(p)
     order = np.argsort(np.where(finite, p, 1.0), kind="stable")

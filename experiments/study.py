@@ -60,7 +60,9 @@ class Guardrail:
     max: float | None = None
 
     def violated_by(self, value: float | None) -> bool:
-        if value is None or value != value:  # missing or NaN counts as a violation
+        """Whether a run's value breaks the bounds: outside [min, max], or missing or not a finite
+        number (NaN, +-inf: a KL of -inf is a broken run, not one within `max`)."""
+        if value is None or not math.isfinite(value):
             return True
         return (self.min is not None and value < self.min) or (self.max is not None and value > self.max)
 
@@ -236,10 +238,12 @@ def resolve_analysis(analysis: str, planned_seeds: Mapping[str, Sequence[int]],
     shares its prompt order and sampling streams with seed s of the baseline: the engine seeds
     everything from ppo.seed) and the pilot round's measured correlation between paired seeds
     makes the paired t-test the more sensitive at this round's seeds (a smaller minimum detectable
-    effect: pairing halves the degrees of freedom, which a weak correlation does not repay);
-    'welch' otherwise, and when no previous round measured a correlation. Both designs a study
-    declares pair their runs: fixed `study.seeds` are every variant's, and seed waves give
-    the baseline every look's seeds, so a variant that stopped early ran a prefix of them."""
+    effect: pairing halves the degrees of freedom, which a weak correlation does not repay), at the
+    level each comparison's power is promised at, alpha over the variants compared
+    (`stats.per_test_alpha`, as the verdicts and the seed plan compute it); 'welch' otherwise, and
+    when no previous round measured a correlation. Both designs a study declares pair their runs:
+    fixed `study.seeds` are every variant's, and seed waves give the baseline every look's
+    seeds, so a variant that stopped early ran a prefix of them."""
     if analysis != AUTO:
         return analysis
     base = set(planned_seeds.get(BASELINE, ()))
@@ -248,7 +252,8 @@ def resolve_analysis(analysis: str, planned_seeds: Mapping[str, Sequence[int]],
     if not shared or pilot_correlation is None:
         return WELCH
     n = min([len(s) for s in others] or [len(base)])
-    return PAIRED if stats.paired_is_more_sensitive(n, pilot_correlation, alpha) else WELCH
+    level = stats.per_test_alpha(alpha, len(others))
+    return PAIRED if stats.paired_is_more_sensitive(n, pilot_correlation, level) else WELCH
 
 
 def _choice(key: str, value, allowed: tuple) -> None:
@@ -306,8 +311,8 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
         the design and the pilot round before any of this round's values are read: 'paired' when
         every variant runs on the baseline's seeds (true of fixed study.seeds and of seed
         waves) and the pilot's measured correlation between paired seeds makes the paired test the
-        more sensitive at this round's seeds, 'welch' otherwise (`resolve_analysis`). Both are
-        reported; this one decides.
+        more sensitive at this round's seeds and at alpha over the variants compared, 'welch'
+        otherwise (`resolve_analysis`). Both are reported; this one decides.
     equivalence_margin: a number >= 0 in the metric's units (0: off). A variant neither better nor
         worse whose difference lies within +-margin by two one-sided tests (TOST, the chosen
         analysis, Holm-corrected) is 'equivalent': a settled question, not a lack of seeds. With

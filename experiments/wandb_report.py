@@ -101,8 +101,6 @@ def build_report(agg: StudyAggregate, study_dir: str | Path, project: str, entit
     d = agg.decision
     decision = f"**Decision: `{d.chosen}`**: {d.reason}." if d.chosen else f"**No decision**: {d.reason}."
     notes = []
-    if agg.fragile_variants:
-        notes.append(f"Fragile verdicts (change when one seed is left out): {', '.join(agg.fragile_variants)}.")
     if (agg.provenance or {}).get("hardware_mixed"):
         notes.append(f"Runs come from {len(agg.provenance['hardware_mixed'])} different machines.")
     study_runs = expr.And(expr.Config("study") == agg.study, expr.Config("variant").isin(list(agg.variants)))

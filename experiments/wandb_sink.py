@@ -267,7 +267,7 @@ def run_for_spec(spec: Dict, flat_config: Dict, directory: Optional[str], projec
 
 AGGREGATE_COLUMNS = ["variant", "change", "n", "mean", "std", "se", "ci95_low", "ci95_high", "difference",
                      "difference_ci95_low", "difference_ci95_high", "analysis", "p_value_holm", "hedges_g",
-                     "prob_improvement", "verdict", "underpowered", "fragile", "guardrails_ok"]
+                     "prob_improvement", "verdict", "underpowered", "guardrails_ok"]
 """The difference's interval and the Holm p are the deciding analysis's (`analysis`)."""
 AGGREGATE_TABLE = "variants"
 """The aggregate run's table of AGGREGATE_COLUMNS, one row per variant (the Report shows it)."""
@@ -283,9 +283,8 @@ def aggregate_rows(aggregate: StudyAggregate) -> List[List]:
         rows.append([name, "; ".join(v.bindings) or "baseline", s.n, s.mean, s.std, s.se, s.ci95[0], s.ci95[1],
                      c.difference if c else None, own.difference_ci95[0] if own else None,
                      own.difference_ci95[1] if own else None, c.analysis if c else None,
-                     c.p_value_holm if c else None, c.hedges_g if c else None,
-                     c.prob_improvement if c else None, v.verdict if c else "reference", v.underpowered,
-                     v.fragile, v.guardrails_ok])
+                     c.p_value_holm if c else None, c.hedges_g if c else None, c.prob_improvement if c else None,
+                     v.verdict if c else "reference", v.underpowered, v.guardrails_ok])
     return rows
 
 

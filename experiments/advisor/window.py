@@ -141,11 +141,10 @@ SETTLING_VERDICTS = (EQUIVALENT, WORSE)
 
 def settled_changes(agg: StudyAggregate) -> Dict[Tuple[str, object], str]:
     """{(parameter, value): why} for every single-binding variant of the study whose verdict is
-    equivalent or worse and not fragile (a verdict that one seed undoes has not settled anything:
-    more seeds would)."""
+    equivalent or worse."""
     out = {}
     for name, v in agg.variants.items():
-        if v.verdict in SETTLING_VERDICTS and len(v.bindings) == 1 and not v.fragile:
+        if v.verdict in SETTLING_VERDICTS and len(v.bindings) == 1:
             out[change_key(v.bindings[0])] = f"{agg.study}/{name} found it {v.verdict}"
     return out
 

@@ -174,8 +174,6 @@ def test_tuning_path_shows_a_bracket_and_the_kl_step_it_superseded(tmp_path):
 
 
 def test_a_change_the_study_found_equivalent_or_worse_is_not_proposed_again(tmp_path, capsys):
-    from experiments.results import Robustness
-
     study_dir = synthetic_study(tmp_path / "results")
     agg = StudyAggregate.load(study_dir / "aggregate.json")
     tested = {"kl_coef_up": VariantResult(bindings=("ppo.kl_coef = 0.060",), verdict="equivalent")}
@@ -188,11 +186,9 @@ def test_a_change_the_study_found_equivalent_or_worse_is_not_proposed_again(tmp_
     assert study.equivalence_margin == 0.02  # the margin carries over with the metric
     assert "settled [kl_high]: ppo.kl_coef = 0.06 not proposed again" in out.read_text()
     assert json.loads(advice.read_text())["settled"][0]["binding"] == "ppo.kl_coef = 0.06"
-    # A worse verdict settles it too; a fragile one, or no detectable difference, does not.
-    for verdict, fragile, proposed in (("worse", False, False), ("equivalent", True, True),
-                                       ("no detectable difference", False, True)):
-        variant = VariantResult(bindings=("ppo.kl_coef = 0.06",), verdict=verdict,
-                                robustness=Robustness(fragile=fragile))
+    # A worse verdict settles it too; no detectable difference does not.
+    for verdict, proposed in (("worse", False), ("no detectable difference", True)):
+        variant = VariantResult(bindings=("ppo.kl_coef = 0.06",), verdict=verdict)
         agg.replace(variants={**agg.variants, "kl_coef_up": variant}).save(study_dir / "aggregate.json")
         assert main(["advise", str(study_dir), "--out", str(out)]) == 0
         assert ("kl_coef_up" in {v.name for v in load_study(out).variants}) == proposed, verdict

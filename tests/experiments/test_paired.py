@@ -9,7 +9,7 @@ import pytest
 from scipy import stats as sps
 
 from experiments import stats
-from experiments.aggregate import aggregate, decide, leave_one_seed_out, verdicts
+from experiments.aggregate import aggregate, decide, verdicts
 from experiments.errors import StudyError
 from experiments.report import render
 from experiments.results import BETTER, EQUIVALENT, NO_DIFFERENCE, PAIRED, WELCH, RunOutcome, StudyAggregate
@@ -119,22 +119,6 @@ def test_equivalent_verdict_and_its_explanation():
     assert verdicts(values, True, 0.05, PAIRED)["near"].verdict == NO_DIFFERENCE
 
 
-def test_an_equivalent_verdict_that_one_seed_undoes_is_fragile():
-    robust = leave_one_seed_out({"baseline": dict(enumerate(BASE)), "near": dict(enumerate(NEAR))}, True, 0.05,
-                                PAIRED, 0.02)
-    assert not robust["near"].fragile and len(robust["near"].leave_one_out) == 5
-    # Seed 4 moves the variant by +0.025, past the margin: over five seeds the TOST still holds, and
-    # no seed carries it (re-testing four seeds would undo it for the lost degree of freedom alone).
-    shaky = {"baseline": dict(enumerate(BASE)), "near": dict(enumerate(NEAR[:4] + [BASE[4] + 0.025]))}
-    assert verdicts(shaky, True, 0.05, PAIRED, 0.02)["near"].verdict == EQUIVALENT
-    assert not leave_one_seed_out(shaky, True, 0.05, PAIRED, 0.02)["near"].fragile
-    # At +0.04 the five seeds show no equivalence, but without seed 4 they do: seed 4 hides it.
-    shaky["near"][4] = BASE[4] + 0.04
-    assert verdicts(shaky, True, 0.05, PAIRED, 0.02)["near"].verdict == NO_DIFFERENCE
-    hangs = leave_one_seed_out(shaky, True, 0.05, PAIRED, 0.02)["near"]
-    assert hangs.fragile and hangs.fragile_seeds == (4,)
-
-
 STUDY = """
 study.name = 'eq'
 study.baseline_recipe = 'tiny.gin'
@@ -190,6 +174,22 @@ def test_resolve_analysis_reads_the_design():
     assert resolve_analysis("auto", shared, pilot_correlation=0.8) == PAIRED
     assert resolve_analysis("auto", {"baseline": [0, 1], "a": [2, 3]}, pilot_correlation=0.9) == WELCH
     assert resolve_analysis("welch", shared) == WELCH and resolve_analysis("paired", {"baseline": [0]}) == PAIRED
+
+
+def test_auto_weighs_pairing_at_the_per_test_level(write_study):
+    """'auto' compares the designs at alpha over the variants compared: the level the verdicts'
+    minimum detectable effects and the seed plan use, not alpha itself."""
+    three = {"baseline": [0, 1, 2], "a": [0, 1, 2], "b": [0, 1, 2], "c": [0, 1, 2]}
+    # At 3 seeds a correlation of 0.5 repays pairing at alpha 0.05 (one variant), not at 0.05 / 3.
+    assert stats.paired_is_more_sensitive(3, 0.5, 0.05) and not stats.paired_is_more_sensitive(3, 0.5, 0.05 / 3)
+    assert resolve_analysis("auto", {"baseline": [0, 1, 2], "a": [0, 1, 2]}, pilot_correlation=0.5) == PAIRED
+    assert resolve_analysis("auto", three, pilot_correlation=0.5) == WELCH
+    assert resolve_analysis("auto", three, pilot_correlation=0.7) == PAIRED
+    # The study's two variants of 5 seeds: 0.27 repays pairing at 0.05, not at 0.05 / 2.
+    assert stats.paired_is_more_sensitive(5, 0.27, 0.05) and not stats.paired_is_more_sensitive(5, 0.27, 0.025)
+    agg = aggregate(load_study(write_study(STUDY)), results({"baseline": BASE, "near": NEAR, "gain": GAIN}),
+                    pilot_correlation=0.27)
+    assert agg.analysis == WELCH
 
 
 def test_report_shows_the_analysis_both_analyses_and_the_margin(write_study):

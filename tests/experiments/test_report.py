@@ -1,6 +1,7 @@
 """Aggregate, verdicts, guardrails and the report on synthetic run dirs (no engine needed)."""
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -159,6 +160,33 @@ def test_reward_model_score_is_reported_beside_gold_accuracy(write_study, tmp_pa
     text = render_summary([(study, agg)], tmp_path / "results")
     assert "eval/rm_score" in text and ("At the warm start (each first-round baseline seed's evaluation before "
                                         "training): eval/accuracy = 0.3000; eval/rm_score = 0.5000") in text
+
+
+def test_a_side_metric_that_is_not_a_number_is_missing_not_nan(write_study, tmp_path):
+    """A NaN or inf side metric is no value: left out of its summary, and the report and the tuning
+    summary print the mean of the others and how many seeds had none, never 'nan +- –'."""
+    study = load_study(write_study(STUDY), ["study.variants = {'good': 'ppo.kl_coef = 0.1'}"])
+    specs = expand(study, tmp_path / "results")
+    rm = {"baseline": [math.nan] * 4, "good": [2.0, math.nan, 2.2, math.inf]}
+    for spec in specs:
+        fake_run(spec, ACCURACY[spec.variant][spec.seed])
+        summary = Path(spec.run_dir) / "summary.json"
+        data = json.loads(summary.read_text())
+        data["final"]["eval/rm_score"] = rm[spec.variant][spec.seed]
+        data["initial"]["eval/rm_score"] = math.nan if spec.seed == 0 else 0.5
+        summary.write_text(json.dumps(data))  # another writer's bare NaN and Infinity tokens
+    agg = write_report(study, tmp_path / "results" / "synthetic", specs)
+    good, base = agg.variant("good").beside["eval/rm_score"], agg.variant("baseline").beside["eval/rm_score"]
+    assert good.n == 2 and good.mean == pytest.approx(2.1) and good.std == pytest.approx(0.1414, abs=1e-4)
+    assert base.n == 0 and base.mean is None
+    report = (tmp_path / "results" / "synthetic" / "report.md").read_text()
+    assert "| good | 2.1 +- 0.1414 (2 of 4 missing) |" in report and "| baseline | – (4 of 4 missing) |" in report
+    assert "nan +-" not in report and "inf +-" not in report
+    from experiments.report import render_summary
+    text = render_summary([(study, agg)], tmp_path / "results")
+    assert "eval/rm_score = 2.1 +- 0.1414 (2 of 4 missing)" in text  # the final choice
+    assert "eval/rm_score = 0.5000 (1 of 4 missing)" in text  # the warm start
+    assert "| – (4 of 4 missing) |" in text and "nan +-" not in text
 
 
 def checkpointed_run(run_dir: Path, gold: dict, checkpoints, damaged=()) -> None:

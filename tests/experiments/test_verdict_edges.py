@@ -75,6 +75,23 @@ def test_nan_in_every_baseline_run_decides_nothing(study):
     assert agg.decision.chosen is None and "no baseline run" in agg.decision.reason
 
 
+def test_a_guardrail_is_violated_by_a_value_that_is_missing_or_not_a_finite_number(write_study):
+    study = load_study(write_study(STUDY), ["study.guardrails = {'kl_divergence': {'max': 0.5}, "
+                                            "'response_length_mean': {'min': 0.1}}"])
+    kl, length = study.guardrails
+    assert not kl.violated_by(0.1) and kl.violated_by(0.6) and not length.violated_by(0.2)
+    for value in (None, math.nan, math.inf, -math.inf):
+        assert kl.violated_by(value) and length.violated_by(value), value
+    # In a study: a KL of -inf breaks `kl_divergence <= 0.5`, so the better variant is not chosen.
+    runs = outcomes({"baseline": [0.25, 0.26, 0.24], "a": [0.45, 0.46, 0.44], "b": [0.25, 0.24, 0.26]})
+    runs = [RunOutcome(**{**r.__dict__, "guardrails": {"kl_divergence": -math.inf if r.key == "a/seed1" else 0.1,
+                                                       "response_length_mean": 0.2}}) for r in runs]
+    agg = aggregate(study, runs)
+    a = agg.variants["a"]
+    assert a.verdict == BETTER and not a.guardrails_ok and a.guardrails["kl_divergence"].violated_seeds == (1,)
+    assert agg.decision.chosen == "baseline" and agg.decision.guardrail_violations == ("a",)
+
+
 def test_seeds_tied_at_the_resolution_are_insufficient_and_stay_in_holms_family(study):
     base = [0.25] * 3
     tied = [0.25 + STEP] * 3  # one grid step above, every seed tied: no spread to judge chance by
