@@ -93,7 +93,7 @@ def decide_look(values: Mapping[str, Sequence[float]], baseline: Sequence[float]
     out = {}
     for name, v in values.items():
         lo, hi = difference_ci(v, baseline, confidence)
-        if math.isnan(lo):  # fewer than 2 seeds: nothing is excluded yet
+        if math.isnan(lo):  # fewer than 2 seeds, or tied ones: nothing is excluded yet
             lo, hi = -math.inf, math.inf
         out[name] = {"decided": bool(lo > 0 or hi < 0), "interval": [lo, hi], "n": len(v)}
     return out

@@ -67,6 +67,7 @@ def test_interval_and_alpha_spending():
     look = decide_look({"a": [1.0, 1.1, 0.9]}, [0.0, 0.1, -0.1], 0.95)
     assert look["a"]["decided"] and look["a"]["n"] == 3
     assert not decide_look({"a": [1.0]}, [0.0, 0.1], 0.95)["a"]["decided"]  # one seed: no interval
+    assert not decide_look({"a": [0.5, 0.5]}, [0.4, 0.4], 0.95)["a"]["decided"]  # tied seeds: none either
     strict = AdaptiveSeeds(max_seeds=8, min_seeds=3, spend_alpha_over_looks=True)
     assert strict.looks == 6 and strict.confidence(0.05, 2) == pytest.approx(1 - 0.05 / 2 / 6)
     assert extra_seeds([5, 0], 4) == [5, 0, 1, 2]
