@@ -306,14 +306,14 @@ def power_at_planned_n(rng, studies: int) -> list:
 
 # ---------------------------------------------------------------- (e) coverage
 def t_mean_interval(x: np.ndarray, confidence: float, resolution: float = 0.0) -> tuple:
-    """`stats.mean_ci` for a (studies, n) stack: mean + t(n - 1) quantiles * s / sqrt(n), a point
-    where the seeds do not spread."""
+    """`stats.mean_ci` for a (studies, n) stack: mean + t(n - 1) quantiles * s / sqrt(n), s at least
+    the grid's rounding error (`stats.grid_sd`; NaN without a resolution) where the seeds do not spread."""
     n = x.shape[-1]
     m, s = x.mean(axis=-1), x.std(axis=-1, ddof=1)
-    se = s / math.sqrt(n)
-    q = sps.t.ppf([(1 - confidence) / 2, (1 + confidence) / 2], n - 1)
     flat = stats.is_flat(s, resolution, np.mean(np.abs(x), axis=-1))
-    return np.where(flat, m, m + q[0] * se), np.where(flat, m, m + q[1] * se)
+    se = np.where(flat, np.maximum(s, stats.grid_sd(resolution)), s) / math.sqrt(n)
+    q = sps.t.ppf([(1 - confidence) / 2, (1 + confidence) / 2], n - 1)
+    return m + q[0] * se, m + q[1] * se
 
 
 def _flat_scale(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -321,28 +321,31 @@ def _flat_scale(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def t_difference_interval(x: np.ndarray, y: np.ndarray, confidence: float, resolution: float = 0.0) -> tuple:
-    """`stats.difference_ci` for stacks: Welch's interval, df by Welch-Satterthwaite; a point where
-    neither group spreads."""
-    vx, vy = x.var(axis=-1, ddof=1) / x.shape[-1], y.var(axis=-1, ddof=1) / y.shape[-1]
+    """`stats.difference_ci` for stacks: Welch's interval, df by Welch-Satterthwaite; where neither
+    group spreads, each group's variance at least the grid's rounding error's (`stats.grid_sd`)."""
+    scale = _flat_scale(x, y)
+    flat = (stats.is_flat(np.std(x, axis=-1), resolution, scale)
+            & stats.is_flat(np.std(y, axis=-1), resolution, scale))
+    floor = stats.grid_sd(resolution) ** 2
+    vx = np.where(flat, np.maximum(x.var(axis=-1, ddof=1), floor), x.var(axis=-1, ddof=1)) / x.shape[-1]
+    vy = np.where(flat, np.maximum(y.var(axis=-1, ddof=1), floor), y.var(axis=-1, ddof=1)) / y.shape[-1]
     d, se = x.mean(axis=-1) - y.mean(axis=-1), np.sqrt(vx + vy)
     with np.errstate(invalid="ignore", divide="ignore"):
         df = (vx + vy) ** 2 / (vx ** 2 / (x.shape[-1] - 1) + vy ** 2 / (y.shape[-1] - 1))
     half = sps.t.ppf((1 + confidence) / 2, df) * se
-    scale = _flat_scale(x, y)
-    flat = (stats.is_flat(np.std(x, axis=-1), resolution, scale)
-            & stats.is_flat(np.std(y, axis=-1), resolution, scale))
-    return np.where(flat, d, d - half), np.where(flat, d, d + half)
+    return d - half, d + half
 
 
 def t_paired_interval(x: np.ndarray, y: np.ndarray, confidence: float, resolution: float = 0.0) -> tuple:
-    """`stats.paired_ci` for stacks: the t interval of the mean difference; a point where the
-    differences do not spread."""
+    """`stats.paired_ci` for stacks: the t interval of the mean difference; where the differences do
+    not spread, their std at least a difference's rounding error (`stats.grid_sd(resolution, 2)`)."""
     diff = x - y
     n = diff.shape[-1]
-    m, se = diff.mean(axis=-1), diff.std(axis=-1, ddof=1) / math.sqrt(n)
-    half = sps.t.ppf((1 + confidence) / 2, n - 1) * se
     flat = stats.is_flat(np.std(diff, axis=-1), resolution, _flat_scale(x, y))
-    return np.where(flat, m, m - half), np.where(flat, m, m + half)
+    sd = diff.std(axis=-1, ddof=1)
+    m, se = diff.mean(axis=-1), np.where(flat, np.maximum(sd, stats.grid_sd(resolution, 2)), sd) / math.sqrt(n)
+    half = sps.t.ppf((1 + confidence) / 2, n - 1) * se
+    return m - half, m + half
 
 
 def bootstrap_interval(rng, x: np.ndarray, confidence: float, resamples: int) -> tuple:

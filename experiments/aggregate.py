@@ -21,8 +21,9 @@ Minimum detectable effects and seeds needed are at alpha over the variants compa
 the two designs). A test whose seeds do not spread at the metric's resolution
 (`study.metric_resolution`, `stats.is_flat`) is undefined: `insufficient data`, and it stays in
 Holm's family. Seeds that share a start checkpoint are tested as one unit, their mean
-(`lineage_units`). A guardrail is violated by a run whose final-window value is outside its bounds (or missing);
-a variant with any violation, or any failed run, is never chosen.
+(`lineage_units`). A guardrail is violated by a run whose final-window value is outside its
+bounds, missing or not a finite number; a variant with any violation, or any run that failed or did
+not complete, is never chosen, and the decision's reason names a `better` one passed over, with why.
 """
 
 from __future__ import annotations
@@ -367,7 +368,9 @@ def sequential_record(design: sequential.Design, waves: sequential.Replay, runs_
 def decide(variants: Dict[str, VariantResult], higher: bool, metric: str = "the decision metric") -> Decision:
     """The chosen variant: the best `better` one with clean guardrails and every run completed, else the
     baseline (an `equivalent` variant is no reason to change: the baseline stays). No choice (None) when no run
-    completed, or none logged the metric."""
+    completed, or none logged the metric. A `better` variant passed over (one of its runs failed or did not
+    complete, or it broke a guardrail) ahead of the chosen one, or in place of any, is named in the reason
+    with why (`passed_over`)."""
     flagged = tuple(sorted(n for n, v in variants.items() if not v.guardrails_ok))
     if not any(v.completed for v in variants.values()):
         return Decision(None, "no decision: no run completed", flagged)
@@ -377,13 +380,42 @@ def decide(variants: Dict[str, VariantResult], higher: bool, metric: str = "the 
     if base is not None and not base.values:
         return Decision(None, f"no decision: no baseline run {'logged ' + metric if base.completed else 'completed'}",
                         flagged)
-    candidates = [n for n, v in variants.items() if v.verdict == BETTER and v.guardrails_ok and v.incomplete == 0]
+    sign = 1 if higher else -1
+    better = sorted((n for n, v in variants.items() if v.verdict == BETTER),  # a better one has values
+                    key=lambda n: -sign * cast(float, variants[n].summary.mean))
+    candidates = [n for n in better if variants[n].guardrails_ok and variants[n].incomplete == 0]
     if candidates:
-        sign = 1 if higher else -1
-        chosen = max(candidates, key=lambda n: sign * cast(float, variants[n].summary.mean))  # a better one has values
-        return Decision(chosen, f"{chosen} is better than the baseline ({variants[chosen].explanation})", flagged)
+        chosen = candidates[0]
+        reason = f"{chosen} is better than the baseline ({variants[chosen].explanation})"
+        ahead = better[:better.index(chosen)]
+        if ahead:
+            reason += "; " + "; ".join(f"{n} has a {'higher' if higher else 'lower'} mean but "
+                                       f"{passed_over(variants[n])}" for n in ahead)
+        return Decision(chosen, reason, flagged)
+    if better:
+        passed = "; ".join(f"{n} is better than the baseline but {passed_over(variants[n])}" for n in better)
+        return Decision(BASELINE, f"no better variant can be chosen: {passed}; keep the baseline", flagged)
     return Decision(BASELINE, "no variant is detectably better with its guardrails holding; keep the baseline",
                     flagged)
+
+
+def passed_over(v: VariantResult) -> str:
+    """Why a `better` variant is not chosen: '1 of its 3 runs failed and it broke its guardrail
+    kl_divergence <= 0.5 (seed 2)'."""
+    runs = len(v.runs)
+    why = []
+    if v.failed:
+        why.append(f"{v.failed} of its {runs} runs failed")
+    if v.incomplete > v.failed:
+        why.append(f"{v.incomplete - v.failed} of its {runs} runs did not complete")
+    broken = [g for g in v.guardrails.values() if not g.ok]
+    if broken:
+        rails = " and ".join(f"{g.bound} (seed{'s' if len(g.violated_seeds) > 1 else ''} "
+                             f"{', '.join(map(str, g.violated_seeds))})" for g in broken)
+        why.append(f"{'it ' if why else ''}broke its guardrail{'s' if len(broken) > 1 else ''} {rails}")
+    elif not v.guardrails_ok:
+        why.append(f"{'it ' if why else ''}broke a guardrail")
+    return " and ".join(why) or "it is not chosen"
 
 
 def _relative(run_dir: str, study_name: str) -> str:

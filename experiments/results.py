@@ -99,7 +99,8 @@ class Summary:
     median: Optional[float] = None
     iqm: Optional[float] = None
     ci95: Tuple[Optional[float], Optional[float]] = (None, None)
-    """The mean's 95% t interval (`stats.mean_ci`); a point when the seeds do not spread."""
+    """The mean's 95% t interval (`stats.mean_ci`); for seeds that tie on the metric's grid, the
+    width of the grid's rounding error; null when they tie without a resolution."""
 
 
 @dataclasses.dataclass(frozen=True)

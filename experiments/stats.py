@@ -30,7 +30,10 @@ A spread below the metric's resolution is no spread: a metric read off a grid (a
 128 prompts moves in steps of 1/128) gives tied seeds, and floating point leaves tied values
 1e-17 apart. `is_flat` says when a spread is below `resolution / 4` (the smallest spread of
 untied values on the grid is about 0.58 of a step) or below 1e-9 of the values' scale; the
-tests are then undefined (NaN), never 1e-32.
+tests are then undefined (NaN), never 1e-32. An interval of tied values is not a point either (a
+zero-width interval claims certainty): on a grid the ties hide a spread of up to a step, so the
+intervals take the rounding error's std, resolution / sqrt(12), as the values' spread (`grid_sd`);
+without a resolution, tied values give an undefined (NaN) interval.
 """
 
 from __future__ import annotations
@@ -77,16 +80,28 @@ def is_flat(sd, resolution: float = 0.0, scale: float = 1.0) -> Union[np.ndarray
     return np.less_equal(sd, tol)
 
 
+def grid_sd(resolution: float, values: int = 1) -> float:
+    """The std of the rounding error of a value read off a grid of step `resolution`: uniform over
+    +-half a step, resolution / sqrt(12); of a difference of `values` such values (2 for a paired
+    difference), sqrt(values) times that. NaN without a resolution (nothing is known of the error)."""
+    return resolution * math.sqrt(values / 12.0) if resolution > 0 else math.nan
+
+
 def mean_ci(values: ArrayLike, confidence: float = CONFIDENCE, resolution: float = 0.0) -> tuple:
     """The t interval of the mean, mean +- t(n - 1) * s / sqrt(n): nominal coverage for normal
-    seeds at any n (a percentile bootstrap of 3 seeds is [min, max], which covers 75%). A point
-    when the values do not spread (`is_flat`); NaNs below n = 2."""
+    seeds at any n (a percentile bootstrap of 3 seeds is [min, max], which covers 75%). Values that
+    do not spread (`is_flat`) tie on the metric's grid, whose rounding hid their spread: s is then
+    taken as at least the rounding error's std, `grid_sd(resolution)`, so the interval spans what
+    the grid cannot tell apart, never a point; without a resolution it is undefined (NaNs), as
+    below n = 2."""
     x = np.asarray(values, float)
     if len(x) < 2:
         return (math.nan, math.nan)
     sd = float(np.std(x, ddof=1))
     if is_flat(sd, resolution, float(np.mean(np.abs(x)))):
-        return (float(x.mean()), float(x.mean()))
+        if not resolution > 0:
+            return (math.nan, math.nan)
+        sd = max(sd, grid_sd(resolution))
     lo, hi = stats.t.interval(confidence, len(x) - 1, loc=float(x.mean()), scale=sd / math.sqrt(len(x)))
     return (float(lo), float(hi))
 
@@ -106,14 +121,21 @@ def _flat_differences(d: np.ndarray, x: np.ndarray, y: np.ndarray, resolution: f
 def difference_ci(a: ArrayLike, b: ArrayLike, confidence: float = CONFIDENCE,
                   resolution: float = 0.0) -> tuple:
     """Welch's t interval of mean(a) - mean(b): the test behind `welch_p`, so at the same level
-    it excludes zero exactly when p < 1 - confidence. A point when neither group spreads
-    (`is_flat`); NaNs below n = 2."""
+    it excludes zero exactly when p < 1 - confidence, where p is defined. When neither group
+    spreads (`is_flat`: the test is undefined), each group's std is taken as at least the rounding
+    error's, `grid_sd(resolution)`, so the interval is never a point; NaNs without a resolution,
+    and below n = 2."""
     x, y = np.asarray(a, float), np.asarray(b, float)
     if len(x) < 2 or len(y) < 2:
         return (math.nan, math.nan)
     if _flat_pair(x, y, resolution):
-        d = float(x.mean() - y.mean())
-        return (d, d)
+        if not resolution > 0:
+            return (math.nan, math.nan)
+        v1 = max(float(np.var(x, ddof=1)), grid_sd(resolution) ** 2) / len(x)
+        v2 = max(float(np.var(y, ddof=1)), grid_sd(resolution) ** 2) / len(y)
+        df = (v1 + v2) ** 2 / (v1 ** 2 / (len(x) - 1) + v2 ** 2 / (len(y) - 1))
+        lo, hi = stats.t.interval(confidence, df, loc=float(x.mean() - y.mean()), scale=math.sqrt(v1 + v2))
+        return (float(lo), float(hi))
     with warnings.catch_warnings():  # near-identical values: scipy warns, the interval is still right
         warnings.simplefilter("ignore", RuntimeWarning)
         ci = stats.ttest_ind(x, y, equal_var=False).confidence_interval(confidence)
@@ -165,14 +187,20 @@ def paired_p(a: ArrayLike, b: ArrayLike, resolution: float = 0.0):
 def paired_ci(a: ArrayLike, b: ArrayLike, confidence: float = CONFIDENCE,
               resolution: float = 0.0) -> tuple:
     """The paired t interval of mean(a - b) (scipy's `ttest_rel(...).confidence_interval`): it
-    excludes zero exactly when `paired_p` < 1 - confidence. A point when the differences do not
-    spread; NaNs below 2 pairs."""
+    excludes zero exactly when `paired_p` < 1 - confidence, where it is defined. When the
+    differences do not spread (`is_flat`: the test is undefined), their std is taken as at least
+    the rounding error of a difference of two grid values, `grid_sd(resolution, 2)`, so the
+    interval is never a point; NaNs without a resolution, and below 2 pairs."""
     x, y = np.asarray(a, float), np.asarray(b, float)
     d = x - y
     if len(d) < 2:
         return (math.nan, math.nan)
     if _flat_differences(d, x, y, resolution):
-        return (float(d.mean()), float(d.mean()))
+        if not resolution > 0:
+            return (math.nan, math.nan)
+        sd = max(float(np.std(d, ddof=1)), grid_sd(resolution, 2))
+        lo, hi = stats.t.interval(confidence, len(d) - 1, loc=float(d.mean()), scale=sd / math.sqrt(len(d)))
+        return (float(lo), float(hi))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         ci = stats.ttest_rel(x, y).confidence_interval(confidence)

@@ -321,7 +321,8 @@ def study(name: str = REQUIRED, description: str = "", baseline_recipe: str = "t
     metric_resolution: the decision metric's grid step in its units, e.g. 1/128 for an accuracy
         over 128 eval prompts (0, the default: a continuous metric). Seeds that spread less than a
         quarter step are tied: the tests have no spread to judge chance by, and the verdict says
-        so ('insufficient data') instead of reading a difference of one step as certain.
+        so ('insufficient data') instead of reading a difference of one step as certain; their
+        intervals take the grid's rounding error (step / sqrt(12)) as their spread.
     campaign: the tuning campaign this study is a round of (e.g. 'rlhf-demo' in every round of the
         demo): the rounds of one campaign log to one W&B project named after it, each study's runs
         grouped as `<study>/<variant>`. Changes no run, so no run hash.

@@ -1,6 +1,7 @@
 """The typed study aggregate: one to_json/from_json (which reads files with keys it no longer holds),
 undecidable verdicts and no decision without completed runs."""
 
+import dataclasses
 import json
 
 import pytest
@@ -80,3 +81,35 @@ def test_a_metric_no_run_logged_is_undecidable_and_decides_nothing(study):
 def test_no_decision_when_no_run_completed(study):
     agg = aggregate(study, results({v: [None] * 4 for v in VALUES}, status="failed"))
     assert agg.decision.chosen is None and agg.decision.reason == "no decision: no run completed"
+
+
+def test_a_better_variant_passed_over_is_named_with_why(study):
+    """A `better` variant not chosen for a failed or unfinished run, or a broken guardrail, is named
+    in the decision's reason with why: the reason never says that no variant was better."""
+    def changed(runs, key, **fields):
+        return [dataclasses.replace(r, **fields) if r.key == key else r for r in runs]
+
+    failed = aggregate(study, changed(results(VALUES), "robust/seed1", status="failed", value=None))
+    assert failed.variants["robust"].verdict == BETTER and failed.decision.chosen == "baseline"
+    assert failed.decision.reason == ("no better variant can be chosen: robust is better than the baseline but 1 "
+                                      "of its 4 runs failed; keep the baseline")
+    pending = aggregate(study, changed(results(VALUES), "robust/seed3", status="pending", value=None))
+    assert "robust is better than the baseline but 1 of its 4 runs did not complete" in pending.decision.reason
+    broke = aggregate(study, changed(results(VALUES), "robust/seed2", guardrails={"kl_divergence": 0.9}))
+    assert broke.decision.chosen == "baseline" and broke.decision.guardrail_violations == ("robust",)
+    assert "robust is better than the baseline but broke its guardrail kl_divergence <= 0.5 (seed 2)" in (
+        broke.decision.reason)
+    assert "no variant is detectably better" not in failed.decision.reason + pending.decision.reason + (
+        broke.decision.reason)
+    # A better variant with a lower mean is chosen; the reason names the one ahead of it and why.
+    both = {**VALUES, "one_seed": [0.60, 0.61, 0.59, 0.60]}
+    runs = changed(changed(results(both), "robust/seed2", guardrails={"kl_divergence": 0.9}),
+                   "robust/seed0", status="failed", value=None)
+    agg = aggregate(study, runs)
+    assert agg.decision.chosen == "one_seed"
+    assert agg.decision.reason.startswith("one_seed is better than the baseline (Holm-corrected")
+    assert agg.decision.reason.endswith("; robust has a higher mean but 1 of its 4 runs failed and it broke its "
+                                        "guardrail kl_divergence <= 0.5 (seed 2)")
+    # Nothing better: the reason says so.
+    none = aggregate(study, results({v: VALUES["baseline"] for v in VALUES}))
+    assert none.decision.reason == "no variant is detectably better with its guardrails holding; keep the baseline"

@@ -83,7 +83,7 @@ def test_difference_ci_is_welchs_interval_and_agrees_with_the_p_value():
     ci = sps.ttest_ind(A, B, equal_var=False).confidence_interval(0.95)
     assert (lo, hi) == pytest.approx((ci.low, ci.high))
     assert lo < np.mean(A) - np.mean(B) < hi
-    assert stats.difference_ci([1, 1], [0, 0]) == (1.0, 1.0)
+    assert all(math.isnan(v) for v in stats.difference_ci([1, 1], [0, 0]))  # tied, no resolution: undefined
     assert all(math.isnan(v) for v in stats.difference_ci([1.0], [0.0, 0.5]))
     # Two seeds a group (the tiny_learning study's first look): the means differ by 0.047 with
     # little spread, yet p is 0.24: the interval must include zero as the test does, where a

@@ -209,11 +209,19 @@ def test_a4_the_variants_interval_covers_the_mean_95_percent_of_the_time(n):
         assert float(np.mean((x.min(axis=1) <= 0.6) & (0.6 <= x.max(axis=1)))) == pytest.approx(0.75, abs=0.01)
 
 
-def test_a4_tied_seeds_give_a_point_and_three_seeds_more_than_min_to_max():
-    assert stats.mean_ci([0.5, 0.5, 0.5]) == (0.5, 0.5)
-    assert stats.mean_ci([0.1 + 0.2, 0.3, 0.3])[0] == stats.mean_ci([0.1 + 0.2, 0.3, 0.3])[1]  # 1e-17 apart
-    assert stats.mean_ci([0.5, 0.5, 0.5 + 1 / 512], resolution=1 / 128)[0] == pytest.approx(0.5 + 1 / 1536)
-    assert stats.summarize([0.5, 0.5, 0.5])["ci95"] == [0.5, 0.5]
+def test_a4_tied_seeds_give_the_grids_width_or_no_interval_and_three_seeds_more_than_min_to_max():
+    step = 1 / 128
+    # Seeds tied on the grid: the rounding error's std, step / sqrt(12), stands for the spread the
+    # ties hide, in the t interval of 3 seeds.
+    half = sps.t.ppf(0.975, 2) * step / math.sqrt(12) / math.sqrt(3)
+    assert stats.mean_ci([0.5, 0.5, 0.5], resolution=step) == pytest.approx((0.5 - half, 0.5 + half))
+    m = 0.5 + 1 / 1536  # a spread below a quarter of a step is a tie too
+    assert stats.mean_ci([0.5, 0.5, 0.5 + 1 / 512], resolution=step) == pytest.approx((m - half, m + half))
+    assert stats.summarize([0.5, 0.5, 0.5], step)["ci95"] == pytest.approx([0.5 - half, 0.5 + half])
+    # Without a resolution nothing is known of the spread the ties hide: no interval, never a point.
+    assert all(math.isnan(v) for v in stats.mean_ci([0.5, 0.5, 0.5]))
+    assert all(math.isnan(v) for v in stats.mean_ci([0.1 + 0.2, 0.3, 0.3]))  # 1e-17 apart
+    assert stats.summarize([0.5, 0.5, 0.5])["ci95"] == [None, None]
     # The percentile bootstrap of 3 seeds was [min, max] (it covers the mean 75% of the time); the
     # t interval's half-width, 2.48 s, exceeds the farthest a value can lie from the mean, 1.15 s.
     rng = np.random.default_rng(44)
@@ -221,6 +229,40 @@ def test_a4_tied_seeds_give_a_point_and_three_seeds_more_than_min_to_max():
         lo, hi = stats.mean_ci(x)
         assert lo < x.min() and x.max() < hi
     assert all(math.isnan(v) for v in stats.mean_ci([0.5]))
+
+
+def test_a4_seeds_tied_on_a_grid_cover_the_mean_where_a_point_did_not():
+    """An accuracy over 128 prompts whose seeds vary by a tenth of a step: most draws of 3 seeds
+    tie. The point interval of tied seeds held the true mean only when it lay on the grid (never);
+    the interval with the grid's width holds it at least 95% of the time."""
+    rng = np.random.default_rng(45)
+    step, draws = 1 / 128, 4000
+    truth = 0.3 + rng.uniform(-0.5, 0.5, draws) * step  # anywhere within a grid cell
+    x = np.round((truth[:, None] + rng.normal(0.0, 0.1 * step, (draws, 3))) / step) * step
+    tied = np.ptp(x, axis=1) == 0
+    assert tied.mean() > 0.5
+    covered = [lo <= t <= hi for t, (lo, hi) in
+               ((t, stats.mean_ci(xs, resolution=step)) for t, xs in zip(truth[tied], x[tied]))]
+    point = np.mean(x[tied].mean(axis=1) == truth[tied])
+    assert point < 0.01 and np.mean(covered) >= 0.95
+
+
+def test_a4_tied_differences_give_the_grids_width_or_no_interval():
+    step = 1 / 128
+    base, up = [0.25] * 3, [0.25 + step] * 3
+    # Welch's: both groups tied, each with the rounding error's std; equal stds: 4 degrees of freedom.
+    half = sps.t.ppf(0.975, 4) * step / math.sqrt(12) * math.sqrt(2 / 3)
+    assert stats.difference_ci(up, base, resolution=step) == pytest.approx((step - half, step + half))
+    assert math.isnan(stats.welch_p(up, base, resolution=step))  # the test itself stays undefined
+    # Paired: every pair differs by one step; a difference carries two values' rounding errors.
+    half = sps.t.ppf(0.975, 2) * step / math.sqrt(6) / math.sqrt(3)
+    assert stats.paired_ci(up, base, resolution=step) == pytest.approx((step - half, step + half))
+    assert math.isnan(stats.paired_p(up, base, resolution=step))
+    # Without a resolution: undefined, never a point.
+    for ci in (stats.difference_ci(up, base), stats.paired_ci(up, base), stats.paired_ci([0.6, 0.7], [0.5, 0.6])):
+        assert all(math.isnan(v) for v in ci)
+    comparison = stats.compare(up, base, resolution=step)
+    assert comparison.flat and comparison.difference_ci95[0] < comparison.difference_ci95[1]
 
 
 # ---------------------------------------------------------------- A5: the paired MDE's spread

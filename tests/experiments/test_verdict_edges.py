@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+from scipy import stats as sps
 
 from experiments.aggregate import aggregate, lineage_units, verdicts
 from experiments.collect import read_run
@@ -103,8 +104,15 @@ def test_seeds_tied_at_the_resolution_are_insufficient_and_stay_in_holms_family(
     assert agg.decision.chosen != "a"
     # 'a' counts in the family: b's p is multiplied by 2, as if 'a' were tested and lost.
     assert b.comparison.p_value_holm == pytest.approx(min(1.0, 2 * b.comparison.p_value))
-    # The t interval of tied seeds is a point, not a spread of floating-point noise.
-    assert a.summary.ci95[0] == a.summary.ci95[1]
+    # The t interval of tied seeds spans the rounding error's std (step / sqrt(12)), not a point,
+    # nor a spread of floating-point noise; so does the difference's.
+    half = sps.t.ppf(0.975, 2) * STEP / math.sqrt(12) / math.sqrt(3)
+    assert a.summary.ci95 == pytest.approx((0.25 + STEP - half, 0.25 + STEP + half))
+    assert agg.variants["baseline"].summary.ci95 == pytest.approx((0.25 - half, 0.25 + half))
+    lo, hi = a.comparison.difference_ci95
+    assert lo < STEP < hi and hi - lo > STEP
+    text = render(agg)
+    assert f"[{0.25 + STEP - half:.4g}, {0.25 + STEP + half:.4g}]" in text and "[0.2578, 0.2578]" not in text
 
 
 def test_floating_point_noise_is_no_spread():
@@ -114,6 +122,9 @@ def test_floating_point_noise_is_no_spread():
     judged = verdicts(noise, True, 0.05)["v"]  # no resolution given: only floating-point noise ties
     assert judged.verdict == INSUFFICIENT and judged.comparison.p_value is None
     assert judged.comparison.hedges_g is None
+    # Nor an interval: without a resolution, the spread tied values hide is unknown (not a point).
+    assert judged.comparison.difference_ci95 == (None, None)
+    assert judged.comparison.paired.difference_ci95 == (None, None)
 
 
 def test_a_clear_difference_with_spread_is_still_decided(study):
