@@ -311,7 +311,7 @@ def t_mean_interval(x: np.ndarray, confidence: float, resolution: float = 0.0) -
     n = x.shape[-1]
     m, s = x.mean(axis=-1), x.std(axis=-1, ddof=1)
     flat = stats.is_flat(s, resolution, np.mean(np.abs(x), axis=-1))
-    se = np.where(flat, np.maximum(s, stats.grid_sd(resolution)), s) / math.sqrt(n)
+    se = np.where(flat, np.maximum(s, stats.grid_sd(resolution) * math.sqrt(n)), s) / math.sqrt(n)
     q = sps.t.ppf([(1 - confidence) / 2, (1 + confidence) / 2], n - 1)
     return m + q[0] * se, m + q[1] * se
 
@@ -326,9 +326,9 @@ def t_difference_interval(x: np.ndarray, y: np.ndarray, confidence: float, resol
     scale = _flat_scale(x, y)
     flat = (stats.is_flat(np.std(x, axis=-1), resolution, scale)
             & stats.is_flat(np.std(y, axis=-1), resolution, scale))
-    floor = stats.grid_sd(resolution) ** 2
-    vx = np.where(flat, np.maximum(x.var(axis=-1, ddof=1), floor), x.var(axis=-1, ddof=1)) / x.shape[-1]
-    vy = np.where(flat, np.maximum(y.var(axis=-1, ddof=1), floor), y.var(axis=-1, ddof=1)) / y.shape[-1]
+    floor = stats.grid_sd(resolution) ** 2  # the mean's variance at least: tied seeds share one rounding error
+    vx = np.where(flat, np.maximum(x.var(axis=-1, ddof=1) / x.shape[-1], floor), x.var(axis=-1, ddof=1) / x.shape[-1])
+    vy = np.where(flat, np.maximum(y.var(axis=-1, ddof=1) / y.shape[-1], floor), y.var(axis=-1, ddof=1) / y.shape[-1])
     d, se = x.mean(axis=-1) - y.mean(axis=-1), np.sqrt(vx + vy)
     with np.errstate(invalid="ignore", divide="ignore"):
         df = (vx + vy) ** 2 / (vx ** 2 / (x.shape[-1] - 1) + vy ** 2 / (y.shape[-1] - 1))
@@ -343,7 +343,8 @@ def t_paired_interval(x: np.ndarray, y: np.ndarray, confidence: float, resolutio
     n = diff.shape[-1]
     flat = stats.is_flat(np.std(diff, axis=-1), resolution, _flat_scale(x, y))
     sd = diff.std(axis=-1, ddof=1)
-    m, se = diff.mean(axis=-1), np.where(flat, np.maximum(sd, stats.grid_sd(resolution, 2)), sd) / math.sqrt(n)
+    floor = stats.grid_sd(resolution, 2) * math.sqrt(n)  # one shared rounding error a side
+    m, se = diff.mean(axis=-1), np.where(flat, np.maximum(sd, floor), sd) / math.sqrt(n)
     half = sps.t.ppf((1 + confidence) / 2, n - 1) * se
     return m - half, m + half
 

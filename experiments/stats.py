@@ -91,8 +91,9 @@ def mean_ci(values: ArrayLike, confidence: float = CONFIDENCE, resolution: float
     """The t interval of the mean, mean +- t(n - 1) * s / sqrt(n): nominal coverage for normal
     seeds at any n (a percentile bootstrap of 3 seeds is [min, max], which covers 75%). Values that
     do not spread (`is_flat`) tie on the metric's grid, whose rounding hid their spread: s is then
-    taken as at least the rounding error's std, `grid_sd(resolution)`, so the interval spans what
-    the grid cannot tell apart, never a point; without a resolution it is undefined (NaNs), as
+    taken so that the mean's standard error is at least the rounding error's std,
+    `grid_sd(resolution)` (tied seeds share one rounding error: it does not shrink with n), so the
+    interval spans what the grid cannot tell apart, never a point; without a resolution it is undefined (NaNs), as
     below n = 2."""
     x = np.asarray(values, float)
     if len(x) < 2:
@@ -101,7 +102,7 @@ def mean_ci(values: ArrayLike, confidence: float = CONFIDENCE, resolution: float
     if is_flat(sd, resolution, float(np.mean(np.abs(x)))):
         if not resolution > 0:
             return (math.nan, math.nan)
-        sd = max(sd, grid_sd(resolution))
+        sd = max(sd, grid_sd(resolution) * math.sqrt(len(x)))  # tied seeds share one rounding error
     lo, hi = stats.t.interval(confidence, len(x) - 1, loc=float(x.mean()), scale=sd / math.sqrt(len(x)))
     return (float(lo), float(hi))
 
@@ -131,8 +132,8 @@ def difference_ci(a: ArrayLike, b: ArrayLike, confidence: float = CONFIDENCE,
     if _flat_pair(x, y, resolution):
         if not resolution > 0:
             return (math.nan, math.nan)
-        v1 = max(float(np.var(x, ddof=1)), grid_sd(resolution) ** 2) / len(x)
-        v2 = max(float(np.var(y, ddof=1)), grid_sd(resolution) ** 2) / len(y)
+        v1 = max(float(np.var(x, ddof=1)) / len(x), grid_sd(resolution) ** 2)  # one shared rounding error
+        v2 = max(float(np.var(y, ddof=1)) / len(y), grid_sd(resolution) ** 2)
         df = (v1 + v2) ** 2 / (v1 ** 2 / (len(x) - 1) + v2 ** 2 / (len(y) - 1))
         lo, hi = stats.t.interval(confidence, df, loc=float(x.mean() - y.mean()), scale=math.sqrt(v1 + v2))
         return (float(lo), float(hi))
@@ -198,7 +199,7 @@ def paired_ci(a: ArrayLike, b: ArrayLike, confidence: float = CONFIDENCE,
     if _flat_differences(d, x, y, resolution):
         if not resolution > 0:
             return (math.nan, math.nan)
-        sd = max(float(np.std(d, ddof=1)), grid_sd(resolution, 2))
+        sd = max(float(np.std(d, ddof=1)), grid_sd(resolution, 2) * math.sqrt(len(d)))  # one shared rounding error
         lo, hi = stats.t.interval(confidence, len(d) - 1, loc=float(d.mean()), scale=sd / math.sqrt(len(d)))
         return (float(lo), float(hi))
     with warnings.catch_warnings():

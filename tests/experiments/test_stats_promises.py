@@ -211,9 +211,9 @@ def test_a4_the_variants_interval_covers_the_mean_95_percent_of_the_time(n):
 
 def test_a4_tied_seeds_give_the_grids_width_or_no_interval_and_three_seeds_more_than_min_to_max():
     step = 1 / 128
-    # Seeds tied on the grid: the rounding error's std, step / sqrt(12), stands for the spread the
-    # ties hide, in the t interval of 3 seeds.
-    half = sps.t.ppf(0.975, 2) * step / math.sqrt(12) / math.sqrt(3)
+    # Seeds tied on the grid share one rounding error: its std, step / sqrt(12), is the mean's
+    # standard error at least, in the t interval of 3 seeds (it does not shrink with the seeds).
+    half = sps.t.ppf(0.975, 2) * step / math.sqrt(12)
     assert stats.mean_ci([0.5, 0.5, 0.5], resolution=step) == pytest.approx((0.5 - half, 0.5 + half))
     m = 0.5 + 1 / 1536  # a spread below a quarter of a step is a tie too
     assert stats.mean_ci([0.5, 0.5, 0.5 + 1 / 512], resolution=step) == pytest.approx((m - half, m + half))
@@ -250,12 +250,13 @@ def test_a4_seeds_tied_on_a_grid_cover_the_mean_where_a_point_did_not():
 def test_a4_tied_differences_give_the_grids_width_or_no_interval():
     step = 1 / 128
     base, up = [0.25] * 3, [0.25 + step] * 3
-    # Welch's: both groups tied, each with the rounding error's std; equal stds: 4 degrees of freedom.
-    half = sps.t.ppf(0.975, 4) * step / math.sqrt(12) * math.sqrt(2 / 3)
+    # Welch's: both groups tied, each mean with one rounding error's std; equal: 4 degrees of freedom.
+    half = sps.t.ppf(0.975, 4) * step / math.sqrt(12) * math.sqrt(2)
     assert stats.difference_ci(up, base, resolution=step) == pytest.approx((step - half, step + half))
     assert math.isnan(stats.welch_p(up, base, resolution=step))  # the test itself stays undefined
-    # Paired: every pair differs by one step; a difference carries two values' rounding errors.
-    half = sps.t.ppf(0.975, 2) * step / math.sqrt(6) / math.sqrt(3)
+    # Paired: every pair differs by one step; a difference carries two values' rounding errors,
+    # which the tied pairs share.
+    half = sps.t.ppf(0.975, 2) * step / math.sqrt(6)
     assert stats.paired_ci(up, base, resolution=step) == pytest.approx((step - half, step + half))
     assert math.isnan(stats.paired_p(up, base, resolution=step))
     # Without a resolution: undefined, never a point.
