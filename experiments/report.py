@@ -58,12 +58,14 @@ MACHINE_PROVENANCE = "provenance.json"
 commit, library versions, hardware and command line the runs ran with."""
 
 
-def provenance_summary(specs: Sequence[RunSpec]) -> tuple:
+def provenance_summary(specs: Sequence[RunSpec], study: Optional[Study] = None) -> tuple:
     """(what the results depend on, what the machines were) of a study's runs. The first, kept in
     aggregate.json: the engine code's hash, data hashes, start checkpoints and recipe from the plan,
-    and `hardware_mixed` ({fingerprint: runs}) when the runs' machines differ (their numbers may
-    then differ in the last bits). The second, `MACHINE_PROVENANCE`: the git commit, and versions,
-    hardware and command line from the first run dir with an engine provenance.json."""
+    the baseline's engine bindings as its runs got them and the overrides among them
+    (`run_bindings`), and `hardware_mixed` ({fingerprint: runs}) when the runs' machines differ
+    (their numbers may then differ in the last bits). The second, `MACHINE_PROVENANCE`: the git
+    commit, and versions, hardware and command line from the first run dir with an engine
+    provenance.json."""
     out: Dict = {}
     machine: Dict = {"git_sha": git_commit()}
     if specs:
@@ -71,6 +73,7 @@ def provenance_summary(specs: Sequence[RunSpec]) -> tuple:
         out["data_sha256"] = sorted({s.data_hash for s in specs})
         out["init_from"] = sorted({s.init_from for s in specs if s.init_from})
         out["recipe"] = portable(specs[0].recipe)
+        out.update(run_bindings(specs, study))
     machines: Dict[str, List[str]] = {}
     for s in specs:
         prov = read_json(Path(s.run_dir) / "provenance.json")
@@ -88,6 +91,38 @@ def provenance_summary(specs: Sequence[RunSpec]) -> tuple:
     if len(machines) > 1:
         out["hardware_mixed"] = machines
     return out, machine
+
+
+def run_bindings(specs: Sequence[RunSpec], study: Optional[Study] = None) -> Dict[str, List[str]]:
+    """{'baseline_bindings': the engine bindings the baseline's runs got, in order, less the ones
+    the manager sets per run (seed, threads, start); 'overrides': those of them that neither the
+    study file nor the resumed setting gives (`--overrides FILE:KEY` and `-b` bindings, which win
+    over the file's)}, read from the plan's specs, so a report written later without the overrides
+    still names them. A variant's runs got these and its own change after them. {} without a
+    baseline run; no 'overrides' without the study (or when its file no longer loads)."""
+    from experiments.errors import StudyError
+    from experiments.resume_from import resumed_setting
+    from experiments.study import MANAGED_BINDINGS, load_study, split_binding
+
+    base = next((s for s in specs if s.variant == BASELINE), None)
+    if base is None:
+        return {}
+    ran = [b for b in base.bindings if split_binding(b, "plan.json")[0] not in MANAGED_BINDINGS]
+    out: Dict[str, List[str]] = {"baseline_bindings": ran}
+    if study is not None:
+        try:
+            declared = [*resumed_setting(study), *load_study(study.path).baseline_bindings]
+        except StudyError:
+            return out
+        extra = ran[len(declared):] if ran[:len(declared)] == declared else [b for b in ran if b not in declared]
+        out["overrides"] = extra
+    return out
+
+
+def overrides_text(agg: StudyAggregate) -> str:
+    """'`ppo.clip_range = 0.1`; `ppo.lr = 1e-5`': the overrides a study's runs got ('' when none, or
+    the aggregate predates their record)."""
+    return "; ".join(f"`{b}`" for b in (agg.provenance or {}).get("overrides") or ())
 
 
 def _verdict_text(v: VariantResult, margin: float = 0.0) -> str:
@@ -142,6 +177,9 @@ def render(agg: StudyAggregate) -> str:
                   ""]
     if d.guardrail_violations:
         lines += [f"**Guardrail violations:** {', '.join(d.guardrail_violations)}.", ""]
+    if overrides_text(agg):
+        lines += [f"**Run with overrides:** {overrides_text(agg)}: bindings beyond the study file's (`--overrides` "
+                  f"or `-b`), which every run got (a variant's own change wins).", ""]
     fragile = agg.fragile_variants
     if fragile:
         lines += [f"**Fragile verdicts:** {', '.join(fragile)}: one seed carries the verdict (see the "
@@ -307,6 +345,10 @@ def provenance_lines(agg: StudyAggregate) -> List[str]:
                   f"- engine files sha256 {str(code.get('engine_sha256'))[:16]}"
                   f"{' (engine files modified since the last commit)' if dirty else ''}",
                   f"- recipe: {prov.get('recipe')}; data sha256: {data_sha}"]
+        if prov.get("baseline_bindings") is not None:
+            lines.append("- the baseline's bindings as its runs got them: "
+                         + ("; ".join(f"`{b}`" for b in prov["baseline_bindings"]) or "none")
+                         + (f" (overrides: {overrides_text(agg)})" if overrides_text(agg) else ""))
         if prov.get("init_from"):
             lines.append(f"- started from: {', '.join(prov['init_from'])}")
         lines.append(f"- the machines' records (git commit, versions, hardware, command): {MACHINE_PROVENANCE} "
@@ -336,7 +378,7 @@ def write_report(study: Study, study_dir: Path, specs: Optional[List[RunSpec]] =
     seed_plan = seed_plan if seed_plan is not None else load_seed_plan(study_dir)
     results: List[RunOutcome] = collect(specs, study)
     plots = plot_study(study.name, results, study_dir / "plots")
-    provenance, machine = provenance_summary(specs)
+    provenance, machine = provenance_summary(specs, study)
     agg = aggregate(study, results, provenance, plots=plots, adaptive=adaptive, seed_plan=seed_plan,
                     pilot_correlation=pilot_correlation(find_pilot(study, study_dir.parent)),
                     starts={s.seed: s.init_from for s in specs if s.variant == BASELINE and s.init_from})

@@ -80,6 +80,39 @@ def test_report_files(study_dir):
         "eval_accuracy.png"}
 
 
+def test_overrides_the_runs_got_are_recorded_and_reported(write_study, tmp_path):
+    """Bindings beyond the study file (`--overrides FILE:KEY` joins them to -b) are what the runs
+    trained with: the aggregate records them from the plan, so a report written later without them
+    (`report` with the study file alone) still names them, and an aggregate written before the
+    record reads as it did."""
+    from experiments.collect import load_plan
+    from experiments.launch import write_plan
+    from experiments.results import StudyAggregate
+
+    path = write_study(STUDY)
+    study = load_study(path, ["study.variants = {'good': 'ppo.kl_coef = 0.1'}", "ppo.max_grad_norm = 0.5"])
+    specs = expand(study, tmp_path / "results")
+    for spec in specs:
+        fake_run(spec, ACCURACY[spec.variant][spec.seed])
+    out = tmp_path / "results" / "synthetic"
+    write_plan(out, study, specs, None)  # as `run` launches it
+    agg = write_report(study, out, specs)
+    assert agg.provenance["baseline_bindings"] == ["ppo.total_steps = 5", "ppo.max_grad_norm = 0.5"]
+    assert agg.provenance["overrides"] == ["ppo.max_grad_norm = 0.5"]
+    report = (out / "report.md").read_text()
+    assert "**Run with overrides:** `ppo.max_grad_norm = 0.5`" in report
+    assert "- the baseline's bindings as its runs got them: `ppo.total_steps = 5`; `ppo.max_grad_norm = 0.5`" in report
+    later = write_report(load_study(path, ["study.variants = {'good': 'ppo.kl_coef = 0.1'}"]), out, load_plan(out))
+    assert later.provenance["overrides"] == ["ppo.max_grad_norm = 0.5"]
+    plain = write_report(load_study(path, ["study.variants = {'good': 'ppo.kl_coef = 0.1'}"]), out,
+                         expand(load_study(path, ["study.variants = {'good': 'ppo.kl_coef = 0.1'}"]), tmp_path / "r2"))
+    assert plain.provenance["overrides"] == [] and "Run with overrides" not in render(plain)
+    saved = agg.to_json()
+    saved["provenance"] = {k: v for k, v in saved["provenance"].items() if k not in ("baseline_bindings", "overrides")}
+    old = StudyAggregate.from_json(saved)
+    assert "overrides" not in old.provenance and "Run with overrides" not in render(old)
+
+
 def test_underpowered_when_few_seeds(write_study, tmp_path):
     study = load_study(write_study(STUDY), ["study.seeds = 2"])
     specs = expand(study, tmp_path / "r")
