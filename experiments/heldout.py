@@ -22,7 +22,9 @@ and eval/greedy_accuracy), the first round's starting model (the warm start), th
 checkpoint of every seed of the last round's chosen variant, and the checkpoint with the best
 gold accuracy over all rounds. Sampling is seeded from the run's seed on a stream of its own
 (`rlhf.rollout.SeedStream.TEST`), the model runs on the CPU with the numerics profile's pinned threads, so the
-record is the same bytes on every run of the command. `heldout_lines` renders it for the summary.
+record is the same bytes on every run of the command. A value a run logged as NaN (or infinite), and
+the scores of a model whose weights are not finite, are missing: null in the record, each said in
+its `missing` list and by the command, never a traceback. `heldout_lines` renders it for the summary.
 """
 
 from __future__ import annotations
@@ -184,6 +186,17 @@ class Scorer:
         self.samples_per_prompt = samples_per_prompt
         self._unread: set = set()
         self._fit: set = set()
+        self.missing: List[str] = []
+        """What the record holds as missing (null) and why, one line each: a value a run logged as
+        NaN or infinite, a model whose weights are not finite."""
+
+    def finite(self, value: Optional[float], what: str) -> Optional[float]:
+        """`value`, or None when it is NaN or infinite (said in `missing` as `what` and the value):
+        the record is strict JSON, and a run that logged NaN has no value to show."""
+        if value is None or math.isfinite(value):
+            return value
+        self.missing.append(f"{what} is {value} (logged by the run): recorded as missing")
+        return None
 
     def check_unread(self, cfg, where: str) -> None:
         """`check_unread` once per task configuration."""
@@ -206,7 +219,9 @@ class Scorer:
         self._fit.add(key)
 
     def score(self, cfg, start_dir: Path, seed: int, where: str) -> Dict[str, Optional[float]]:
-        """`gold_accuracy` of the policy at `start_dir` under run config `cfg`, sampled on `seed`'s test stream."""
+        """`gold_accuracy` of the policy at `start_dir` under run config `cfg`, sampled on `seed`'s
+        test stream; every metric None (said in `missing`) when the policy's weights are not all
+        finite: such a model generates nothing to score."""
         import torch
         import transformers
 
@@ -226,6 +241,11 @@ class Scorer:
         transformers.utils.logging.disable_progress_bar()
         with numerics.fixed_threads():
             policy = build_policy(cfg.ppo, str(start_dir), str(model_dir), torch.device("cpu")).eval()
+            bad = next((name for name, p in policy.named_parameters() if not bool(torch.isfinite(p).all())), None)
+            if bad is not None:
+                self.missing.append(f"{portable(start_dir)} (seed {seed}) has non-finite weights ({bad}): its "
+                                    f"test scores are recorded as missing")
+                return dict.fromkeys(METRICS)
             return gold_accuracy(policy, tokenizer, cfg, self.examples, (seed, SeedStream.TEST),
                                  self.samples_per_prompt)
 
@@ -299,8 +319,10 @@ def _warm_start(scorer: Scorer, first: tuple, seeds: Sequence[int]) -> dict:
         cfg = run_config(study_dir / run.run_dir)
         start = start_of(cfg)
         initial = (summary(study_dir / run.run_dir) or {}).get("initial") or {}
+        value = scalar(initial.get(GOLD_METRIC)) if run.seed == seed else None
         rows.append({"seed": seed, "path": portable(start), **scorer.score(cfg, start, seed, study.name),
-                     "eval_accuracy": scalar(initial.get(GOLD_METRIC)) if run.seed == seed else None})
+                     "eval_accuracy": scorer.finite(value, f"{study.name} baseline seed {seed}'s {GOLD_METRIC} "
+                                                           f"before training")})
     paths = {row["path"] for row in rows}
     return {"study": study.name, "path": paths.pop() if len(paths) == 1 else None, "seeds": rows}
 
@@ -327,9 +349,11 @@ def _final_choice(scorer: Scorer, last: tuple, finals: list, warm: dict) -> dict
     rows = []
     for run, ckpt in finals:
         step = int(ckpt.name.rsplit("_", 1)[-1])
+        value = eval_value_at(study_dir / run.run_dir, step)
         rows.append({"seed": run.seed, "path": portable(ckpt), "step": step,
                      **scorer.score(run_config(study_dir / run.run_dir), ckpt / "actor", run.seed, study.name),
-                     "eval_accuracy": eval_value_at(study_dir / run.run_dir, step)})
+                     "eval_accuracy": scorer.finite(value, f"{study.name} {agg.decision.chosen} seed {run.seed}'s "
+                                                           f"{GOLD_METRIC} at step {step}")})
     chosen = agg.decision.chosen
     return {"study": study.name, "variant": chosen, "bindings": list(agg.variants[chosen].bindings), "seeds": rows,
             "summary": {m: summarize([row[m] for row in rows]) for m in (*METRICS, "eval_accuracy")},
@@ -379,7 +403,7 @@ def heldout_record(rounds: Sequence[Tuple[Study, Path, StudyAggregate]], test_fi
             "test": {"path": portable(test_file), "prompts": len(examples), "sha256": dataset_hash(list(examples))},
             "samples_per_prompt": samples_per_prompt or None, "seed_salt": int(SeedStream.TEST),
             "warm_start": warm, "final_choice": _final_choice(scorer, rounds[-1], finals, warm),
-            "best_checkpoint": _best_checkpoint(scorer, rounds)}
+            "best_checkpoint": _best_checkpoint(scorer, rounds), "missing": scorer.missing}
 
 
 def cmd_heldout(args) -> int:
@@ -394,8 +418,12 @@ def cmd_heldout(args) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_text(args.out, json.dumps(record, indent=2, allow_nan=False) + "\n")  # strict JSON: None, never NaN
     final = record["final_choice"]["summary"]["accuracy"]
+    for line in record["missing"]:
+        print(f"notice: {line}")
     print(f"wrote {args.out}: final choice {record['final_choice']['variant']!r} of {record['final_choice']['study']} "
-          f"{_fmt(final['mean'])} on {len(examples)} test prompts ({final['n']} seeds)")
+          f"{_fmt(final['mean'])} on {len(examples)} test prompts ({final['n']} seeds"
+          + (f"; {len(record['missing'])} missing value(s), listed above and in the record" if record["missing"]
+             else "") + ")")
     return 0
 
 
@@ -459,6 +487,8 @@ def heldout_lines(record: dict) -> List[str]:
     if best:
         lines += ["", f"The best gold checkpoint was picked as the highest of many on the evaluation split "
                       f"({_fmt(best['eval_accuracy'])}); on the test split it scores {_fmt(best['accuracy'])}."]
+    if record.get("missing"):
+        lines += ["", "Missing values (shown as -, left out of the means): " + "; ".join(record["missing"]) + "."]
     return lines + [""]
 
 

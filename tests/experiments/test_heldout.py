@@ -254,3 +254,58 @@ def test_bad_input_is_one_line(path, capsys):
     finally:
         aggregate_path(results / "r2").write_bytes(saved)
     assert not (path / "x.json").exists()
+
+
+def _nan_weights(safetensors_file: Path) -> None:
+    """Every float32 tensor of a safetensors file set to NaN in place (the file keeps its size, so
+    the checkpoint's manifest still holds)."""
+    import struct
+
+    raw = bytearray(safetensors_file.read_bytes())
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + size])
+    for name, meta in header.items():
+        if name != "__metadata__" and meta["dtype"] == "F32":
+            start, end = (8 + size + offset for offset in meta["data_offsets"])
+            raw[start:end] = struct.pack("<f", float("nan")) * ((end - start) // 4)
+    safetensors_file.write_bytes(bytes(raw))
+
+
+def test_a_nan_is_a_missing_value_said_in_one_line_not_a_traceback(path, tmp_path, capsys):
+    """A run that logged NaN (its evaluation before training, its final eval row) and a checkpoint
+    whose weights are NaN: the record holds null for each, says why in `missing`, stays strict JSON,
+    and the summary's section lists them."""
+    from experiments.heldout import heldout_lines
+
+    root = tmp_path / "copy"
+    shutil.copytree(path, root)
+    results = root / "results"
+    summary = results / "r1" / "runs" / "baseline" / "seed0" / "summary.json"
+    data = json.loads(summary.read_text())
+    data["initial"]["eval/accuracy"] = float("nan")
+    summary.write_text(json.dumps(data))
+    metrics = results / "r2" / "runs" / "kl" / "seed1" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    for row in rows:
+        if row["step"] == STEP:
+            row["eval/accuracy"] = float("nan")
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    _nan_weights(results / "r2" / "runs" / "kl" / "seed0" / "checkpoints" / f"step_{STEP}" / "actor" /
+                 "model.safetensors")
+
+    capsys.readouterr()
+    assert heldout(root, "nan.json") == 0
+    out = capsys.readouterr().out
+    record = strict_json((root / "nan.json").read_text())
+    assert record["warm_start"]["seeds"][0]["eval_accuracy"] is None
+    final = {row["seed"]: row for row in record["final_choice"]["seeds"]}
+    assert final[1]["eval_accuracy"] is None and final[0]["accuracy"] is None and final[0]["greedy_accuracy"] is None
+    assert final[1]["accuracy"] is not None and record["final_choice"]["summary"]["accuracy"]["n"] == 1
+    missing = record["missing"]
+    assert len(missing) == 3, missing
+    assert any("r1 baseline seed 0's eval/accuracy before training is nan" in m for m in missing)
+    assert any("r2 kl seed 1's eval/accuracy at step 1 is nan" in m for m in missing)
+    assert any("has non-finite weights" in m for m in missing)
+    assert out.count("notice: ") == 3 and "3 missing value(s)" in out
+    lines = "\n".join(heldout_lines(record))
+    assert "Missing values (shown as -, left out of the means)" in lines and "non-finite weights" in lines

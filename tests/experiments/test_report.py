@@ -224,6 +224,8 @@ def test_best_gold_checkpoint_of_a_run(tmp_path):
     assert best_checkpoint(run_dir) == (2, 0.55)
     checkpointed_run(run_dir, {2: 0.55, 5: 0.55}, checkpoints=())
     assert best_checkpoint(run_dir) == (2, 0.55)  # a tie: the earliest
+    checkpointed_run(run_dir, {2: float("nan"), 5: 0.55}, checkpoints=())
+    assert best_checkpoint(run_dir) == (5, 0.55)  # a NaN is no score
     assert best_checkpoint(run_dir, "eval/rm_score") is None
 
 
