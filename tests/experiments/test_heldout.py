@@ -195,6 +195,45 @@ def test_heldout_scores_the_warm_start_the_choice_and_the_best_checkpoint(path):
     assert any(line.startswith("Final choice - warm start on the test split (sampled)") for line in lines)
 
 
+def test_the_record_keeps_each_models_scores_per_prompt(path):
+    """Each scored model's right responses per prompt, which the summary's intervals resample: they
+    add up to its accuracy, one count per test prompt, each list on one line of the file."""
+    from experiments.heldout import SPLIT_SIZE, heldout_lines, share
+
+    assert heldout(path, "per_prompt.json") == 0
+    text = (path / "per_prompt.json").read_text()
+    record = strict_json(text)
+    prompts = record["test"]["prompts"]
+    rows = [*record["warm_start"]["seeds"], *record["final_choice"]["seeds"], record["best_checkpoint"]]
+    for row in rows:
+        for metric in ("accuracy", "greedy_accuracy"):
+            got = row["per_prompt"][metric]
+            assert len(got["correct"]) == prompts and all(0 <= k <= got["samples"] for k in got["correct"])
+            assert share(got) == row[metric]
+        assert row["per_prompt"]["greedy_accuracy"]["samples"] == 1
+    assert re.search(r'"correct": \[\d+(, \d+)+\]', text)  # one line each
+    assert record["final_choice"]["lineages"] == {}
+
+    section = "\n".join(heldout_lines(record))
+    assert "two-level bootstrap that resamples the prompts and the units (10,000 replicates" in section
+    assert "paired by seed and prompt" in section and "prompts ignored" not in section
+    assert "| final choice `kl` (r2) |" in section and "| 2 seeds |" in section
+    best = next(line for line in section.splitlines() if line.startswith("| best gold"))
+    assert best.count("[") == 2  # the best checkpoint's interval, over the prompts alone
+    # Two seeds that share a start are one unit.
+    assert "| 1 lineage (2 seeds) |" in "\n".join(heldout_lines(record, {"start": [0, 1]}))
+    # The power line: the split against a target effect it cannot detect, and why it is the size it is.
+    tiny_target = "\n".join(heldout_lines(record, target_effect=1e-4))
+    assert "**The test split is too small to detect the target effect 0.0001**" in tiny_target
+    assert SPLIT_SIZE in tiny_target
+    assert "too small" not in "\n".join(heldout_lines(record, target_effect=10.0))
+    # A record written before the per-prompt scores: intervals over the seeds, said to ignore the prompts.
+    for row in rows:
+        row.pop("per_prompt")
+    old = "\n".join(heldout_lines(record, target_effect=1e-4))
+    assert "**This record has no per-prompt scores**" in old and "prompts ignored" in old and "Power:" not in old
+
+
 def test_the_score_is_the_engines_eval_accuracy(path):
     """On the rows and seed stream the engine evaluated with, the scorer gives exactly the run's logged
     eval/accuracy and eval/greedy_accuracy: the test split is scored with the same metric."""
