@@ -186,8 +186,8 @@ def test_reward_model_score_is_reported_beside_gold_accuracy(write_study, tmp_pa
     assert agg.to_json()["variants"]["good"]["beside"]["eval/rm_score"]["n"] == 4
     report = (tmp_path / "results" / "synthetic" / "report.md").read_text()
     assert "| variant | eval/rm_score |" in report and "2.05 +- " in report
-    from experiments.report import render_summary
     from experiments.results import StudyAggregate
+    from experiments.summary import render_summary
     assert StudyAggregate.from_json(agg.to_json()) == agg
     text = render_summary([(study, agg)], tmp_path / "results")
     assert "eval/rm_score" in text and ("At the warm start (each first-round baseline seed's evaluation before "
@@ -252,8 +252,8 @@ def test_report_points_to_the_checkpoint_with_the_best_gold(study_dir):
     assert ("Best of the study: `runs/hot/seed1/checkpoints/step_3` (hot, seed 1, step 3): "
             "eval/accuracy = 0.82") in report
     assert "| same | 2 | 3 | 0.63 | `runs/same/seed2/checkpoints/step_3` |" in report
-    from experiments.report import render_summary
     from experiments.results import StudyAggregate
+    from experiments.summary import render_summary
     summary = render_summary([(study, agg)], out.parent)
     where = f"{out}/runs/hot/seed1/checkpoints/step_3` (hot, seed 1, step 3)"  # a path that exists
     assert (out / "runs/hot/seed1/checkpoints/step_3").is_dir()
