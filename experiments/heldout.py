@@ -38,7 +38,7 @@ the seeds, for machines; the summary's own figures count lineages and prompts), 
 (study, variant, seed, step, path, eval_accuracy, accuracy, greedy_accuracy) and `missing`. Each
 scored model's `per_prompt` holds, per metric, `samples` (responses per prompt) and `correct` (how
 many of each prompt's were right, in the test file's order): what the summary's intervals resample
-(`test_statistics`). Records written before `per_prompt` was kept still render, with intervals
+(`split_statistics`). Records written before `per_prompt` was kept still render, with intervals
 that say they ignore which prompts were drawn.
 """
 
@@ -502,7 +502,7 @@ def _fractions(row: dict, metric: str) -> Optional[np.ndarray]:
     return None if not got else np.asarray(got["correct"], float) / got["samples"]
 
 
-def test_statistics(rows: Sequence[dict], metric: str, units: Sequence[Sequence[int]],
+def split_statistics(rows: Sequence[dict], metric: str, units: Sequence[Sequence[int]],
                     against: Optional[Sequence[dict]] = None) -> Optional[dict]:
     """The test-split mean of `metric` over `rows` (one per seed), or with `against` (the warm
     start's rows) the mean difference, seed s against seed s; over independent `units` (the mean of
@@ -547,10 +547,11 @@ def test_statistics(rows: Sequence[dict], metric: str, units: Sequence[Sequence[
 def split_power(difference: Optional[dict], alpha: float = 0.05,
                 target: Optional[float] = None) -> Optional[dict]:
     """What the split's prompts can detect, from the spread of a difference's per-prompt values
-    (`test_statistics(...)['per_prompt']`): the smallest true difference the paired t over the
-    prompts detects with 80% power at `alpha` (`stats.min_detectable_effect`), a floor that no number
-    of seeds lowers (their own spread only adds to it), and with a `target` the prompts that would
-    detect it (`stats.seeds_needed`, counting prompts; None beyond its cap). None without
+    (`split_statistics(...)['per_prompt']`): the smallest true difference the paired t over the
+    prompts detects with 80% power at `alpha` (`stats.min_detectable_effect`), and with a `target`
+    the prompts that would detect it (`stats.seeds_needed`, counting prompts; None beyond its cap).
+    More seeds shrink only the sampling noise in that spread, not how differently the prompts
+    respond to training, so this is close to the most the split can detect. None without
     per-prompt values."""
     from experiments import stats
 
@@ -623,7 +624,7 @@ def heldout_lines(record: dict, lineages: Optional[Mapping[str, Sequence[int]]] 
     warm_units = seed_units([row["seed"] for row in warm_rows])
     final_rows = final["seeds"] if final else []
     final_units = seed_units([row["seed"] for row in final_rows], lineages)
-    best_rows = [{**best, "seed": best["seed"]}] if best else []
+    best_rows = [best] if best else []
     rows_with_scores = [row for row in (*warm_rows, *final_rows, *best_rows) if row.get("accuracy") is not None]
     two_level = bool(rows_with_scores) and all(row.get("per_prompt") for row in rows_with_scores)
     if two_level:
@@ -645,18 +646,18 @@ def heldout_lines(record: dict, lineages: Optional[Mapping[str, Sequence[int]]] 
              "| model | path | units | eval split | test split (sampled) | 95% CI | test split (greedy) | 95% CI |",
              "|---|---|---|---|---|---|---|---|"]
     if warm:
-        s, g = (test_statistics(warm_rows, m, warm_units) for m in METRICS)
+        s, g = (split_statistics(warm_rows, m, warm_units) for m in METRICS)
         lines.append(f"| warm start ({warm['study']}) | `{warm.get('path') or 'per seed'}` | "
                      f"{_units_text(s, one_model=True)} | {_fmt(_eval_mean(warm_rows, warm_units))} | {_mean(s)} | "
                      f"{_ci(s and s['ci95'])} | {_mean(g)} | {_ci(g and g['ci95'])} |")
     if final:
-        s, g = (test_statistics(final_rows, m, final_units) for m in METRICS)
+        s, g = (split_statistics(final_rows, m, final_units) for m in METRICS)
         paths = sorted({re.sub(r"/seed\d+/", "/seed*/", row["path"]) for row in final_rows})
         lines.append(f"| final choice `{final['variant']}` ({final['study']}) | {', '.join(f'`{p}`' for p in paths)} | "
                      f"{_units_text(s)} | {_fmt(_eval_mean(final_rows, final_units))} | {_mean(s)} | "
                      f"{_ci(s and s['ci95'])} | {_mean(g)} | {_ci(g and g['ci95'])} |")
     if best:
-        s, g = (test_statistics(best_rows, m, [[best["seed"]]]) for m in METRICS)
+        s, g = (split_statistics(best_rows, m, [[best["seed"]]]) for m in METRICS)
         lines.append(f"| best gold checkpoint ({best['study']} {best['variant']}/seed{best['seed']} step "
                      f"{best['step']}) | `{best['path']}` | 1 seed | {_fmt(best['eval_accuracy'])} | "
                      f"{_fmt(best['accuracy'])} | {_ci(s and s['ci95']) if two_level else '-'} | "
@@ -665,7 +666,7 @@ def heldout_lines(record: dict, lineages: Optional[Mapping[str, Sequence[int]]] 
     if final and warm:
         lines.append("")
         for metric, name in (("accuracy", "sampled"), ("greedy_accuracy", "greedy")):
-            d = test_statistics(final_rows, metric, final_units, against=warm_rows)
+            d = split_statistics(final_rows, metric, final_units, against=warm_rows)
             if metric == "accuracy":
                 sampled = d
             if d is None:
@@ -692,7 +693,8 @@ def power_lines(power: Optional[dict]) -> List[str]:
         return []
     text = (f"Power: from the spread of the sampled difference over the {power['prompts']} prompts (sd "
             f"{power['sd']:.3g} from prompt to prompt), the test split detects a difference of {power['mde']:.3g} "
-            f"at 80% power (alpha {power['alpha']:g}), however many seeds are run")
+            f"at 80% power (alpha {power['alpha']:g}); more seeds shrink only the sampling noise in that spread, not "
+            f"how differently the prompts respond")
     target = power["target"]
     if target is None:
         return ["", text + "."]

@@ -121,6 +121,27 @@ def setting_as_run(agg: StudyAggregate, variant: str) -> Optional[Dict[str, str]
     return _bindings([*ran, *agg.variants[variant].bindings])
 
 
+def setting_after(setting: Dict[str, str], sources: Dict[str, str], name: str,
+                  agg: StudyAggregate) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """(the tuned setting, where each parameter came from) after round `name` (aggregate `agg`),
+    from those before it: the parameters the round's choice binds ('chosen by NAME') and those its
+    overrides set ("set by NAME's overrides") join the setting, and every parameter takes the value
+    the chosen variant's runs trained with (`setting_as_run`); one those runs did not bind leaves
+    it (they ran the recipe's value). An aggregate written before the bindings were recorded adds
+    its choice as stated."""
+    overridden = _bindings((agg.provenance or {}).get("overrides") or ())
+    own = _bindings(agg.chosen.bindings if agg.chosen is not None else ())
+    sources = {**sources, **{k: f"set by {name}'s overrides" for k in overridden},
+               **{k: f"chosen by {name}" for k in own}}
+    choice = agg.decision.chosen
+    ran = setting_as_run(agg, choice) if choice else None
+    if ran is None:
+        new = {**setting, **own}
+    else:
+        new = {k: ran[k] for k in [*setting, *(k for k in [*overridden, *own] if k not in setting)] if k in ran}
+    return new, {k: sources[k] for k in new}
+
+
 def _setting_text(setting: Dict[str, str]) -> str:
     return ", ".join(f"`{k} = {v}`" for k, v in setting.items())
 
@@ -187,7 +208,8 @@ def model_to_ship(agg: StudyAggregate, study_dir: Path, heldout: Optional[dict] 
     recipe, which overstates what the recipe gives and what the model will do; the median seed is a
     typical draw, so the recipe's figures describe it. The checkpoint is the run's newest intact one
     when the results are here, else the one the `heldout` record scored, else the run's final step.
-    {seed, value, rank, n, path, exists}; None without a completed seed."""
+    {seed, value, n (the completed seeds), path, exists (the checkpoint is here)}; None without a
+    completed seed."""
     from experiments.run_records import latest_checkpoint
 
     chosen = agg.chosen
@@ -197,8 +219,8 @@ def model_to_ship(agg: StudyAggregate, study_dir: Path, heldout: Optional[dict] 
         return None
     run = runs[(len(runs) - 1) // 2]
     ckpt = latest_checkpoint(study_dir / run.run_dir)
-    scored = {row["seed"]: row["path"] for row in ((heldout or {}).get("final_choice") or {}).get("seeds", [])
-              if (heldout or {}).get("final_choice", {}).get("study") == agg.study}
+    final = (heldout or {}).get("final_choice") or {}
+    scored = {row["seed"]: row["path"] for row in final.get("seeds", [])} if final.get("study") == agg.study else {}
     path = (portable(ckpt) if ckpt is not None else scored.get(run.seed)
             or f"{portable(study_dir / run.run_dir)}/checkpoints/step_{run.steps}")
     return {"seed": run.seed, "value": run.value, "n": len(runs), "path": path, "exists": ckpt is not None}
@@ -236,27 +258,35 @@ def _verdict_unconfirmed(setting: Dict[str, str], sources: Dict[str, str], recip
             f"start {evidence}.")
 
 
+def confirms(record: Confirmation, higher: bool) -> bool:
+    """Whether the confirmation shows the tuned recipe better than the baseline, its guardrails holding."""
+    return (not record.guardrail_violations and record.p < record.alpha and record.difference != 0
+            and (record.difference > 0) == higher)
+
+
 def _verdict_confirmed(record: Confirmation, higher: bool, recipe: str, target: Optional[float]) -> str:
     """The first line from a confirmation run's record."""
+    from scipy.stats import norm
+
     from experiments import stats
 
     change = _setting_text(_bindings(record.bindings)) or f"the baseline recipe `{recipe}` as is"
+    interval = f"{record.difference:+.4f} [{record.ci[0]:.4f}, {record.ci[1]:.4f}]"
     seeds = f" ({record.n_seeds} seeds)" if record.n_seeds and record.n_seeds != record.n_units else ""
-    evidence = (f"{record.difference:+.4f} [{record.ci[0]:.4f}, {record.ci[1]:.4f}], p = {record.p:.2g}; "
-                f"{record.n_units} lineages per arm{seeds}" + (f", `{record.study}`" if record.study else ""))
+    units = f"{record.n_units} lineages per arm{seeds}" + (f", `{record.study}`" if record.study else "")
     if record.guardrail_violations:
         return (f"**Nothing to deploy:** the confirmation runs of {change} break a guardrail "
-                f"({'; '.join(record.guardrail_violations)}) ({evidence}): keep the baseline recipe `{recipe}`.")
-    if record.p < record.alpha and (record.difference > 0) == higher and record.difference != 0:
-        return f"**Deploy** {change}: {record.difference:+.4f} [{record.ci[0]:.4f}, {record.ci[1]:.4f}] over the " \
-               f"baseline (p = {record.p:.2g}; {record.n_units} lineages per arm{seeds}" \
-               + (f", `{record.study}`" if record.study else "") + ")."
+                f"({'; '.join(record.guardrail_violations)}) ({interval}, p = {record.p:.2g}; {units}): keep the "
+                f"baseline recipe `{recipe}`.")
+    if confirms(record, higher):
+        return f"**Deploy** {change}: {interval} over the baseline (p = {record.p:.2g}; {units})."
     needed = record.seeds_needed
     effect = target if target else abs(record.difference)
-    if needed is None and effect:
-        se = (record.ci[1] - record.ci[0]) / (2 * 1.96)
-        needed = stats.seeds_needed(effect, se * math.sqrt(record.n_units / 2), record.alpha)
-    keep = f"**No evidence that the tuned recipe beats the baseline** ({evidence}): keep the baseline recipe `{recipe}`"
+    if needed is None and effect:  # the per-arm spread the interval implies: its half-width is z * sd * sqrt(2 / n)
+        sd = (record.ci[1] - record.ci[0]) / (2 * float(norm.ppf(0.975))) * math.sqrt(record.n_units / 2)
+        needed = stats.seeds_needed(effect, sd, record.alpha)
+    keep = (f"**No evidence that the tuned recipe beats the baseline** ({interval}, p = {record.p:.2g}; {units}): keep "
+            f"the baseline recipe `{recipe}`")
     if needed is not None and needed <= record.n_units:
         return (f"{keep}: {record.n_units} lineages per arm detect {effect:+.3g} at 80% power, so a gain that size "
                 f"would likely have shown.")
@@ -357,15 +387,7 @@ def render_summary(rounds: Sequence[tuple], results_dir: Path, heldout: Optional
         if decision.guardrail_violations:
             body.append(f"\nGuardrail violations: {list(decision.guardrail_violations)}")
         chosen = agg.chosen
-        for key in _bindings((agg.provenance or {}).get("overrides") or ()):
-            sources[key] = f"set by {study.name}'s overrides"
-            setting[key] = ""
-        for key, value in _bindings(chosen.bindings if chosen else ()).items():
-            setting[key], sources[key] = value, f"chosen by {study.name}"
-        ran = setting_as_run(agg, decision.chosen) if decision.chosen else None
-        if ran is not None:  # the values the runs trained with; a parameter they did not bind is the recipe's
-            setting = {k: ran[k] for k in setting if k in ran}
-        setting = {k: v for k, v in setting.items() if v}
+        setting, sources = setting_after(setting, sources, study.name, agg)
         after = _setting_text(setting) or "the baseline's"
         if chosen is not None and not chosen.guardrails_ok:
             after += f" ⚠ its runs break a guardrail ({_guardrail_text(chosen)})"
@@ -482,9 +504,7 @@ def _ship_lines(last: StudyAggregate, study_dir: Path, heldout: Optional[dict], 
     if broken:
         return ["No model to ship: the final choice's runs break a guardrail."]
     if confirmation is not None:
-        deploy = (not confirmation.guardrail_violations and confirmation.p < confirmation.alpha
-                  and (confirmation.difference > 0) == higher and confirmation.difference != 0)
-        if deploy:
+        if confirms(confirmation, higher):
             return export_lines(confirmation.model, "the tuned recipe's model the confirmation run names")
         if confirmation.baseline_model:
             return export_lines(confirmation.baseline_model, "the baseline recipe's model the confirmation run names")
