@@ -580,9 +580,11 @@ def _signed(x) -> str:
 
 
 def _units_text(got: Optional[dict], one_model: bool = False) -> str:
-    """'3 lineages (5 seeds)', '5 seeds', '1 seed'."""
+    """'3 lineages (5 seeds)', '5 seeds', '1 seed', '1 model (5 seeds)'."""
     if got is None:
         return "0"
+    if one_model and got["seeds"] > 1:
+        return f"1 model ({got['seeds']} seeds)"
     if got["units"] == got["seeds"] or one_model:
         return f"{got['seeds']} seed{'s' if got['seeds'] != 1 else ''}"
     return f"{got['units']} lineage{'s' if got['units'] != 1 else ''} ({got['seeds']} seeds)"
@@ -608,7 +610,8 @@ def heldout_lines(record: dict, lineages: Optional[Mapping[str, Sequence[int]]] 
 
     Every figure counts independent units: the final choice's seeds that share a start checkpoint
     (`lineages`, the last round's `StudyAggregate.lineages`, else the record's own) are one unit,
-    their mean; the warm start is one model, each seed its own sampling stream. Intervals are
+    their mean; the warm start is one model, its seeds only sampling streams, so with per-prompt
+    scores it is one unit (over seeds without them). Intervals are
     `stats.two_level_interval`'s (prompts and units resampled), from the per-prompt scores the record
     keeps; a record written before it kept them gets t intervals over the units and a line saying
     they ignore which prompts were drawn. `target_effect` (the rounds' study.target_effect): the
@@ -621,12 +624,15 @@ def heldout_lines(record: dict, lineages: Optional[Mapping[str, Sequence[int]]] 
     warm, final, best = record.get("warm_start"), record.get("final_choice"), record.get("best_checkpoint")
     lineages = lineages if lineages is not None else (final or {}).get("lineages") or {}
     warm_rows = warm["seeds"] if warm else []
-    warm_units = seed_units([row["seed"] for row in warm_rows])
     final_rows = final["seeds"] if final else []
     final_units = seed_units([row["seed"] for row in final_rows], lineages)
     best_rows = [best] if best else []
     rows_with_scores = [row for row in (*warm_rows, *final_rows, *best_rows) if row.get("accuracy") is not None]
     two_level = bool(rows_with_scores) and all(row.get("per_prompt") for row in rows_with_scores)
+    # The warm start is one model: its seeds are sampling streams, whose noise each prompt's score
+    # already holds, so with per-prompt scores it is one unit and its interval is over the prompts.
+    warm_seeds = [row["seed"] for row in warm_rows]
+    warm_units = [warm_seeds] if two_level and warm_seeds else seed_units(warm_seeds)
     if two_level:
         method = ("Means over independent units (the seeds of a lineage, which share a start checkpoint, count "
                   "once); 95% intervals from a two-level bootstrap that resamples the prompts and the units "

@@ -186,7 +186,8 @@ def gain(final_units: Sequence[float], start: Sequence[float]) -> Optional[dict]
 def _gain_text(g: Optional[dict], final_units: int, final_seeds: int, starts: int) -> str:
     """'+0.0052 [-0.0416, 0.0520] (p = 0.79; 3 lineages (5 seeds) against 3 first evaluations)'."""
     if g is None:
-        return "unknown (the first round's run dirs are not here: `dvc pull` brings results/)"
+        return ("unknown (the first round's run dirs are not here: `dvc pull` brings results/)" if not starts
+                else "unknown (the final choice has no completed seed with a value)")
     p = f"p = {g['p']:.2g}; " if g["p"] is not None else ""
     return (f"{g['difference']:+.4f} {_ci4(g['ci95'])} ({p}{units_text(final_units, final_seeds)} against "
             f"{starts} first evaluation{'s' if starts != 1 else ''})")

@@ -218,6 +218,7 @@ def test_the_record_keeps_each_models_scores_per_prompt(path):
     assert "two-level bootstrap that resamples the prompts and the units (10,000 replicates" in section
     assert "paired by seed and prompt" in section and "prompts ignored" not in section
     assert "| final choice `kl` (r2) |" in section and "| 2 seeds |" in section
+    assert "| 1 model (2 seeds) |" in section  # the warm start: its seeds are sampling streams of one model
     best = next(line for line in section.splitlines() if line.startswith("| best gold"))
     assert best.count("[") == 2  # the best checkpoint's interval, over the prompts alone
     # Two seeds that share a start are one unit.
