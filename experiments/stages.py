@@ -4,7 +4,8 @@
     python -m experiments sft     --recipe R --data data/arithmetic --out models/sft
     python -m experiments params  STUDY.gin... --out params
     python -m experiments export  STUDY.gin --results results --out reports
-    python -m experiments summary STUDY.gin... --results results --out reports/summary.md
+    python -m experiments summary STUDY.gin... --results results [--heldout reports/heldout.json]
+        [--confirmation RECORD.json] --out reports/summary.md
 
 DVC cannot read gin, so `params` resolves each study recipe into a YAML file that DVC reads as
 params (the recipe stays the one source of truth): the parameters as the runs get them, so a
