@@ -485,8 +485,9 @@ def _first_screen(rounds, results_dir: Path, setting: Dict[str, str], sources: D
         lines.append("At the warm start (each first-round baseline seed's evaluation before training): "
                      + "; ".join(f"{m} = {sum(v) / len(v):.4f}" for m, v in start) + ".")
     if g is not None:
+        each = "lineage means" if len(units) < seeds else "seeds"
         lines.append(f"Gain over the warm start: {_gain_text(g, len(units), seeds, len(start_values))}, Welch's test "
-                     f"of the final choice's lineage means against the first evaluations, on the eval split.")
+                     f"of the final choice's {each} against the first evaluations, on the eval split.")
     if best_overall is not None:
         study, best, metric = best_overall
         lines.append(f"Best single checkpoint on the eval split: "
