@@ -15,6 +15,9 @@ own configuration, when it is used. Fresh prompts cannot do this for the embedde
 task: its train and held-out rows are every `a+b=` / `a-b=` with operands up to
 task.max_operand, and prompts with larger operands are another task (the demo's SFT warm
 start, right on ~30% of the held-out rows, is right on 1 to 6% of those with operands up to 25).
+So the split is as large as the task's unread held-out rows (the demo's: 41 of its 169 held-out
+rows, past the 128 every run evaluates): a larger one changes the data or task.eval_size, which
+every run read, and so means running every stage again (`SPLIT_SIZE`).
 
 `heldout` scores on it, with the engine's gold metric (pass@1 sampled at ppo.eval_temperature
 with the run's sampling settings, and greedy, as `PPOTrainer.evaluate` computes eval/accuracy
@@ -22,7 +25,21 @@ and eval/greedy_accuracy), the first round's starting model (the warm start), th
 checkpoint of every seed of the last round's chosen variant, and the checkpoint with the best
 gold accuracy over all rounds. Sampling is seeded from the run's seed on a stream of its own
 (`rlhf.rollout.SeedStream.TEST`), the model runs on the CPU with the numerics profile's pinned threads, so the
-record is the same bytes on every run of the command. `heldout_lines` renders it for the summary.
+record is the same bytes on every run of the command. A value a run logged as NaN (or infinite), and
+the scores of a model whose weights are not finite, are missing: null in the record, each said in
+its `missing` list and by the command, never a traceback. `heldout_lines` renders it for the summary.
+
+The record (`heldout_record`, strict JSON): `metric`, `studies`, `test` (path, prompts, sha256),
+`samples_per_prompt` (null: each run's ppo.eval_samples_per_prompt), `seed_salt`; `warm_start`
+(study, path, and per seed: seed, path, accuracy, greedy_accuracy, eval_accuracy), `final_choice`
+(study, variant, bindings, `lineages` ({start checkpoint: seeds} when seeds of the last round share
+starts), per seed the same fields with step, and `summary` and `vs_warm_start`: t statistics over
+the seeds, for machines; the summary's own figures count lineages and prompts), `best_checkpoint`
+(study, variant, seed, step, path, eval_accuracy, accuracy, greedy_accuracy) and `missing`. Each
+scored model's `per_prompt` holds, per metric, `samples` (responses per prompt) and `correct` (how
+many of each prompt's were right, in the test file's order): what the summary's intervals resample
+(`split_statistics`). Records written before `per_prompt` was kept still render, with intervals
+that say they ignore which prompts were drawn.
 """
 
 from __future__ import annotations
@@ -32,7 +49,9 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
 
 from experiments.errors import StudyError
 from experiments.paths import portable
@@ -137,10 +156,25 @@ def run_config(run_dir: Path):
 def gold_accuracy(policy, tokenizer, cfg, examples: Sequence, seed_parts: Tuple[int, ...],
                   samples_per_prompt: int = 0) -> Dict[str, Optional[float]]:
     """{'accuracy', 'greedy_accuracy'} of `policy` on `examples`: `PPOTrainer.evaluate`'s gold
-    metric with the run config `cfg`'s sampling settings (pass@1 sampled at ppo.eval_temperature,
-    ppo.eval_samples_per_prompt per prompt unless `samples_per_prompt` says more; greedy as well
-    when that temperature is above 0, else None), its generation calls and their seeds
-    (`derive_seed(*seed_parts, call)`), the rule reward's `correct`."""
+    metric, the share of right responses over every prompt's (`gold_scores`)."""
+    return {key: share(got) for key, got in
+            gold_scores(policy, tokenizer, cfg, examples, seed_parts, samples_per_prompt).items()}
+
+
+def share(got: Optional[dict]) -> Optional[float]:
+    """The share of right responses over every prompt's of a `gold_scores` entry (None for None)."""
+    return None if got is None else sum(got["correct"]) / (got["samples"] * len(got["correct"]))
+
+
+def gold_scores(policy, tokenizer, cfg, examples: Sequence, seed_parts: Tuple[int, ...],
+                samples_per_prompt: int = 0) -> Dict[str, Optional[dict]]:
+    """{'accuracy', 'greedy_accuracy'} of `policy` on `examples`, per prompt: {'samples': responses
+    per prompt, 'correct': how many of each prompt's were right, in the examples' order}, scored
+    with `PPOTrainer.evaluate`'s gold metric and the run config `cfg`'s sampling settings (pass@1
+    sampled at ppo.eval_temperature, ppo.eval_samples_per_prompt per prompt unless
+    `samples_per_prompt` says more; greedy as well when that temperature is above 0, else None),
+    its generation calls and their seeds (`derive_seed(*seed_parts, call)`), the rule reward's
+    `correct`."""
     import torch
 
     from rlhf.chat import PromptRenderer
@@ -154,7 +188,7 @@ def gold_accuracy(policy, tokenizer, cfg, examples: Sequence, seed_parts: Tuple[
     modes = [("accuracy", ppo.eval_temperature, samples_per_prompt or ppo.eval_samples_per_prompt)]
     if ppo.eval_temperature > 0:
         modes.append(("greedy_accuracy", 0.0, 1))
-    out: Dict[str, Optional[float]] = dict.fromkeys(METRICS)
+    out: Dict[str, Optional[dict]] = dict.fromkeys(METRICS)
     for key, temperature, n in modes:
         sampling = SamplingParams.from_ppo(ppo, temperature)
         calls = math.ceil(len(examples) * n / ROWS_PER_CALL)
@@ -171,7 +205,8 @@ def gold_accuracy(policy, tokenizer, cfg, examples: Sequence, seed_parts: Tuple[
                                    batch["finished"].tolist(), [ex.data_source for ex in rows],
                                    format_reward=task.format_reward, missing_eos_penalty=task.missing_eos_penalty)
             correct += [r.correct for r in results]
-        out[key] = sum(correct) / len(correct)
+        # The rows are each prompt's n responses in turn, prompt after prompt.
+        out[key] = {"samples": n, "correct": [sum(correct[i * n:(i + 1) * n]) for i in range(len(examples))]}
     return out
 
 
@@ -184,6 +219,17 @@ class Scorer:
         self.samples_per_prompt = samples_per_prompt
         self._unread: set = set()
         self._fit: set = set()
+        self.missing: List[str] = []
+        """What the record holds as missing (null) and why, one line each: a value a run logged as
+        NaN or infinite, a model whose weights are not finite."""
+
+    def finite(self, value: Optional[float], what: str) -> Optional[float]:
+        """`value`, or None when it is NaN or infinite (said in `missing` as `what` and the value):
+        the record is strict JSON, and a run that logged NaN has no value to show."""
+        if value is None or math.isfinite(value):
+            return value
+        self.missing.append(f"{what} is {value} (logged by the run): recorded as missing")
+        return None
 
     def check_unread(self, cfg, where: str) -> None:
         """`check_unread` once per task configuration."""
@@ -205,8 +251,11 @@ class Scorer:
                              cfg.ppo.prompt_truncation, log=lambda _: None)
         self._fit.add(key)
 
-    def score(self, cfg, start_dir: Path, seed: int, where: str) -> Dict[str, Optional[float]]:
-        """`gold_accuracy` of the policy at `start_dir` under run config `cfg`, sampled on `seed`'s test stream."""
+    def score(self, cfg, start_dir: Path, seed: int, where: str) -> dict:
+        """The policy at `start_dir` under run config `cfg`, sampled on `seed`'s test stream:
+        {'accuracy', 'greedy_accuracy'} (`gold_accuracy`) and 'per_prompt', the same per prompt
+        (`gold_scores`); every metric None (said in `missing`) when the policy's weights are not all
+        finite: such a model generates nothing to score."""
         import torch
         import transformers
 
@@ -226,8 +275,14 @@ class Scorer:
         transformers.utils.logging.disable_progress_bar()
         with numerics.fixed_threads():
             policy = build_policy(cfg.ppo, str(start_dir), str(model_dir), torch.device("cpu")).eval()
-            return gold_accuracy(policy, tokenizer, cfg, self.examples, (seed, SeedStream.TEST),
+            bad = next((name for name, p in policy.named_parameters() if not bool(torch.isfinite(p).all())), None)
+            if bad is not None:
+                self.missing.append(f"{portable(start_dir)} (seed {seed}) has non-finite weights ({bad}): its "
+                                    f"test scores are recorded as missing")
+                return {**dict.fromkeys(METRICS), "per_prompt": None}
+            scores = gold_scores(policy, tokenizer, cfg, self.examples, (seed, SeedStream.TEST),
                                  self.samples_per_prompt)
+        return {**{key: share(got) for key, got in scores.items()}, "per_prompt": scores}
 
 
 def start_of(cfg) -> Path:
@@ -299,8 +354,10 @@ def _warm_start(scorer: Scorer, first: tuple, seeds: Sequence[int]) -> dict:
         cfg = run_config(study_dir / run.run_dir)
         start = start_of(cfg)
         initial = (summary(study_dir / run.run_dir) or {}).get("initial") or {}
+        value = scalar(initial.get(GOLD_METRIC)) if run.seed == seed else None
         rows.append({"seed": seed, "path": portable(start), **scorer.score(cfg, start, seed, study.name),
-                     "eval_accuracy": scalar(initial.get(GOLD_METRIC)) if run.seed == seed else None})
+                     "eval_accuracy": scorer.finite(value, f"{study.name} baseline seed {seed}'s {GOLD_METRIC} "
+                                                           f"before training")})
     paths = {row["path"] for row in rows}
     return {"study": study.name, "path": paths.pop() if len(paths) == 1 else None, "seeds": rows}
 
@@ -327,11 +384,14 @@ def _final_choice(scorer: Scorer, last: tuple, finals: list, warm: dict) -> dict
     rows = []
     for run, ckpt in finals:
         step = int(ckpt.name.rsplit("_", 1)[-1])
+        value = eval_value_at(study_dir / run.run_dir, step)
         rows.append({"seed": run.seed, "path": portable(ckpt), "step": step,
                      **scorer.score(run_config(study_dir / run.run_dir), ckpt / "actor", run.seed, study.name),
-                     "eval_accuracy": eval_value_at(study_dir / run.run_dir, step)})
+                     "eval_accuracy": scorer.finite(value, f"{study.name} {agg.decision.chosen} seed {run.seed}'s "
+                                                           f"{GOLD_METRIC} at step {step}")})
     chosen = agg.decision.chosen
-    return {"study": study.name, "variant": chosen, "bindings": list(agg.variants[chosen].bindings), "seeds": rows,
+    return {"study": study.name, "variant": chosen, "bindings": list(agg.variants[chosen].bindings),
+            "lineages": {start: list(seeds) for start, seeds in agg.lineages.items()}, "seeds": rows,
             "summary": {m: summarize([row[m] for row in rows]) for m in (*METRICS, "eval_accuracy")},
             "vs_warm_start": {m: paired_difference(rows, warm["seeds"], m) for m in METRICS}}
 
@@ -379,7 +439,15 @@ def heldout_record(rounds: Sequence[Tuple[Study, Path, StudyAggregate]], test_fi
             "test": {"path": portable(test_file), "prompts": len(examples), "sha256": dataset_hash(list(examples))},
             "samples_per_prompt": samples_per_prompt or None, "seed_salt": int(SeedStream.TEST),
             "warm_start": warm, "final_choice": _final_choice(scorer, rounds[-1], finals, warm),
-            "best_checkpoint": _best_checkpoint(scorer, rounds)}
+            "best_checkpoint": _best_checkpoint(scorer, rounds), "missing": scorer.missing}
+
+
+def record_text(record: dict) -> str:
+    """The record as strict JSON (None, never NaN), indented, each list of integers (a model's
+    right responses per prompt, a lineage's seeds) on one line."""
+    text = json.dumps(record, indent=2, allow_nan=False)
+    return re.sub(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]", lambda m: "[" + ", ".join(re.split(r",\s*", m.group(1))) + "]",
+                  text) + "\n"
 
 
 def cmd_heldout(args) -> int:
@@ -392,11 +460,110 @@ def cmd_heldout(args) -> int:
     test_file, examples = read_test(args.test)
     record = heldout_record(_rounds(args), test_file, examples, args.samples_per_prompt)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_text(args.out, json.dumps(record, indent=2, allow_nan=False) + "\n")  # strict JSON: None, never NaN
+    write_text(args.out, record_text(record))
     final = record["final_choice"]["summary"]["accuracy"]
+    for line in record["missing"]:
+        print(f"notice: {line}")
     print(f"wrote {args.out}: final choice {record['final_choice']['variant']!r} of {record['final_choice']['study']} "
-          f"{_fmt(final['mean'])} on {len(examples)} test prompts ({final['n']} seeds)")
+          f"{_fmt(final['mean'])} on {len(examples)} test prompts ({final['n']} seeds"
+          + (f"; {len(record['missing'])} missing value(s), listed above and in the record" if record["missing"]
+             else "") + ")")
     return 0
+
+
+# ----------------------------------------------------------------------------- the summary's statistics
+SPLIT_SIZE = ("The split is every held-out row no run evaluates (`python -m experiments testsplit` takes all of "
+              "them), so it cannot grow without retraining: more prompts need more held-out rows (a larger "
+              "task.eval_fraction or task.max_operand for the arithmetic task, more rows in a task's eval file) or a "
+              "smaller task.eval_size, and either changes what every run trained on or evaluated, so every stage from "
+              "the data on reruns. More samples per prompt (`heldout --samples-per-prompt`) lower the noise within "
+              "each prompt, not which prompts were drawn.")
+"""Why the test split is the size it is (`heldout_lines` says it when the split is too small)."""
+
+
+def seed_units(seeds: Sequence[int], lineages: Optional[Mapping[str, Sequence[int]]] = None) -> List[List[int]]:
+    """The independent units among `seeds`: the seeds of one lineage (`StudyAggregate.lineages`:
+    seeds that share a start checkpoint share its luck) together, every other seed alone; in the
+    order of their first seeds."""
+    present = list(dict.fromkeys(seeds))
+    units, placed = [], set()
+    for group in (lineages or {}).values():
+        members = [s for s in present if s in set(group)]
+        if members:
+            units.append(members)
+            placed.update(members)
+    units += [[s] for s in present if s not in placed]
+    return sorted(units, key=lambda unit: present.index(unit[0]))
+
+
+def _fractions(row: dict, metric: str) -> Optional[np.ndarray]:
+    """The row's per-prompt share of right responses, or None when the record has no per-prompt scores."""
+    got = (row.get("per_prompt") or {}).get(metric)
+    return None if not got else np.asarray(got["correct"], float) / got["samples"]
+
+
+def split_statistics(rows: Sequence[dict], metric: str, units: Sequence[Sequence[int]],
+                    against: Optional[Sequence[dict]] = None) -> Optional[dict]:
+    """The test-split mean of `metric` over `rows` (one per seed), or with `against` (the warm
+    start's rows) the mean difference, seed s against seed s; over independent `units` (the mean of
+    their seeds, per prompt). With per-prompt scores: `stats.two_level_interval` (prompts and units
+    resampled; the same prompts for both sides of the difference). Without (a record written before
+    they were kept): the t interval over the units' means, which ignores which prompts were drawn
+    (`two_level` False). None when no unit has a value. Keys: mean, ci95, p_value (differences),
+    units, seeds, prompts, two_level, per_prompt (the units' mean per prompt, or None)."""
+    from experiments import stats
+
+    by_seed = {row["seed"]: row for row in rows if row.get(metric) is not None}
+    other = {row["seed"]: row for row in against or () if row.get(metric) is not None}
+    keep = [[s for s in unit if s in by_seed and (against is None or s in other)] for unit in units]
+    keep = [unit for unit in keep if unit]
+    if not keep:
+        return None
+    seeds = sum(len(unit) for unit in keep)
+
+    def per_prompt(seed: int) -> Optional[np.ndarray]:
+        """The seed's per-prompt values (less the warm start's, with `against`); None without them."""
+        mine = _fractions(by_seed[seed], metric)
+        if mine is None or against is None:
+            return mine
+        theirs = _fractions(other[seed], metric)
+        return None if theirs is None else mine - theirs
+
+    tables = [[per_prompt(s) for s in unit] for unit in keep]
+    complete = [[t for t in unit if t is not None and len(t) > 1] for unit in tables]
+    if all(len(whole) == len(unit) for whole, unit in zip(complete, tables)):
+        table = np.array([np.mean(np.stack(unit), axis=0) for unit in complete])
+        got = stats.two_level_interval(table, null=0.0 if against is not None else None)
+        return {"mean": got["mean"], "ci95": got["ci95"], "p_value": got["p_value"], "units": len(keep),
+                "seeds": seeds, "prompts": table.shape[1], "two_level": True, "per_prompt": table.mean(axis=0)}
+    value = [float(np.mean([by_seed[s][metric] - (other[s][metric] if against is not None else 0.0) for s in unit]))
+             for unit in keep]
+    lo, hi = stats.mean_ci(value) if len(value) > 1 else (None, None)
+    p = stats.paired_p(value, [0.0] * len(value)) if against is not None and len(value) > 1 else None
+    return {"mean": float(np.mean(value)), "ci95": (lo, hi), "p_value": p, "units": len(keep), "seeds": seeds,
+            "prompts": None, "two_level": False, "per_prompt": None}
+
+
+def split_power(difference: Optional[dict], alpha: float = 0.05,
+                target: Optional[float] = None) -> Optional[dict]:
+    """What the split's prompts can detect, from the spread of a difference's per-prompt values
+    (`split_statistics(...)['per_prompt']`): the smallest true difference the paired t over the
+    prompts detects with 80% power at `alpha` (`stats.min_detectable_effect`), and with a `target`
+    the prompts that would detect it (`stats.seeds_needed`, counting prompts; None beyond its cap).
+    More seeds shrink only the sampling noise in that spread, not how differently the prompts
+    respond to training, so this is close to the most the split can detect. None without
+    per-prompt values."""
+    from experiments import stats
+
+    if difference is None or difference.get("per_prompt") is None:
+        return None
+    per_prompt = np.asarray(difference["per_prompt"], float)
+    sd = float(np.std(per_prompt, ddof=1))
+    mde = stats.min_detectable_effect(math.nan, len(per_prompt), len(per_prompt), alpha, paired=True,
+                                      sd_difference=sd)
+    needed = (stats.seeds_needed(target, math.nan, alpha, paired=True, sd_difference=sd) if target else None)
+    return {"prompts": len(per_prompt), "sd": sd, "mde": mde if math.isfinite(mde) else None,
+            "target": target, "prompts_needed": needed, "alpha": alpha}
 
 
 # ----------------------------------------------------------------------------- markdown
@@ -408,58 +575,141 @@ def _ci(ci) -> str:
     return "-" if not ci or ci[0] is None else f"[{ci[0]:.4f}, {ci[1]:.4f}]"
 
 
-def _mean_row(rows: Sequence[dict], metric: str) -> dict:
-    return summarize([row.get(metric) for row in rows])
-
-
 def _signed(x) -> str:
     return "-" if x is None else f"{x:+.4f}"
 
 
-def heldout_lines(record: dict) -> List[str]:
+def _units_text(got: Optional[dict], one_model: bool = False) -> str:
+    """'3 lineages (5 seeds)', '5 seeds', '1 seed', '1 model (5 seeds)'."""
+    if got is None:
+        return "0"
+    if one_model and got["seeds"] > 1:
+        return f"1 model ({got['seeds']} seeds)"
+    if got["units"] == got["seeds"] or one_model:
+        return f"{got['seeds']} seed{'s' if got['seeds'] != 1 else ''}"
+    return f"{got['units']} lineage{'s' if got['units'] != 1 else ''} ({got['seeds']} seeds)"
+
+
+def _mean(got: Optional[dict]) -> str:
+    return _fmt(got["mean"] if got else None)
+
+
+def _eval_mean(rows: Sequence[dict], units: Sequence[Sequence[int]]) -> Optional[float]:
+    """The eval split's value over the same units as the test split's (None when no seed has one)."""
+    by_seed = {row["seed"]: row["eval_accuracy"] for row in rows if row.get("eval_accuracy") is not None}
+    means = [float(np.mean([by_seed[s] for s in unit if s in by_seed])) for unit in units
+             if any(s in by_seed for s in unit)]
+    return float(np.mean(means)) if means else None
+
+
+def heldout_lines(record: dict, lineages: Optional[Mapping[str, Sequence[int]]] = None,
+                  target_effect: Optional[float] = None, alpha: float = 0.05) -> List[str]:
     """The summary's section for a `heldout` record: each model's gold accuracy on the evaluation
-    rows (which the decisions read) beside the test split's (which none read), and the final
-    choice's difference from the warm start on the test split."""
+    rows (which the decisions read) beside the test split's (which none read), the final choice's
+    difference from the warm start on the test split, and what the split's prompts can detect.
+
+    Every figure counts independent units: the final choice's seeds that share a start checkpoint
+    (`lineages`, the last round's `StudyAggregate.lineages`, else the record's own) are one unit,
+    their mean; the warm start is one model, its seeds only sampling streams, so with per-prompt
+    scores it is one unit (over seeds without them). Intervals are
+    `stats.two_level_interval`'s (prompts and units resampled), from the per-prompt scores the record
+    keeps; a record written before it kept them gets t intervals over the units and a line saying
+    they ignore which prompts were drawn. `target_effect` (the rounds' study.target_effect): the
+    power line says whether the split can detect it, and why it is the size it is when not."""
+    from experiments.stats import BOOTSTRAP_REPLICATES
+
     test = record.get("test") or {}
     samples = record.get("samples_per_prompt")
     per_prompt = f"{samples} samples per prompt" if samples else "ppo.eval_samples_per_prompt per prompt"
+    warm, final, best = record.get("warm_start"), record.get("final_choice"), record.get("best_checkpoint")
+    lineages = lineages if lineages is not None else (final or {}).get("lineages") or {}
+    warm_rows = warm["seeds"] if warm else []
+    final_rows = final["seeds"] if final else []
+    final_units = seed_units([row["seed"] for row in final_rows], lineages)
+    best_rows = [best] if best else []
+    rows_with_scores = [row for row in (*warm_rows, *final_rows, *best_rows) if row.get("accuracy") is not None]
+    two_level = bool(rows_with_scores) and all(row.get("per_prompt") for row in rows_with_scores)
+    # The warm start is one model: its seeds are sampling streams, whose noise each prompt's score
+    # already holds, so with per-prompt scores it is one unit and its interval is over the prompts.
+    warm_seeds = [row["seed"] for row in warm_rows]
+    warm_units = [warm_seeds] if two_level and warm_seeds else seed_units(warm_seeds)
+    if two_level:
+        method = ("Means over independent units (the seeds of a lineage, which share a start checkpoint, count "
+                  "once); 95% intervals from a two-level bootstrap that resamples the prompts and the units "
+                  f"({BOOTSTRAP_REPLICATES:,} replicates, a fixed seed), never narrower than the t interval over the "
+                  "units: they count both which runs training gave and which prompts the split drew.")
+    else:
+        method = (f"Means over independent units (the seeds of a lineage, which share a start checkpoint, count "
+                  f"once); 95% t intervals over the units. **This record has no per-prompt scores** (it was "
+                  f"written before they were kept), so its intervals ignore which {test.get('prompts', '?')} "
+                  f"prompts were drawn and are too narrow; `python -m experiments heldout` (the pipeline's "
+                  f"`heldout` stage) writes them.")
     lines = ["## Test split (no decision read it)", "",
              f"{test.get('prompts', '?')} held-out prompts no run evaluates (`{test.get('path', '?')}`), scored "
              f"with the engine's gold metric: pass@1 sampled at ppo.eval_temperature ({per_prompt}) and greedy, "
-             f"each model with its run's sampling settings. Mean over seeds, 95% t interval; the evaluation "
-             f"split's figures are those the decisions were made on.", "",
-             "| model | path | seeds | eval split | test split (sampled) | 95% CI | test split (greedy) |",
-             "|---|---|---|---|---|---|---|"]
-    warm, final, best = record.get("warm_start"), record.get("final_choice"), record.get("best_checkpoint")
+             f"each model with its run's sampling settings. {method} The evaluation split's figures are those the "
+             f"decisions were made on.", "",
+             "| model | path | units | eval split | test split (sampled) | 95% CI | test split (greedy) | 95% CI |",
+             "|---|---|---|---|---|---|---|---|"]
     if warm:
-        rows = warm["seeds"]
-        s = _mean_row(rows, "accuracy")
-        lines.append(f"| warm start ({warm['study']}) | `{warm.get('path') or 'per seed'}` | {len(rows)} | "
-                     f"{_fmt(_mean_row(rows, 'eval_accuracy')['mean'])} | {_fmt(s['mean'])} | {_ci(s['ci95'])} | "
-                     f"{_fmt(_mean_row(rows, 'greedy_accuracy')['mean'])} |")
+        s, g = (split_statistics(warm_rows, m, warm_units) for m in METRICS)
+        lines.append(f"| warm start ({warm['study']}) | `{warm.get('path') or 'per seed'}` | "
+                     f"{_units_text(s, one_model=True)} | {_fmt(_eval_mean(warm_rows, warm_units))} | {_mean(s)} | "
+                     f"{_ci(s and s['ci95'])} | {_mean(g)} | {_ci(g and g['ci95'])} |")
     if final:
-        summ = final["summary"]
-        paths = sorted({re.sub(r"/seed\d+/", "/seed*/", row["path"]) for row in final["seeds"]})
-        where = ", ".join(f"`{p}`" for p in paths)
-        lines.append(f"| final choice `{final['variant']}` ({final['study']}) | {where} | {summ['accuracy']['n']} | "
-                     f"{_fmt(summ['eval_accuracy']['mean'])} | {_fmt(summ['accuracy']['mean'])} "
-                     f"+- {_fmt(summ['accuracy']['std'])} | {_ci(summ['accuracy']['ci95'])} | "
-                     f"{_fmt(summ['greedy_accuracy']['mean'])} |")
+        s, g = (split_statistics(final_rows, m, final_units) for m in METRICS)
+        paths = sorted({re.sub(r"/seed\d+/", "/seed*/", row["path"]) for row in final_rows})
+        lines.append(f"| final choice `{final['variant']}` ({final['study']}) | {', '.join(f'`{p}`' for p in paths)} | "
+                     f"{_units_text(s)} | {_fmt(_eval_mean(final_rows, final_units))} | {_mean(s)} | "
+                     f"{_ci(s and s['ci95'])} | {_mean(g)} | {_ci(g and g['ci95'])} |")
     if best:
+        s, g = (split_statistics(best_rows, m, [[best["seed"]]]) for m in METRICS)
         lines.append(f"| best gold checkpoint ({best['study']} {best['variant']}/seed{best['seed']} step "
-                     f"{best['step']}) | `{best['path']}` | 1 | {_fmt(best['eval_accuracy'])} | "
-                     f"{_fmt(best['accuracy'])} | - | {_fmt(best.get('greedy_accuracy'))} |")
-    if final:
+                     f"{best['step']}) | `{best['path']}` | 1 seed | {_fmt(best['eval_accuracy'])} | "
+                     f"{_fmt(best['accuracy'])} | {_ci(s and s['ci95']) if two_level else '-'} | "
+                     f"{_fmt(best.get('greedy_accuracy'))} | {_ci(g and g['ci95']) if two_level else '-'} |")
+    sampled = None
+    if final and warm:
         lines.append("")
         for metric, name in (("accuracy", "sampled"), ("greedy_accuracy", "greedy")):
-            d = final["vs_warm_start"][metric]
-            if d["n"]:
-                lines.append(f"Final choice - warm start on the test split ({name}): {_signed(d['difference'])}, "
-                             f"95% CI {_ci(d['ci95'])} (paired over {d['n']} seeds).")
+            d = split_statistics(final_rows, metric, final_units, against=warm_rows)
+            if metric == "accuracy":
+                sampled = d
+            if d is None:
+                continue
+            p = f", p = {d['p_value']:.2g}" if d["p_value"] is not None else ""
+            over = (f"{_units_text(d)} and {d['prompts']} prompts, paired by seed and prompt" if d["two_level"]
+                    else f"{_units_text(d)}, paired by seed; prompts ignored")
+            lines.append(f"Final choice - warm start on the test split ({name}): {_signed(d['mean'])}, 95% CI "
+                         f"{_ci(d['ci95'])}{p} (over {over}).")
     if best:
         lines += ["", f"The best gold checkpoint was picked as the highest of many on the evaluation split "
-                      f"({_fmt(best['eval_accuracy'])}); on the test split it scores {_fmt(best['accuracy'])}."]
+                      f"({_fmt(best['eval_accuracy'])}); on the test split it scores {_fmt(best['accuracy'])}"
+                      + (" (its interval is over the prompts alone: one model)." if two_level else ".")]
+    lines += power_lines(split_power(sampled, alpha, target_effect))
+    if record.get("missing"):
+        lines += ["", "Missing values (shown as -, left out of the means): " + "; ".join(record["missing"]) + "."]
     return lines + [""]
+
+
+def power_lines(power: Optional[dict]) -> List[str]:
+    """What the test split's prompts can detect (`split_power`), and when that is more than the
+    target effect, that the split is too small for it and why it is the size it is."""
+    if power is None or power["mde"] is None:
+        return []
+    text = (f"Power: from the spread of the sampled difference over the {power['prompts']} prompts (sd "
+            f"{power['sd']:.3g} from prompt to prompt), the test split detects a difference of {power['mde']:.3g} "
+            f"at 80% power (alpha {power['alpha']:g}); more seeds shrink only the sampling noise in that spread, not "
+            f"how differently the prompts respond")
+    target = power["target"]
+    if target is None:
+        return ["", text + "."]
+    if power["mde"] <= target:
+        return ["", text + f": enough for the target effect {target:g} (study.target_effect)."]
+    needed = (f"about {power['prompts_needed']} prompts would detect it" if power["prompts_needed"]
+              else "no split of a feasible size would detect it")
+    return ["", text + f". **The test split is too small to detect the target effect {target:g}** "
+                       f"(study.target_effect): {needed}. {SPLIT_SIZE}"]
 
 
 # ----------------------------------------------------------------------------- arguments

@@ -8,7 +8,6 @@ aggregate.json alone.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -24,7 +23,6 @@ from experiments.results import (
     WELCH,
     CheckpointScore,
     RunOutcome,
-    RunStatus,
     SeedPlan,
     SequentialRecord,
     StudyAggregate,
@@ -59,12 +57,14 @@ MACHINE_PROVENANCE = "provenance.json"
 commit, library versions, hardware and command line the runs ran with."""
 
 
-def provenance_summary(specs: Sequence[RunSpec]) -> tuple:
+def provenance_summary(specs: Sequence[RunSpec], study: Optional[Study] = None) -> tuple:
     """(what the results depend on, what the machines were) of a study's runs. The first, kept in
     aggregate.json: the engine code's hash, data hashes, start checkpoints and recipe from the plan,
-    and `hardware_mixed` ({fingerprint: runs}) when the runs' machines differ (their numbers may
-    then differ in the last bits). The second, `MACHINE_PROVENANCE`: the git commit, and versions,
-    hardware and command line from the first run dir with an engine provenance.json."""
+    the baseline's engine bindings as its runs got them and the overrides among them
+    (`run_bindings`), and `hardware_mixed` ({fingerprint: runs}) when the runs' machines differ
+    (their numbers may then differ in the last bits). The second, `MACHINE_PROVENANCE`: the git
+    commit, and versions, hardware and command line from the first run dir with an engine
+    provenance.json."""
     out: Dict = {}
     machine: Dict = {"git_sha": git_commit()}
     if specs:
@@ -72,6 +72,7 @@ def provenance_summary(specs: Sequence[RunSpec]) -> tuple:
         out["data_sha256"] = sorted({s.data_hash for s in specs})
         out["init_from"] = sorted({s.init_from for s in specs if s.init_from})
         out["recipe"] = portable(specs[0].recipe)
+        out.update(run_bindings(specs, study))
     machines: Dict[str, List[str]] = {}
     for s in specs:
         prov = read_json(Path(s.run_dir) / "provenance.json")
@@ -89,6 +90,38 @@ def provenance_summary(specs: Sequence[RunSpec]) -> tuple:
     if len(machines) > 1:
         out["hardware_mixed"] = machines
     return out, machine
+
+
+def run_bindings(specs: Sequence[RunSpec], study: Optional[Study] = None) -> Dict[str, List[str]]:
+    """{'baseline_bindings': the engine bindings the baseline's runs got, in order, less the ones
+    the manager sets per run (seed, threads, start); 'overrides': those of them that neither the
+    study file nor the resumed setting gives (`--overrides FILE:KEY` and `-b` bindings, which win
+    over the file's)}, read from the plan's specs, so a report written later without the overrides
+    still names them. A variant's runs got these and its own change after them. {} without a
+    baseline run; no 'overrides' without the study (or when its file no longer loads)."""
+    from experiments.errors import StudyError
+    from experiments.resume_from import resumed_setting
+    from experiments.study import MANAGED_BINDINGS, load_study, split_binding
+
+    base = next((s for s in specs if s.variant == BASELINE), None)
+    if base is None:
+        return {}
+    ran = [b for b in base.bindings if split_binding(b, "a planned run")[0] not in MANAGED_BINDINGS]
+    out: Dict[str, List[str]] = {"baseline_bindings": ran}
+    if study is not None:
+        try:
+            declared = [*resumed_setting(study), *load_study(study.path).baseline_bindings]
+        except StudyError:
+            return out
+        extra = ran[len(declared):] if ran[:len(declared)] == declared else [b for b in ran if b not in declared]
+        out["overrides"] = extra
+    return out
+
+
+def overrides_text(agg: StudyAggregate) -> str:
+    """'`ppo.clip_range = 0.1`; `ppo.lr = 1e-5`': the overrides a study's runs got ('' when none, or
+    the aggregate predates their record)."""
+    return "; ".join(f"`{b}`" for b in (agg.provenance or {}).get("overrides") or ())
 
 
 def _verdict_text(v: VariantResult, margin: float = 0.0) -> str:
@@ -141,6 +174,9 @@ def render(agg: StudyAggregate) -> str:
                   ""]
     if d.guardrail_violations:
         lines += [f"**Guardrail violations:** {', '.join(d.guardrail_violations)}.", ""]
+    if overrides_text(agg):
+        lines += [f"**Run with overrides:** {overrides_text(agg)}: bindings beyond the study file's (`--overrides` "
+                  f"or `-b`), which every run got (a variant's own change wins).", ""]
     if agg.lineages:
         shared = "; ".join(f"seeds {', '.join(map(str, seeds))} start from `{start}`"
                            for start, seeds in agg.lineages.items() if len(seeds) > 1)
@@ -221,12 +257,6 @@ def beside_text(variant, metric: str) -> str:
 
 def _missing(missing: int, of: int) -> str:
     return f" ({missing} of {of} missing)" if missing > 0 else ""
-
-
-def _finite_mean(values: Sequence[float]) -> str:
-    """'0.5000' over the finite values, then '(1 of 4 missing)' when some are NaN or inf; '–' for none."""
-    finite = [x for x in values if math.isfinite(x)]
-    return (f"{sum(finite) / len(finite):.4f}" if finite else "–") + _missing(len(values) - len(finite), len(values))
 
 
 def explanations(agg: StudyAggregate) -> List[str]:
@@ -315,6 +345,10 @@ def provenance_lines(agg: StudyAggregate) -> List[str]:
                   f"- engine files sha256 {str(code.get('engine_sha256'))[:16]}"
                   f"{' (engine files modified since the last commit)' if dirty else ''}",
                   f"- recipe: {prov.get('recipe')}; data sha256: {data_sha}"]
+        if prov.get("baseline_bindings") is not None:
+            lines.append("- the baseline's bindings as its runs got them: "
+                         + ("; ".join(f"`{b}`" for b in prov["baseline_bindings"]) or "none")
+                         + (f" (overrides: {overrides_text(agg)})" if overrides_text(agg) else ""))
         if prov.get("init_from"):
             lines.append(f"- started from: {', '.join(prov['init_from'])}")
         lines.append(f"- the machines' records (git commit, versions, hardware, command): {MACHINE_PROVENANCE} "
@@ -360,7 +394,7 @@ def write_report(study: Study, study_dir: Path, specs: Optional[List[RunSpec]] =
     seed_plan = seed_plan if seed_plan is not None else load_seed_plan(study_dir)
     results: List[RunOutcome] = collect(specs, study)
     plots = plot_study(study.name, results, study_dir / "plots")
-    provenance, machine = provenance_summary(specs)
+    provenance, machine = provenance_summary(specs, study)
     agg = aggregate(study, results, provenance, plots=plots, seed_plan=seed_plan,
                     pilot_correlation=pilot_correlation(find_pilot(study, study_dir.parent)),
                     starts={s.seed: s.init_from for s in specs if s.variant == BASELINE and s.init_from})
@@ -368,175 +402,3 @@ def write_report(study: Study, study_dir: Path, specs: Optional[List[RunSpec]] =
     agg.save(aggregate_path(study_dir))
     write_text(study_dir / REPORT, render(agg))
     return agg
-
-
-def _gain(final: Sequence[float], start: Sequence[float]) -> tuple:
-    """(difference, Welch 95% interval, pooled seed sd) of the final choice's seeds against the warm
-    start's (each seed's first evaluation, before any training)."""
-    from experiments import stats
-    if not final or not start:
-        return None, (None, None), None
-    diff = sum(final) / len(final) - sum(start) / len(start)
-    lo, hi = stats.difference_ci(final, start)
-    sd = stats.pooled_std(final, start)
-    return diff, (lo, hi), sd if sd == sd else None
-
-
-def _round_facts(agg: StudyAggregate) -> List[str]:
-    """What a round's verdicts rest on: the seeds run against the plan and the power they gave,
-    shared starts, the equivalence question and its answer."""
-    lines = []
-    plan = agg.seed_plan
-    if plan is not None:
-        planned = plan_line(plan, agg.direction).removeprefix("plan: ")
-        short = shortfall(plan, agg.direction)
-        lines.append(f"Seeds: {plan.seeds_run} per variant ran; {planned}"
-                     + (f". **Short of the plan:** {short.removeprefix('notice: ')}" if short else "") + ".")
-    if agg.lineages:
-        shared = "; ".join(f"seeds {', '.join(map(str, seeds))} from `{start}`" for start, seeds in agg.lineages.items()
-                           if len(seeds) > 1)
-        lines.append(f"Shared starts: {shared}. The tests compare {len(agg.lineages)} lineage means (seeds from one "
-                     f"start share its luck, so they count as one unit).")
-    if agg.equivalence_margin > 0:
-        answers = []
-        for name, v in agg.variants.items():
-            c = v.comparison
-            if c is not None:
-                p = c.equivalence_p_holm
-                answers.append(f"{name}: {'yes' if v.verdict == EQUIVALENT else 'not shown'}"
-                               + (f" (TOST p = {p:.3g}, Holm)" if p is not None else ""))
-        lines.append(f"Equivalence within ±{agg.equivalence_margin:g}? " + "; ".join(answers) + ".")
-    return [*lines, ""] if lines else []
-
-
-def _flags(v: VariantResult) -> str:
-    text = v.verdict
-    if v.underpowered:
-        text += " (underpowered)"
-    return text
-
-
-def render_summary(rounds: Sequence[tuple], results_dir: Path, heldout: Optional[dict] = None) -> str:
-    """The tuning path over several rounds (`python -m experiments summary`). First what to deploy
-    and what to run next: the final setting as its bindings, the checkpoint, the gain over the warm
-    start with its interval, and the advisor's next round (or that tuning has converged). Then per
-    round: the advisor's evidence with each rule's prediction beside what the round measured (when
-    it resumed from a previous round), the seeds run against the plan, the decision table with
-    each difference's interval, and the setting it leaves. `heldout`: the test split's record
-    (experiments/heldout.py), which no decision read. `rounds`: (Study, StudyAggregate) pairs in
-    round order."""
-    from experiments.advisor.advise import advise
-    from experiments.advisor.evidence import advice_lines, initial_values
-    from experiments.advisor.window import AdviceError, load_window
-
-    setting: Dict[str, object] = {}
-    body: List[str] = []
-    start_values, start_beside, first, best_overall = [], {}, None, None
-    fmt = lambda x: "" if x is None else f"{x:.4g}"  # noqa: E731
-    for study, agg in rounds:
-        decision = agg.decision
-        study_dir = Path(results_dir) / study.name
-        body += [f"## {study.name}: {agg.description}", ""]
-        if study.resume_from and aggregate_path(study.resume_from).is_file():
-            body += advice_lines(Path(study.resume_from), agg, study_dir)
-        if first is None:
-            first = (study, agg)
-            start_values = initial_values(agg, study_dir, agg.metric)
-            start_beside = {m: initial_values(agg, study_dir, m) for m in beside_metrics(agg)}
-        body += [f"Decision: **{decision.chosen}**: {decision.reason}." if decision.chosen
-                 else f"Decision: none: {decision.reason}.", ""]
-        body += _round_facts(agg)
-        beside = beside_metrics(agg)
-        body += ["| variant | change | n | mean | std | difference [95% CI] | Holm p | verdict |"
-                 + "".join(f" {m} |" for m in beside),
-                 "|---|---|---|---|---|---|---|---|" + "---|" * len(beside)]
-        for name, var in agg.variants.items():
-            own = var.comparison.decisive if var.comparison else None
-            diff = f"{fmt(own.difference)} {_ci(own.difference_ci95)}" if own else ""
-            body.append(f"| {name} | {'; '.join(var.bindings) or '-'} | {var.summary.n}{_units(agg)} | "
-                        f"{fmt(var.summary.mean)} | "
-                        f"{fmt(var.summary.std)} | {diff} | "
-                        f"{fmt(var.comparison.p_value_holm if var.comparison else None)} | {_flags(var)} |"
-                        + "".join(f" {beside_text(var, m)} |" for m in beside))
-        body += [f"\nDifferences: {ANALYSIS_TEXT.get(agg.analysis, agg.analysis)}, 95% t interval (uncorrected); "
-                 f"means: std over seeds (ddof = 1)."]
-        if decision.guardrail_violations:
-            body.append(f"\nGuardrail violations: {list(decision.guardrail_violations)}")
-        chosen = agg.chosen
-        for binding in chosen.bindings if chosen else ():
-            key, _, value = binding.partition("=")
-            setting[key.strip()] = value.strip()
-        body += ["", f"Setting after {study.name}: " + (", ".join(f"`{k} = {v}`" for k, v in setting.items())
-                                                       or "the baseline's"), ""]
-        record = agg.best_checkpoints
-        if record is not None and record.best is not None:
-            body += [f"Best gold checkpoint of {study.name} (on the eval split that made the decisions): "
-                     f"{best_checkpoint_text(record.best, record.metric, f'{portable(study_dir)}/')}.", ""]
-            if best_overall is None or record.best.value > best_overall[1].value:
-                best_overall = (study, record.best, record.metric)
-    lines = ["# Tuning path", ""]
-    if rounds:
-        lines += _deploy_lines(rounds, results_dir, setting, start_values, start_beside, best_overall, heldout)
-        last_study, last = rounds[-1]
-        try:
-            advice = advise(load_window(Path(results_dir) / last_study.name))
-        except AdviceError as err:
-            advice = None
-            lines += [f"**Next round:** the advisor cannot read {last_study.name} ({err}).", ""]
-        if advice is not None:
-            if advice.changes:
-                lines += [f"**Next round** (the advisor on {last_study.name}/{last.decision.chosen}): "
-                          + "; ".join(f"{s.rule}: {' or '.join(f'`{b}`' for b in s.bindings)}" for s in advice.changes)
-                          + f" (`python -m experiments advise {portable(last_study.path)}`).", ""]
-            else:
-                lines += [f"**Next round:** none: no advisor rule fires on {last_study.name}/{last.decision.chosen}; "
-                          f"tuning has converged for the rules' signals.", ""]
-    return "\n".join(lines + body)
-
-
-def _deploy_lines(rounds, results_dir: Path, setting: Dict[str, object], start_values: List[float],
-                  start_beside: Dict[str, List[float]], best_overall, heldout: Optional[dict]) -> List[str]:
-    """The summary's first screen: the setting to deploy, its checkpoints, its gain over the warm start."""
-    from experiments.run_records import latest_checkpoint
-
-    last_study, last = rounds[-1]
-    chosen = last.chosen
-    lines = ["**Deploy:** " + (", ".join(f"`{k} = {v}`" for k, v in setting.items()) or "the first round's baseline")
-             + f" (the recipe `{(last.provenance or {}).get('recipe', '')}` with these bindings).", ""]
-    if chosen is None:
-        return lines + [f"No final choice: {last.decision.reason}.", ""]
-    study_dir = Path(results_dir) / last_study.name
-    finals = [latest_checkpoint(study_dir / r.run_dir) for r in chosen.runs if r.status == RunStatus.COMPLETED]
-    finals = [portable(c) for c in finals if c is not None]
-    s = chosen.summary
-    also = "".join(f"; {m} = {beside_text(chosen, m)}" for m in chosen.beside)
-    lines.append(f"Final choice: `{last.decision.chosen}` of {last_study.name}, {last.metric} = {fmt4(s.mean)} ± "
-                 f"{fmt4(s.std)} over {s.n} seeds (95% t interval {_ci(s.ci95)}){also}.")
-    if finals:
-        lines.append("Its checkpoints (one per seed; `dvc pull` or `dvc repro` brings `results/`): "
-                     + ", ".join(f"`{c}`" for c in finals) + ".")
-    if start_values:
-        start = [(last.metric, start_values), *((m, v) for m, v in start_beside.items() if v)]
-        lines.append("At the warm start (each first-round baseline seed's evaluation before training): "
-                     + "; ".join(f"{m} = {_finite_mean(v)}" for m, v in start) + ".")
-    start_values = [x for x in start_values if math.isfinite(x)]
-    diff, (lo, hi), sd = _gain(chosen.values, start_values)
-    if diff is not None:
-        in_sd = f", {diff / sd:+.2g} seed-sd" if sd else ""
-        lines.append(f"Gain over the warm start ({len(start_values)} seeds' first evaluation): {diff:+.4f} "
-                     f"(Welch 95% interval [{fmt4(lo)}, {fmt4(hi)}]{in_sd}) on the eval split, which every decision "
-                     f"read.")
-    if best_overall is not None:
-        study, best, metric = best_overall
-        lines.append(f"Best single checkpoint on the eval split: "
-                     f"{best_checkpoint_text(best, metric, f'{portable(Path(results_dir) / study.name)}/')}: a maximum "
-                     f"over every evaluated checkpoint, so optimistic.")
-    lines.append("")
-    if heldout:
-        from experiments.heldout import heldout_lines
-        lines += [*heldout_lines(heldout), ""]
-    return lines
-
-
-def fmt4(x) -> str:
-    return "–" if x is None else f"{x:.4g}"

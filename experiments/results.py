@@ -26,7 +26,10 @@ The file (`RESULTS/<study>/aggregate.json`), one JSON object:
   `verdict`, `underpowered`, `explanation`;
 - `decision`: `chosen` (null when nothing could be decided), `reason`, `guardrail_violations`;
 - `provenance`: what the results depend on (the engine code's hash, data hashes, start
-  checkpoints, recipe) and `hardware_mixed` when runs came from different machines; the
+  checkpoints, recipe, `baseline_bindings`: the engine bindings the baseline's runs got, and
+  `overrides`: those of them beyond the study file's and the resumed setting, from `--overrides`
+  or `-b`; both absent in files written before they were recorded) and `hardware_mixed` when runs
+  came from different machines; the
   machines themselves (git commit, versions, hardware) are in the study's `provenance.json`
   beside it, a machine record (report.MACHINE_PROVENANCE); `plots`: {stem: relative path};
 - `sequential`: the seed waves' record (boundaries, each variant's last look, runs used), or null;

@@ -10,6 +10,7 @@ is whatever is on disk, whoever wrote it and however it stopped.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -170,13 +171,13 @@ GOLD_METRIC = "eval/accuracy"
 def best_checkpoint(run_dir: str | Path, metric: str = GOLD_METRIC) -> Optional[Tuple[int, float]]:
     """(step, value) of the run's intact checkpoint (`checkpoints/step_N`, sizes checked against its
     manifest) whose held-out `metric` at step N is highest, the earliest on a tie; None when no
-    checkpoint's step has an eval row of it. The engine evaluates after a step's update and before
-    saving it, so the eval row at step N scores exactly the weights of step_N."""
+    checkpoint's step has a finite eval row of it (a NaN is no score). The engine evaluates after a
+    step's update and before saving it, so the eval row at step N scores exactly the weights of step_N."""
     checkpoints = {step for step, path in list_checkpoints(Path(run_dir) / "checkpoints")
                    if verify_checkpoint(path, full=False) is None}
     scored = [(int(row["step"]), scalar(row.get(metric))) for row in iter_metrics(run_dir)
               if int(row["step"]) in checkpoints]
-    scored = [(step, value) for step, value in scored if value is not None]
+    scored = [(step, value) for step, value in scored if value is not None and math.isfinite(value)]
     return max(scored, key=lambda sv: (sv[1], -sv[0])) if scored else None
 
 

@@ -4,14 +4,15 @@
     python -m experiments sft     --recipe R --data data/arithmetic --out models/sft
     python -m experiments params  STUDY.gin... --out params
     python -m experiments export  STUDY.gin --results results --out reports
-    python -m experiments summary STUDY.gin... --results results --out reports/summary.md
+    python -m experiments summary STUDY.gin... --results results [--heldout reports/heldout.json]
+        [--confirmation RECORD.json] --out reports/summary.md
 
 DVC cannot read gin, so `params` resolves each study recipe into a YAML file that DVC reads as
 params (the recipe stays the one source of truth): the parameters as the runs get them, so a
 round that resumes another is resolved once that one has run (its setting and checkpoints);
 `export` turns a finished study into what DVC versions beside it: headline statistics and
 per-step curves for `dvc metrics` and `dvc plots`, the report and the per-seed values; `summary`
-writes the tuning path over all rounds (rendered by `report.render_summary`).
+writes the tuning path over all rounds (rendered by `summary.render_summary`).
 """
 
 from __future__ import annotations
@@ -388,9 +389,11 @@ def cmd_summary(args) -> int:
     """The final report over all rounds: the path from the baseline to the chosen setting, each
     step with its evidence, ending with the held-out evaluation of the last round's choice.
     `--heldout` reads the `heldout` stage's record and passes it on to `render_summary`: the test
-    split's scores, which no decision read (experiments/heldout.py `heldout_lines`)."""
-    from experiments.report import render_summary
+    split's scores, which no decision read (experiments/heldout.py `heldout_lines`).
+    `--confirmation` reads a confirmation run's record (experiments/summary.py `Confirmation`),
+    which decides the summary's first line."""
     from experiments.study import load_study
+    from experiments.summary import read_confirmation, render_summary
 
     rounds = []
     for path in args.studies:
@@ -405,7 +408,8 @@ def cmd_summary(args) -> int:
         except (OSError, ValueError) as err:
             raise StudyError(f"--heldout {args.heldout}: not a record of the `heldout` stage ({err}); run "
                              f"`python -m experiments heldout` first") from None
-    write_text(args.out, render_summary(rounds, Path(args.results), heldout))
+    confirmation = read_confirmation(args.confirmation) if getattr(args, "confirmation", None) else None
+    write_text(args.out, render_summary(rounds, Path(args.results), heldout, confirmation))
     print(f"wrote {args.out}")
     return 0
 
@@ -431,3 +435,7 @@ def add_studies_arguments(parser: argparse.ArgumentParser, out: str, many: bool 
     if heldout:
         parser.add_argument("--heldout", default=None,
                             help="the `heldout` stage's record (reports/heldout.json): the test split's section")
+        parser.add_argument("--confirmation", default=None,
+                            help="a confirmation run's record (JSON: the tuned recipe against the baseline recipe on "
+                                 "fresh seeds; fields in experiments/summary.py `Confirmation`): it decides the first "
+                                 "line")

@@ -195,6 +195,46 @@ def test_heldout_scores_the_warm_start_the_choice_and_the_best_checkpoint(path):
     assert any(line.startswith("Final choice - warm start on the test split (sampled)") for line in lines)
 
 
+def test_the_record_keeps_each_models_scores_per_prompt(path):
+    """Each scored model's right responses per prompt, which the summary's intervals resample: they
+    add up to its accuracy, one count per test prompt, each list on one line of the file."""
+    from experiments.heldout import SPLIT_SIZE, heldout_lines, share
+
+    assert heldout(path, "per_prompt.json") == 0
+    text = (path / "per_prompt.json").read_text()
+    record = strict_json(text)
+    prompts = record["test"]["prompts"]
+    rows = [*record["warm_start"]["seeds"], *record["final_choice"]["seeds"], record["best_checkpoint"]]
+    for row in rows:
+        for metric in ("accuracy", "greedy_accuracy"):
+            got = row["per_prompt"][metric]
+            assert len(got["correct"]) == prompts and all(0 <= k <= got["samples"] for k in got["correct"])
+            assert share(got) == row[metric]
+        assert row["per_prompt"]["greedy_accuracy"]["samples"] == 1
+    assert re.search(r'"correct": \[\d+(, \d+)+\]', text)  # one line each
+    assert record["final_choice"]["lineages"] == {}
+
+    section = "\n".join(heldout_lines(record))
+    assert "two-level bootstrap that resamples the prompts and the units (10,000 replicates" in section
+    assert "paired by seed and prompt" in section and "prompts ignored" not in section
+    assert "| final choice `kl` (r2) |" in section and "| 2 seeds |" in section
+    assert "| 1 model (2 seeds) |" in section  # the warm start: its seeds are sampling streams of one model
+    best = next(line for line in section.splitlines() if line.startswith("| best gold"))
+    assert best.count("[") == 2  # the best checkpoint's interval, over the prompts alone
+    # Two seeds that share a start are one unit.
+    assert "| 1 lineage (2 seeds) |" in "\n".join(heldout_lines(record, {"start": [0, 1]}))
+    # The power line: the split against a target effect it cannot detect, and why it is the size it is.
+    tiny_target = "\n".join(heldout_lines(record, target_effect=1e-4))
+    assert "**The test split is too small to detect the target effect 0.0001**" in tiny_target
+    assert SPLIT_SIZE in tiny_target
+    assert "too small" not in "\n".join(heldout_lines(record, target_effect=10.0))
+    # A record written before the per-prompt scores: intervals over the seeds, said to ignore the prompts.
+    for row in rows:
+        row.pop("per_prompt")
+    old = "\n".join(heldout_lines(record, target_effect=1e-4))
+    assert "**This record has no per-prompt scores**" in old and "prompts ignored" in old and "Power:" not in old
+
+
 def test_the_score_is_the_engines_eval_accuracy(path):
     """On the rows and seed stream the engine evaluated with, the scorer gives exactly the run's logged
     eval/accuracy and eval/greedy_accuracy: the test split is scored with the same metric."""
@@ -254,3 +294,58 @@ def test_bad_input_is_one_line(path, capsys):
     finally:
         aggregate_path(results / "r2").write_bytes(saved)
     assert not (path / "x.json").exists()
+
+
+def _nan_weights(safetensors_file: Path) -> None:
+    """Every float32 tensor of a safetensors file set to NaN in place (the file keeps its size, so
+    the checkpoint's manifest still holds)."""
+    import struct
+
+    raw = bytearray(safetensors_file.read_bytes())
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + size])
+    for name, meta in header.items():
+        if name != "__metadata__" and meta["dtype"] == "F32":
+            start, end = (8 + size + offset for offset in meta["data_offsets"])
+            raw[start:end] = struct.pack("<f", float("nan")) * ((end - start) // 4)
+    safetensors_file.write_bytes(bytes(raw))
+
+
+def test_a_nan_is_a_missing_value_said_in_one_line_not_a_traceback(path, tmp_path, capsys):
+    """A run that logged NaN (its evaluation before training, its final eval row) and a checkpoint
+    whose weights are NaN: the record holds null for each, says why in `missing`, stays strict JSON,
+    and the summary's section lists them."""
+    from experiments.heldout import heldout_lines
+
+    root = tmp_path / "copy"
+    shutil.copytree(path, root)
+    results = root / "results"
+    summary = results / "r1" / "runs" / "baseline" / "seed0" / "summary.json"
+    data = json.loads(summary.read_text())
+    data["initial"]["eval/accuracy"] = float("nan")
+    summary.write_text(json.dumps(data))
+    metrics = results / "r2" / "runs" / "kl" / "seed1" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    for row in rows:
+        if row["step"] == STEP:
+            row["eval/accuracy"] = float("nan")
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    _nan_weights(results / "r2" / "runs" / "kl" / "seed0" / "checkpoints" / f"step_{STEP}" / "actor" /
+                 "model.safetensors")
+
+    capsys.readouterr()
+    assert heldout(root, "nan.json") == 0
+    out = capsys.readouterr().out
+    record = strict_json((root / "nan.json").read_text())
+    assert record["warm_start"]["seeds"][0]["eval_accuracy"] is None
+    final = {row["seed"]: row for row in record["final_choice"]["seeds"]}
+    assert final[1]["eval_accuracy"] is None and final[0]["accuracy"] is None and final[0]["greedy_accuracy"] is None
+    assert final[1]["accuracy"] is not None and record["final_choice"]["summary"]["accuracy"]["n"] == 1
+    missing = record["missing"]
+    assert len(missing) == 3, missing
+    assert any("r1 baseline seed 0's eval/accuracy before training is nan" in m for m in missing)
+    assert any("r2 kl seed 1's eval/accuracy at step 1 is nan" in m for m in missing)
+    assert any("has non-finite weights" in m for m in missing)
+    assert out.count("notice: ") == 3 and "3 missing value(s)" in out
+    lines = "\n".join(heldout_lines(record))
+    assert "Missing values (shown as -, left out of the means)" in lines and "non-finite weights" in lines

@@ -81,6 +81,39 @@ def test_report_files(study_dir):
         "eval_accuracy.png"}
 
 
+def test_overrides_the_runs_got_are_recorded_and_reported(write_study, tmp_path):
+    """Bindings beyond the study file (`--overrides FILE:KEY` joins them to -b) are what the runs
+    trained with: the aggregate records them from the plan, so a report written later without them
+    (`report` with the study file alone) still names them, and an aggregate written before the
+    record reads as it did."""
+    from experiments.collect import load_plan
+    from experiments.launch import write_plan
+    from experiments.results import StudyAggregate
+
+    path = write_study(STUDY)
+    study = load_study(path, ["study.variants = {'good': 'ppo.kl_coef = 0.1'}", "ppo.max_grad_norm = 0.5"])
+    specs = expand(study, tmp_path / "results")
+    for spec in specs:
+        fake_run(spec, ACCURACY[spec.variant][spec.seed])
+    out = tmp_path / "results" / "synthetic"
+    write_plan(out, study, specs, None)  # as `run` launches it
+    agg = write_report(study, out, specs)
+    assert agg.provenance["baseline_bindings"] == ["ppo.total_steps = 5", "ppo.max_grad_norm = 0.5"]
+    assert agg.provenance["overrides"] == ["ppo.max_grad_norm = 0.5"]
+    report = (out / "report.md").read_text()
+    assert "**Run with overrides:** `ppo.max_grad_norm = 0.5`" in report
+    assert "- the baseline's bindings as its runs got them: `ppo.total_steps = 5`; `ppo.max_grad_norm = 0.5`" in report
+    later = write_report(load_study(path, ["study.variants = {'good': 'ppo.kl_coef = 0.1'}"]), out, load_plan(out))
+    assert later.provenance["overrides"] == ["ppo.max_grad_norm = 0.5"]
+    plain = write_report(load_study(path, ["study.variants = {'good': 'ppo.kl_coef = 0.1'}"]), out,
+                         expand(load_study(path, ["study.variants = {'good': 'ppo.kl_coef = 0.1'}"]), tmp_path / "r2"))
+    assert plain.provenance["overrides"] == [] and "Run with overrides" not in render(plain)
+    saved = agg.to_json()
+    saved["provenance"] = {k: v for k, v in saved["provenance"].items() if k not in ("baseline_bindings", "overrides")}
+    old = StudyAggregate.from_json(saved)
+    assert "overrides" not in old.provenance and "Run with overrides" not in render(old)
+
+
 def test_underpowered_when_few_seeds(write_study, tmp_path):
     study = load_study(write_study(STUDY), ["study.seeds = 2"])
     specs = expand(study, tmp_path / "r")
@@ -154,8 +187,8 @@ def test_reward_model_score_is_reported_beside_gold_accuracy(write_study, tmp_pa
     assert agg.to_json()["variants"]["good"]["beside"]["eval/rm_score"]["n"] == 4
     report = (tmp_path / "results" / "synthetic" / "report.md").read_text()
     assert "| variant | eval/rm_score |" in report and "2.05 +- " in report
-    from experiments.report import render_summary
     from experiments.results import StudyAggregate
+    from experiments.summary import render_summary
     assert StudyAggregate.from_json(agg.to_json()) == agg
     text = render_summary([(study, agg)], tmp_path / "results")
     assert "eval/rm_score" in text and ("At the warm start (each first-round baseline seed's evaluation before "
@@ -219,6 +252,8 @@ def test_best_gold_checkpoint_of_a_run(tmp_path):
     assert best_checkpoint(run_dir) == (2, 0.55)
     checkpointed_run(run_dir, {2: 0.55, 5: 0.55}, checkpoints=())
     assert best_checkpoint(run_dir) == (2, 0.55)  # a tie: the earliest
+    checkpointed_run(run_dir, {2: float("nan"), 5: 0.55}, checkpoints=())
+    assert best_checkpoint(run_dir) == (5, 0.55)  # a NaN is no score
     assert best_checkpoint(run_dir, "eval/rm_score") is None
 
 
@@ -245,8 +280,8 @@ def test_report_points_to_the_checkpoint_with_the_best_gold(study_dir):
     assert ("Best of the study: `runs/hot/seed1/checkpoints/step_3` (hot, seed 1, step 3): "
             "eval/accuracy = 0.82") in report
     assert "| same | 2 | 3 | 0.63 | `runs/same/seed2/checkpoints/step_3` |" in report
-    from experiments.report import render_summary
     from experiments.results import StudyAggregate
+    from experiments.summary import render_summary
     summary = render_summary([(study, agg)], out.parent)
     where = f"{out}/runs/hot/seed1/checkpoints/step_3` (hot, seed 1, step 3)"  # a path that exists
     assert (out / "runs/hot/seed1/checkpoints/step_3").is_dir()

@@ -146,3 +146,50 @@ def test_paired_power_matches_simulated_paired_t_tests():
     assert stats.seeds_needed(0.5, 1.0, paired=True, correlation=0.0) >= stats.seeds_needed(0.5, 1.0)
     mde = stats.min_detectable_effect(1.0, 5, 5, paired=True, correlation=0.6)
     assert stats.power(mde, 1.0, 5, 5, paired=True, correlation=0.6) == pytest.approx(0.8, abs=1e-6)
+
+
+def _coverage(units, prompts, unit_sd, prompt_sd, noise_sd, datasets=300, replicates=1000, seed=7):
+    """(two-level, its percentile part alone, seeds-only) coverage of the true mean 0.3 over simulated
+    (units, prompts) tables: score = 0.3 + unit effect + prompt effect + noise, all normal."""
+    rng = np.random.default_rng(seed)
+    hits = np.zeros(3)
+    for i in range(datasets):
+        y = (0.3 + rng.normal(0, unit_sd, (units, 1)) + rng.normal(0, prompt_sd, (1, prompts))
+             + rng.normal(0, noise_sd, (units, prompts)))
+        got = stats.two_level_interval(y, replicates=replicates, seed=i)
+        t_lo, t_hi = stats.mean_ci(y.mean(axis=1))  # the seeds-only interval: prompts taken as fixed
+        hits += [got["ci95"][0] <= 0.3 <= got["ci95"][1], got["bootstrap_ci95"][0] <= 0.3 <= got["bootstrap_ci95"][1],
+                 t_lo <= 0.3 <= t_hi]
+    return hits / datasets
+
+
+def test_the_two_level_interval_covers_where_the_seeds_only_one_does_not():
+    """Prompts that differ in difficulty (the demo's test split: 3 lineages, about 40 prompts whose
+    accuracies spread far more than the lineages'): the seeds-only t interval, which takes the prompts
+    as fixed, undercovers badly; resampling prompts and lineages covers near 95%. Where the lineages'
+    spread dominates instead, the percentile bootstrap over 3 units is too narrow, and the interval,
+    widened to the t interval over the units, still covers."""
+    two_level, _, seeds_only = _coverage(3, 40, unit_sd=0.02, prompt_sd=0.25, noise_sd=0.08)
+    assert two_level >= 0.9 and seeds_only <= 0.8, (two_level, seeds_only)
+    two_level, percentile, seeds_only = _coverage(3, 40, unit_sd=0.1, prompt_sd=0.02, noise_sd=0.05)
+    assert two_level >= 0.92 and percentile <= 0.9 and seeds_only >= 0.92, (two_level, percentile, seeds_only)
+
+
+def test_two_level_interval_pairs_by_prompt_and_is_reproducible():
+    rng = np.random.default_rng(3)
+    prompt = rng.normal(0, 0.3, 30)
+    a = 0.5 + prompt + rng.normal(0, 0.05, (4, 30))
+    b = 0.45 + prompt + rng.normal(0, 0.05, (4, 30))
+    paired = stats.two_level_interval(a - b, null=0.0)
+    assert paired == stats.two_level_interval(a - b, null=0.0)  # a fixed seed: the same numbers
+    assert paired["mean"] == pytest.approx((a - b).mean()) and paired["units"] == 4 and paired["prompts"] == 30
+    lo, hi = paired["ci95"]
+    assert lo <= paired["bootstrap_ci95"][0] and hi >= paired["bootstrap_ci95"][1]
+    assert lo <= paired["t_ci95"][0] and hi >= paired["t_ci95"][1]
+    assert 0 < lo and paired["p_value"] < 0.05  # the shared prompt effects cancel in the difference
+    alone = stats.two_level_interval(a)
+    assert alone["ci95"][1] - alone["ci95"][0] > 3 * (hi - lo) and alone["p_value"] is None
+    one = stats.two_level_interval(a[:1] - b[:1], null=0.0)  # one unit: the prompts alone
+    assert one["t_ci95"] is None and one["ci95"] == one["bootstrap_ci95"]
+    with pytest.raises(ValueError, match="finite"):
+        stats.two_level_interval([[0.1, float("nan")]])

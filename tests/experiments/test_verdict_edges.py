@@ -12,9 +12,10 @@ from scipy import stats as sps
 from experiments.aggregate import aggregate, lineage_units, verdicts
 from experiments.collect import read_run
 from experiments.plan import expand
-from experiments.report import _round_facts, render
+from experiments.report import render
 from experiments.results import BETTER, INSUFFICIENT, RunOutcome, RunStatus, SeedPlan
 from experiments.study import load_study
+from experiments.summary import _round_facts
 from tests.experiments.conftest import fake_run
 
 STUDY = """
