@@ -101,6 +101,9 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
     "testsplit": Subcommand("pipeline stage: the task's held-out rows no run evaluates, as a test split (JSONL)",
                             "experiments.heldout:cmd_testsplit", "experiments.heldout:add_testsplit_arguments",
                             study=False, stage=True),
+    "confirm": Subcommand("pipeline stage: the tuned recipe against the original baseline on fresh seeds, judged "
+                          "on the test split (JSON)", "experiments.confirm:cmd_confirm",
+                          "experiments.confirm:add_confirm_arguments", study=False, stage=True),
     "heldout": Subcommand("pipeline stage: the warm start, the last round's choice and the best gold checkpoint "
                           "scored on the test split (JSON)", "experiments.heldout:cmd_heldout",
                           "experiments.heldout:add_heldout_arguments", study=False, stage=True),

@@ -261,6 +261,12 @@ def plan_lines(study: Study, plan: Optional[SeedPlan], specs: Sequence = ()) -> 
     if plan is None:
         return lineages
     if plan.sequential:
-        return [plan_line(plan, study.direction), *boundaries_lines(plan, study.direction), *lineages]
+        short = []
+        if plan.seeds is not None and plan.power_at_seeds_run is not None and plan.power_at_seeds_run < plan.power:
+            short = [f"notice: these waves end at {plan.seeds_run} seeds per variant: a true difference of "
+                     f"{_signed(plan.target_effect, study.direction)} is detected with {plan.power_at_seeds_run:.0%} "
+                     f"power (the fixed design needs {plan.seeds} for {plan.power:.0%}); leave out "
+                     f"study.sequential['max_seeds'] to let the plan size the waves"]
+        return [plan_line(plan, study.direction), *short, *boundaries_lines(plan, study.direction), *lineages]
     knob = "study.sequential['max_seeds']" if study.sequential is not None else "study.seeds"
     return [plan_line(plan, study.direction), *filter(None, [shortfall(plan, study.direction, knob)]), *lineages]

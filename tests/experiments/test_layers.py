@@ -22,7 +22,7 @@ LAYERS = (
     ("run_records",),
     ("resume_from", "gpu_fit", "plan", "seed_plan"),
     ("collect", "aggregate", "execute", "display", "wandb_sink", "watchdog", "launch"),
-    ("report", "plots", "advisor", "stages", "heldout", "summary", "wandb_report", "driver"),
+    ("report", "plots", "advisor", "stages", "heldout", "summary", "wandb_report", "driver", "confirm"),
     ("commands", "advisor.command", "cli", "__main__"),
 )
 """0 the vocabulary (the one error and the exit codes, the result types with the run-status enum
