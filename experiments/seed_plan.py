@@ -41,7 +41,13 @@ import numpy as np
 from experiments import sequential, stats
 from experiments.errors import StudyError
 from experiments.results import BASELINE, SeedPlan, StudyAggregate
-from experiments.resume_from import is_checkpoint_dir, lineage_notice, previous_aggregate
+from experiments.resume_from import (
+    is_checkpoint_dir,
+    lineage_notice,
+    previous_aggregate,
+    resume_checkpoints,
+    shared_starts,
+)
 from experiments.study import AUTO, PAIRED, WELCH, Study
 
 PILOT_SEEDS = 3
@@ -253,11 +259,33 @@ def shortfall(plan: SeedPlan, direction: str = "higher", knob: str = "study.seed
             f"{knob} = {plan.seeds} to detect it with {plan.power:.0%}")
 
 
+def _wave_starts(study: Study, plan: Optional[SeedPlan]) -> Dict[int, str]:
+    """{seed: start checkpoint} of every seed the waves may run ({} without waves, or a resumed study
+    that has not run yet)."""
+    last = seeds_run(study) if plan is None or not plan.sequential else plan.seeds_run
+    try:
+        return resume_checkpoints(dataclasses.replace(study, seeds=tuple(sequential.extra_seeds(study.seeds, last))))
+    except StudyError:
+        return {}
+
+
 def plan_lines(study: Study, plan: Optional[SeedPlan], specs: Sequence = ()) -> List[str]:
     """What `plan` and `run` print: the plan line and, when the study runs fewer seeds, the notice;
-    and, when seeds share start checkpoints (`specs`' init_from), that the round has fewer units."""
+    and, when seeds share start checkpoints (`specs`' init_from; with seed waves, every wave's
+    seeds), that the round has fewer units, and the power those units give."""
     starts = {s.seed: s.init_from for s in specs if s.variant == BASELINE and s.init_from}
+    if study.sequential is not None:
+        starts = _wave_starts(study, plan) or starts
     lineages = list(filter(None, [lineage_notice(starts)]))
+    units = len(shared_starts(starts)) if shared_starts(starts) else None
+    if lineages and units and plan is not None and plan.sd_baseline is not None and units >= 2:
+        at = stats.power(plan.target_effect, plan.sd_baseline, units, units,
+                         stats.per_test_alpha(plan.alpha, plan.comparisons), paired=plan.correlation is not None,
+                         correlation=stats.design_correlation(plan.correlation), sd2=plan.sd_variant)
+        if math.isfinite(at):
+            lineages.append(f"notice: with {units} independent starts a true difference of "
+                            f"{_signed(plan.target_effect, study.direction)} is detected with {at:.0%} power (fixed "
+                            f"design); give the round distinct starts (more seeds in the round it resumes) for more")
     if plan is None:
         return lineages
     if plan.sequential:

@@ -329,6 +329,14 @@ def _round_facts(agg: StudyAggregate) -> List[str]:
     return [*lines, ""] if lines else []
 
 
+def _finite_mean(values: Sequence[float]) -> str:
+    """'0.5000' over the finite values, then '(1 of 4 missing)' when some are NaN or inf; '–' for none."""
+    finite = [x for x in values if math.isfinite(x)]
+    missing = len(values) - len(finite)
+    return ((f"{sum(finite) / len(finite):.4f}" if finite else "–")
+            + (f" ({missing} of {len(values)} missing)" if missing else ""))
+
+
 def _flags(v: VariantResult) -> str:
     text = v.verdict
     if v.underpowered:
@@ -364,9 +372,8 @@ def render_summary(rounds: Sequence[tuple], results_dir: Path, heldout: Optional
             body += advice_lines(Path(study.resume_from), agg, study_dir)
         if first is None:
             first = (study, agg)
-            start_values = [v for v in initial_values(agg, study_dir, agg.metric) if math.isfinite(v)]
-            start_beside = {m: [v for v in initial_values(agg, study_dir, m) if math.isfinite(v)]
-                            for m in beside_metrics(agg)}
+            start_values = list(initial_values(agg, study_dir, agg.metric))  # NaNs are counted as missing
+            start_beside = {m: list(initial_values(agg, study_dir, m)) for m in beside_metrics(agg)}
         body += [f"Decision: **{decision.chosen}**: {decision.reason}." if decision.chosen
                  else f"Decision: none: {decision.reason}.", ""]
         body += _round_facts(agg)
@@ -423,7 +430,9 @@ def _first_screen(rounds, results_dir: Path, setting: Dict[str, str], sources: D
                   heldout: Optional[dict], confirmation: Optional[Confirmation]) -> List[str]:
     """The verdict line, then what is deployed (the setting as run, the model to ship and how to
     load it), the final choice over independent units, its gain over the warm start, the best
-    single checkpoint and the test split."""
+    single checkpoint and the test split. `start_values` may hold NaNs (a seed that logged none): the
+    warm start's line counts them as missing, the gain reads the finite ones."""
+    raw_start, start_values = start_values, [v for v in start_values if math.isfinite(v)]
     last_study, last = rounds[-1]
     recipe = (last.provenance or {}).get("recipe") or portable(last_study.baseline_recipe)
     target = next((s.target_effect for s, _ in reversed(rounds) if s.target_effect), None)
@@ -478,10 +487,10 @@ def _first_screen(rounds, results_dir: Path, setting: Dict[str, str], sources: D
     else:
         lines.append(f"Final choice: `{last.decision.chosen}` of {last_study.name}, {last.metric} = {_fmt4(s.mean)} ± "
                      f"{_fmt4(s.std)} over {units_text(len(units), seeds)} (95% t interval {_ci(s.ci95)}){also}.")
-    if start_values:
-        start = [(last.metric, start_values), *((m, v) for m, v in start_beside.items() if v)]
+    if raw_start:
+        start = [(last.metric, raw_start), *((m, v) for m, v in start_beside.items() if v)]
         lines.append("At the warm start (each first-round baseline seed's evaluation before training): "
-                     + "; ".join(f"{m} = {sum(v) / len(v):.4f}" for m, v in start) + ".")
+                     + "; ".join(f"{m} = {_finite_mean(v)}" for m, v in start) + ".")
     if g is not None:
         each = "lineage means" if len(units) < seeds else "seeds"
         lines.append(f"Gain over the warm start: {_gain_text(g, len(units), seeds, len(start_values))}, Welch's test "

@@ -22,15 +22,16 @@ LAYERS = (
     ("run_records",),
     ("resume_from", "gpu_fit", "plan", "seed_plan"),
     ("collect", "aggregate", "execute", "display", "wandb_sink", "watchdog", "launch"),
-    ("report", "plots", "advisor", "stages", "heldout", "summary", "wandb_report", "driver", "confirm"),
-    ("commands", "advisor.command", "cli", "__main__"),
+    ("report", "plots", "advisor", "stages", "heldout", "summary", "wandb_report", "driver"),
+    ("commands", "confirm", "advisor.command", "cli", "__main__"),
 )
 """0 the vocabulary (the one error and the exit codes, the result types with the run-status enum
 and the run record, statistics and seed waves' design, paths as files record them) -> 1
 declarations (the study) -> 2 what a run dir holds -> 3 the plan (where runs start, whether they fit
 their GPU, specs and hashes, seeds planned for power) -> 4 runs launched, executed and read back,
 and the aggregate -> 5 what is made of them (report, plots, the advisor, the pipeline stages, W&B
-reports) and the driver of the fixed design and the seed waves -> 6 the command line."""
+reports) and the driver of the fixed design and the seed waves -> 6 the command line, with the
+confirmation stage (a study it runs as `run` does)."""
 
 
 def test_the_manager_imports_only_downward():

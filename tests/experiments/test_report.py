@@ -215,7 +215,7 @@ def test_a_side_metric_that_is_not_a_number_is_missing_not_nan(write_study, tmp_
     report = (tmp_path / "results" / "synthetic" / "report.md").read_text()
     assert "| good | 2.1 +- 0.1414 (2 of 4 missing) |" in report and "| baseline | – (4 of 4 missing) |" in report
     assert "nan +-" not in report and "inf +-" not in report
-    from experiments.report import render_summary
+    from experiments.summary import render_summary
     text = render_summary([(study, agg)], tmp_path / "results")
     assert "eval/rm_score = 2.1 +- 0.1414 (2 of 4 missing)" in text  # the final choice
     assert "eval/rm_score = 0.5000 (1 of 4 missing)" in text  # the warm start
