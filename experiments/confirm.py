@@ -25,7 +25,8 @@ the warm start and for the steps the rounds took together. It is a study of its 
   paired t is recorded beside it, not decisive.
 
 The record (`--out`, JSON) is what `python -m experiments summary --confirmation` reads first
-(`summary.Confirmation`): 'bindings' (the tuned recipe's changes over the baseline's, as the runs got
+(`summary.Confirmation`; when the rounds adopted no change nothing runs, and the record says
+`nothing_to_confirm`): 'bindings' (the tuned recipe's changes over the baseline's, as the runs got
 them), 'difference', 'ci', 'p', 'n_units', 'model' (the tuned seed to ship: its eval-split value is the
 median of the tuned seeds', not the best, which would be optimistic), 'baseline_model',
 'seeds_needed', 'guardrail_violations'; beside them 'verdict' ('better' / 'worse' / 'no
@@ -45,7 +46,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from experiments import stats
-from experiments.errors import EXIT_INTERRUPTED, EXIT_OK, StudyError
+from experiments.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNS_FAILED, StudyError
 from experiments.paths import portable
 from experiments.results import BASELINE, RunStatus, StudyAggregate
 from experiments.study import PAIRED, Study, Variant, split_binding
@@ -243,6 +244,7 @@ def cmd_confirm(args) -> int:
     from experiments.heldout import _rounds, read_test
     from experiments.plan import expand, study_dir
     from experiments.results import read_aggregate
+    from experiments.summary import NOTHING_TO_CONFIRM
     from rlhf import numerics
     from rlhf.atomic import write_text
     numerics.apply()
@@ -255,6 +257,13 @@ def cmd_confirm(args) -> int:
     seeds = fresh_seeds(rounds, plan["seeds"])
     study = confirmation_study(rounds, seeds, Path(args.results))
     console = Console(highlight=False)
+    if not study.variants:  # the tuned recipe is the baseline's: nothing to run, nothing to confirm
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        write_text(args.out, json.dumps({NOTHING_TO_CONFIRM: True, "bindings": [], "recipe": portable(
+            study.baseline_recipe), "why": "the rounds adopted no change: the tuned recipe is the baseline recipe"},
+            indent=2) + "\n")
+        console.print(f"wrote {args.out}: the rounds adopted no change, so there is nothing to confirm and nothing ran")
+        return EXIT_OK
     console.print(f"confirmation: the tuned recipe against the original baseline, {len(seeds)} fresh seeds "
                   f"({seeds[0]}..{seeds[-1]}), {recipes(rounds)[2]} steps each", soft_wrap=True)
     args.argv = getattr(args, "argv", None) or ["confirm"]
@@ -270,6 +279,10 @@ def cmd_confirm(args) -> int:
     shown = (f"{out['difference']:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}] (p = {out['p']:.3g})"
              if out["difference"] is not None and None not in ci else "")
     console.print(f"wrote {args.out}: {out['verdict']} {shown}", soft_wrap=True)
+    if out["difference"] is None:  # fewer than two seeds finished on both arms: no record the summary can read
+        console.print(f"error: the confirmation has no verdict: {out['why']}; rerun `python -m experiments confirm` "
+                      f"(finished runs are kept)", soft_wrap=True)
+        return EXIT_RUNS_FAILED
     return EXIT_OK
 
 

@@ -82,10 +82,18 @@ class Confirmation:
 _CONFIRMATION = TypeAdapter(Confirmation)
 
 
-def read_confirmation(path: str | Path) -> Confirmation:
-    """The confirmation record at `path`; a StudyError in one line naming what is wrong."""
+NOTHING_TO_CONFIRM = "nothing_to_confirm"
+"""The key of a confirmation record written when the rounds adopted no change: no run was needed."""
+
+
+def read_confirmation(path: str | Path) -> Optional[Confirmation]:
+    """The confirmation record at `path`; None when it says the rounds adopted nothing to confirm
+    (`NOTHING_TO_CONFIRM`: the tuned recipe is the baseline's); a StudyError in one line naming what
+    is wrong."""
     try:
         data = json.loads(Path(path).read_text())
+        if isinstance(data, dict) and data.get(NOTHING_TO_CONFIRM) is True and not data.get("bindings"):
+            return None
         record = _CONFIRMATION.validate_python(data)
     except (OSError, ValueError) as err:  # json's and pydantic's errors are ValueErrors
         if isinstance(err, ValidationError):

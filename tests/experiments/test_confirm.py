@@ -99,3 +99,14 @@ def test_a_confirmation_of_two_tiny_rounds_is_scored_on_the_test_split_and_opens
                  "--out", str(summary)]) == 0
     first = next(line for line in summary.read_text().splitlines() if line.strip() and not line.startswith("#"))
     assert first.startswith(("**Deploy", "**No evidence", "**Keep")), first
+
+
+def test_a_path_that_adopted_nothing_has_nothing_to_confirm(tmp_path):
+    """The stage writes a record saying so (no run); the summary reads it as no confirmation."""
+    from experiments.summary import NOTHING_TO_CONFIRM, read_confirmation
+    path = tmp_path / "confirmation.json"
+    path.write_text(json.dumps({NOTHING_TO_CONFIRM: True, "bindings": [], "why": "no change"}))
+    assert read_confirmation(path) is None
+    path.write_text(json.dumps({"bindings": ["ppo.kl_coef = 0.1"], "difference": None, "ci": [None, None]}))
+    with pytest.raises(Exception, match="not a confirmation record"):
+        read_confirmation(path)
