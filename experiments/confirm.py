@@ -258,10 +258,14 @@ def cmd_confirm(args) -> int:
     study = confirmation_study(rounds, seeds, Path(args.results))
     console = Console(highlight=False)
     if not study.variants:  # the tuned recipe is the baseline's: nothing to run, nothing to confirm
+        text = json.dumps({NOTHING_TO_CONFIRM: True, "bindings": [], "recipe": portable(study.baseline_recipe),
+                           "why": "the rounds adopted no change: the tuned recipe is the baseline recipe"},
+                          indent=2) + "\n"
+        where = study_dir(study, args.results)  # the study's results dir holds the record too (a stage's output)
+        where.mkdir(parents=True, exist_ok=True)
+        write_text(where / "confirmation.json", text)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        write_text(args.out, json.dumps({NOTHING_TO_CONFIRM: True, "bindings": [], "recipe": portable(
-            study.baseline_recipe), "why": "the rounds adopted no change: the tuned recipe is the baseline recipe"},
-            indent=2) + "\n")
+        write_text(args.out, text)
         console.print(f"wrote {args.out}: the rounds adopted no change, so there is nothing to confirm and nothing ran")
         return EXIT_OK
     console.print(f"confirmation: the tuned recipe against the original baseline, {len(seeds)} fresh seeds "
