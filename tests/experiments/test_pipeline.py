@@ -130,7 +130,8 @@ def test_repro_rerun_and_views(clone):
     before = {p: json.loads(p.read_text())["attempts"][-1]["start"]
               for p in (repo / "results" / "round2" / "runs").rglob("attempts.json")}
     second = sh("dvc repro", repo, env)
-    assert ran_stages(second) == {"params_round2", "round2", "params_round3", "round3", "heldout", "report"}
+    assert ran_stages(second) == {"params_round2", "round2", "params_round3", "round3", "heldout", "confirm",
+                                  "report"}
     after = {p: json.loads(p.read_text())["attempts"][-1]["start"]
              for p in (repo / "results" / "round2" / "runs").rglob("attempts.json")}
     rerun = sorted(p.parent.parent.name for p in after if before.get(p) != after[p])
