@@ -269,6 +269,9 @@ def _sequential_verdict(judge: Verdict, record: Dict, design: sequential.Design,
     where = f"look {look} of {len(design.waves)} ({seeds} seeds a side, {record['units']} units)"
     zs = f"z = {z:+.3g}" if z is not None else "z undefined"
     decision = record["decision"]
+    if z is None and decision != sequential.CONTINUE:
+        return Verdict(cmp, INSUFFICIENT, True, f"no statistic at {where}: fewer than two units finished on both "
+                                                f"arms, or they do not spread")
     if decision in (sequential.BETTER, sequential.WORSE):
         verdict = BETTER if decision == sequential.BETTER else WORSE
         why = (f"crossed the efficacy boundary at {where}: |{zs}| >= {record['efficacy_z']:.3g} "

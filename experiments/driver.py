@@ -129,9 +129,10 @@ def _run_waves(study: Study, args: Namespace, console: Console, seed_plan: Optio
         waves = replay_waves(full, design, collect(all_specs, full), analysis,
                              {s.seed: s.init_from for s in all_specs if s.variant == BASELINE and s.init_from})
         judged = waves.looks[k]["judged"] if k < len(waves.looks) else {}
+        last = k == len(design.waves) - 1
         console.print(f"look {k + 1}/{len(design.waves)} at {n} seeds: " + ", ".join(
-            f"{name} {j['decision']} (z = {j['z']:+.3g})" if j["z"] is not None else f"{name} {j['decision']}"
-            for name, j in judged.items()), highlight=False)
+            f"{name} {'not crossed' if last and j['decision'] == 'futile' else j['decision']} (z = {j['z']:+.3g})"
+            if j["z"] is not None else f"{name} undefined" for name, j in judged.items()), highlight=False)
         active = [name for name in active if waves.stopped.get(name, {}).get("decision") == "continue"]
         if not active:
             break

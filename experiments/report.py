@@ -374,14 +374,17 @@ def render_waves(record: SequentialRecord, direction: str = "higher") -> str:
     lines += ["", "| variant | stopped at look | seeds | units | z | decision | difference | adjusted | 95% interval "
                   "| design p |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in record.variants.items():
-        lines.append(f"| {name} | {v['look']} | {v['seeds']} | {v['units']} | {_fmt(v.get('z'), 3)} | {v['decision']} "
+        decision = ("not crossed" if v["decision"] == "futile" and v["look"] == len(record.waves)
+                    else "undefined" if v.get("z") is None and v["decision"] != "continue" else v["decision"])
+        lines.append(f"| {name} | {v['look']} | {v['seeds']} | {v['units']} | {_fmt(v.get('z'), 3)} | {decision} "
                      f"| {_fmt(v.get('difference'))} | {_fmt(v.get('estimate'))} | {_ci(v.get('interval'))} "
                      f"| {_fmt(v.get('p_value'), 3)} |")
     lines += ["", "The interval is the stagewise-ordering interval, valid under the design (a t interval at the "
                   "stopping look is not: an early stop for efficacy overestimates); 'adjusted' is the median-unbiased "
                   "difference. Units are the independent starts the look compared (seeds that share a start "
                   "checkpoint count as one).", ""]
-    fixed = f", against {record.runs_fixed} for the fixed design of the same power" if record.runs_fixed else ""
+    fixed = (f", against {record.runs_fixed} for the fixed design that detects the target effect with "
+             f"{record.power:.0%} power" if record.runs_fixed else "")
     lines += [f"Runs used: {record.runs_used} of at most {record.runs_max}{fixed}.", ""]
     return "\n".join(lines)
 
