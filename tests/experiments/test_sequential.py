@@ -230,3 +230,21 @@ def test_tiny_study_in_waves_runs_only_the_waves_it_needs(workdir, write_study):
     assert main(["report", str(path), "--results", str(workdir)]) == 0  # the looks replay from the runs
     again = json.loads((workdir / "waves" / "aggregate.json").read_text())["sequential"]
     assert again["variants"] == record["variants"]
+
+
+def test_a_variant_without_a_statistic_at_the_last_look_is_insufficient_not_no_difference():
+    """Its runs failed but one: no look could judge it, so no verdict says 'no difference'."""
+    from experiments.aggregate import aggregate
+    from experiments.results import INSUFFICIENT, RunOutcome, RunStatus
+
+    study = load_study("recipes/studies/smoke.gin", ["study.sequential = {'looks': 2, 'max_seeds': 4}",
+                                                     "study.seeds = 2", "study.metric = 'eval/accuracy'"])
+    name = study.variants[0].name
+    runs = [RunOutcome(variant="baseline", seed=s, run_dir=f"/r/w/runs/baseline/seed{s}", status=RunStatus.COMPLETED,
+                       value=0.3 + 0.01 * s, steps=2) for s in range(4)]
+    runs += [RunOutcome(variant=name, seed=s, run_dir=f"/r/w/runs/{name}/seed{s}",
+                        status=RunStatus.COMPLETED if s == 0 else RunStatus.FAILED,
+                        value=0.35 if s == 0 else None, steps=2) for s in range(4)]
+    agg = aggregate(study, runs)
+    assert agg.sequential is not None and agg.sequential.variants[name]["z"] is None
+    assert agg.variants[name].verdict == INSUFFICIENT and "no statistic" in agg.variants[name].explanation
