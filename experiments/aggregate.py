@@ -32,8 +32,6 @@ import dataclasses
 import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
-import numpy as np
-
 from experiments import sequential, stats
 from experiments.paths import portable
 from experiments.results import (
@@ -175,16 +173,7 @@ def lineage_units(by_seed: Mapping[str, Mapping[int, float]], starts: Mapping[in
     seeds from one start share its luck, so counting them apart would overstate the evidence.
     Unchanged, and {} as the lineages, when every seed starts apart."""
     lineages = shared_starts(starts)
-    if not lineages:
-        return {n: dict(v) for n, v in by_seed.items()}, {}
-    units = {}
-    for name, values in by_seed.items():
-        units[name] = {}
-        for seeds in lineages.values():
-            present = [values[s] for s in seeds if s in values]
-            if present:
-                units[name][seeds[0]] = float(np.mean(present))
-    return units, lineages
+    return {n: stats.unit_means(v, lineages) for n, v in by_seed.items()}, lineages
 
 
 def _summary(values: Sequence[float], resolution: float = 0.0) -> Summary:

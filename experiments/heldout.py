@@ -481,21 +481,6 @@ SPLIT_SIZE = ("The split is every held-out row no run evaluates (`python -m expe
 """Why the test split is the size it is (`heldout_lines` says it when the split is too small)."""
 
 
-def seed_units(seeds: Sequence[int], lineages: Optional[Mapping[str, Sequence[int]]] = None) -> List[List[int]]:
-    """The independent units among `seeds`: the seeds of one lineage (`StudyAggregate.lineages`:
-    seeds that share a start checkpoint share its luck) together, every other seed alone; in the
-    order of their first seeds."""
-    present = list(dict.fromkeys(seeds))
-    units, placed = [], set()
-    for group in (lineages or {}).values():
-        members = [s for s in present if s in set(group)]
-        if members:
-            units.append(members)
-            placed.update(members)
-    units += [[s] for s in present if s not in placed]
-    return sorted(units, key=lambda unit: present.index(unit[0]))
-
-
 def _fractions(row: dict, metric: str) -> Optional[np.ndarray]:
     """The row's per-prompt share of right responses, or None when the record has no per-prompt scores."""
     got = (row.get("per_prompt") or {}).get(metric)
@@ -616,7 +601,7 @@ def heldout_lines(record: dict, lineages: Optional[Mapping[str, Sequence[int]]] 
     keeps; a record written before it kept them gets t intervals over the units and a line saying
     they ignore which prompts were drawn. `target_effect` (the rounds' study.target_effect): the
     power line says whether the split can detect it, and why it is the size it is when not."""
-    from experiments.stats import BOOTSTRAP_REPLICATES
+    from experiments.stats import BOOTSTRAP_REPLICATES, seed_units
 
     test = record.get("test") or {}
     samples = record.get("samples_per_prompt")

@@ -642,19 +642,12 @@ def study_design(cfg: Waves, max_seeds: int, alpha: float, variants: int, power:
                   power)
 
 
-def _units(values: Mapping[int, float], seeds: Sequence[int],
-           lineages: Mapping[str, Sequence[int]]) -> Dict[int, float]:
-    """{unit: value} over `seeds`: each seed its own unit, or (seeds sharing a start checkpoint) the
-    mean of a lineage's seeds, keyed by its first seed."""
-    present = {s: values[s] for s in seeds if s in values}
-    if not lineages:
-        return present
-    out = {}
-    for group in lineages.values():
-        vals = [present[s] for s in group if s in present]
-        if vals:
-            out[group[0]] = float(np.mean(vals))
-    return out
+def _in_wave(values: Mapping[int, float], seeds: Sequence[int],
+             lineages: Mapping[str, Sequence[int]]) -> Dict[int, float]:
+    """{unit: value} over the seeds a look has seen (`stats.unit_means`)."""
+    from experiments import stats
+
+    return stats.unit_means({s: values[s] for s in seeds if s in values}, lineages)
 
 
 def judge(d: Design, look: int, variant: Mapping[int, float], baseline: Mapping[int, float], *,
@@ -713,11 +706,11 @@ def replay(d: Design, seeds: Sequence[int], by_seed: Mapping[str, Mapping[int, f
     for k, n in enumerate(d.waves):
         wave = list(seeds[:n])
         judged = {}
-        base = _units(by_seed.get(baseline, {}), wave, lineages)
+        base = _in_wave(by_seed.get(baseline, {}), wave, lineages)
         for name in active:
             if ran is not None and ran.get(name, 0) < n:
                 continue
-            judged[name] = judge(d, k, _units(by_seed[name], wave, lineages), base, paired=paired, higher=higher)
+            judged[name] = judge(d, k, _in_wave(by_seed[name], wave, lineages), base, paired=paired, higher=higher)
             stopped[name] = judged[name]
         if not judged:
             break

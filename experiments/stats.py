@@ -306,6 +306,29 @@ BOOTSTRAP_SEED = 20_240_601
 _BOOTSTRAP_CHUNK = 1000
 
 
+def seed_units(seeds: Sequence[int], lineages: Optional[Mapping[str, Sequence[int]]] = None) -> List[List[int]]:
+    """The independent units among `seeds`: the seeds of one lineage (seeds that share a start
+    checkpoint share its luck: `resume_from.shared_starts`, `StudyAggregate.lineages`) together,
+    every other seed alone; in the order of their first seeds."""
+    present = list(dict.fromkeys(seeds))
+    units, placed = [], set()
+    for group in (lineages or {}).values():
+        members = [s for s in present if s in set(group)]
+        if members:
+            units.append(members)
+            placed.update(members)
+    units += [[s] for s in present if s not in placed]
+    return sorted(units, key=lambda unit: present.index(unit[0]))
+
+
+def unit_means(values: Mapping[int, float], lineages: Optional[Mapping[str, Sequence[int]]] = None) -> Dict[int, float]:
+    """{unit: value}: `values` ({seed: value}) as independent units (`seed_units`), a lineage's
+    seeds by their mean, keyed by its first seed; unchanged when no seeds share a start."""
+    if not lineages:
+        return dict(values)
+    return {unit[0]: float(np.mean([values[s] for s in unit])) for unit in seed_units(list(values), lineages)}
+
+
 def two_level_interval(scores: ArrayLike, confidence: float = CONFIDENCE, null: Optional[float] = None,
                        replicates: int = BOOTSTRAP_REPLICATES, seed: int = BOOTSTRAP_SEED) -> Dict:
     """The mean of a (units, prompts) table of scores, each row one independent unit of training

@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from pydantic import TypeAdapter, ValidationError
 
+from experiments import stats
 from experiments.errors import StudyError
 from experiments.paths import portable
 from experiments.report import ANALYSIS_TEXT, beside_metrics, beside_text, best_checkpoint_text
@@ -163,10 +164,8 @@ def _guardrail_text(variant: VariantResult) -> str:
 # ----------------------------------------------------------------------------- statistics of the first screen
 def _units(agg: StudyAggregate, variant: VariantResult) -> List[List[float]]:
     """The variant's completed values grouped into independent units (a lineage's seeds together)."""
-    from experiments.heldout import seed_units
-
     by_seed = {r.seed: r.value for r in variant.runs if r.status == RunStatus.COMPLETED and r.value is not None}
-    return [[by_seed[s] for s in unit] for unit in seed_units(list(by_seed), agg.lineages)]
+    return [[by_seed[s] for s in unit] for unit in stats.seed_units(list(by_seed), agg.lineages)]
 
 
 def units_text(units: int, seeds: int) -> str:
@@ -180,8 +179,6 @@ def gain(final_units: Sequence[float], start: Sequence[float]) -> Optional[dict]
     """The final choice's unit means against the warm start's first evaluations (one per
     first-round baseline seed, before any training): the difference, Welch's 95% interval and
     p-value (`stats.difference_ci`, `stats.welch_p`); None without both."""
-    from experiments import stats
-
     if not final_units or not start:
         return None
     diff = sum(final_units) / len(final_units) - sum(start) / len(start)
@@ -276,8 +273,6 @@ def confirms(record: Confirmation, higher: bool) -> bool:
 def _verdict_confirmed(record: Confirmation, higher: bool, recipe: str, target: Optional[float]) -> str:
     """The first line from a confirmation run's record."""
     from scipy.stats import norm
-
-    from experiments import stats
 
     change = _setting_text(_bindings(record.bindings)) or f"the baseline recipe `{recipe}` as is"
     interval = f"{record.difference:+.4f} [{record.ci[0]:.4f}, {record.ci[1]:.4f}]"
@@ -486,7 +481,6 @@ def _first_screen(rounds, results_dir: Path, setting: Dict[str, str], sources: D
     s = chosen.summary
     also = "".join(f"; {m} = {beside_text(chosen, m)}" for m in chosen.beside)
     if len(units) < seeds:
-        from experiments import stats
         lo, hi = stats.mean_ci(unit_means) if len(units) > 1 else (None, None)
         lines.append(f"Final choice: `{last.decision.chosen}` of {last_study.name}, {last.metric} = "
                      f"{sum(unit_means) / len(unit_means):.4g}, the mean over {units_text(len(units), seeds)} (95% t "

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from scipy import stats as sps
 
+from experiments import sequential, stats
 from experiments.aggregate import aggregate, lineage_units, verdicts
 from experiments.collect import read_run
 from experiments.plan import expand
@@ -149,6 +150,14 @@ def test_seeds_that_share_a_start_are_one_unit(study):
     text = render(agg)
     assert "**Shared starts:** seeds 0, 2 start from `ckpt/seed0`" in text
     assert "| a | `ppo.kl_coef = 0.1` | 3/3 (2 lineages) |" in text
+
+
+def test_one_grouping_of_seeds_into_units_serves_every_reader():
+    lineages = {"ckpt/a": (3, 5), "ckpt/b": (4,)}
+    assert stats.seed_units([5, 4, 3, 9], lineages) == [[5, 3], [4], [9]]  # a seed of no lineage stands alone
+    assert stats.unit_means({3: 0.2, 4: 0.9, 5: 0.4, 9: 0.1}, lineages) == {3: pytest.approx(0.3), 4: 0.9, 9: 0.1}
+    # a look that has seen only some of a lineage's seeds averages those it has
+    assert sequential._in_wave({3: 0.2, 4: 0.9, 5: 0.4}, [3, 4], lineages) == {3: 0.2, 4: 0.9}
 
 
 def test_round_facts_say_the_shortfall_and_the_equivalence_answer(study):
