@@ -1,17 +1,19 @@
-"""CI: reproduce the demo's first stages (data, sft, rm, round 1) in this clone and compare them
-with what is committed: the content hashes of the stage outputs in dvc.lock, round 1's params and
-its report (metrics, learning curves, report.md and the per-seed values), round 1's results
-included: its run dirs' machine records (timings, wall clocks, hosts, logs: rlhf/run_dir.py's
-MACHINE_RECORDS) are left out of its hash by .dvcignore, and everything else in them is the same
-bits on every machine.
+"""Checks that a clone's `dvc repro` reproduced the committed demo: every stage DVC finds up to date
+in this clone (all of them after the README's `dvc repro`; data, sft, rm, params_round1 and round1
+after CI's `dvc repro round1`) must have the committed output hashes in dvc.lock, and each output
+kept in git (params, reports) the committed bytes. The rounds' results are included: their run
+dirs' machine records (timings, wall clocks, hosts, logs: rlhf/run_dir.py's MACHINE_RECORDS) are
+left out of their hashes by .dvcignore, and everything else in them is the same bits on every
+machine.
 
-    python .ci/check_demo.py          # after `dvc repro round1`
+    python .ci/check_demo.py          # after `dvc repro` (or `dvc repro round1`)
 
-Exit 0 when everything matches, 1 with one line per difference otherwise. Bitwise equality is
-asked of every x86-64 CPU with AVX2, Intel or AMD, under the engine's default `portable` numerics
-(rlhf/numerics.py; bench/cpu_numerics.py measured the same bits on AMD EPYC and Intel Xeon) and the
-torch release the README pins. Outside that (another profile, another torch, another architecture)
-the differences are printed, with the reason, but do not fail.
+Exit 0 when everything matches, 1 with one line per difference otherwise (also when round 1 was
+not reproduced). Bitwise equality is asked of every x86-64 CPU with AVX2, Intel or AMD, under the
+engine's default `portable` numerics (rlhf/numerics.py; bench/cpu_numerics.py measured the same
+bits on AMD EPYC and Intel Xeon) and the torch release the README pins. Outside that (another
+profile, another torch, another architecture) the differences are printed, with the reason, but do
+not fail.
 """
 
 from __future__ import annotations
@@ -25,9 +27,8 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-OUTPUTS = ("data/arithmetic", "models/sft", "data/rm_pairs", "models/rm", "results/round1")
-REPORTS = ("params/round1.yaml", "reports/round1/metrics.json", "reports/round1/curves.csv",
-           "reports/round1/report.md", "reports/round1/seeds.csv")
+REQUIRED = ("data", "sft", "rm", "params_round1", "round1")
+"""The stages CI reproduces (`dvc repro round1`): the check fails when one of them is not up to date."""
 PINNED_TORCH = "2.13.0"  # the README's and .ci/run's pin, with which the committed demo was made
 
 
@@ -48,33 +49,43 @@ def not_comparable() -> str | None:
     return None
 
 
-def out_hashes(lock_text: str) -> dict:
+def stage_outs(lock_text: str) -> dict:
+    """{stage: {out path: md5}} of a dvc.lock."""
     lock = yaml.safe_load(lock_text)
-    found = {}
-    for stage in lock.get("stages", {}).values():
-        for out in stage.get("outs", []):
-            found[out["path"]] = out.get("md5")
-    return found
+    return {name: {out["path"]: out.get("md5") for out in stage.get("outs", [])}
+            for name, stage in lock.get("stages", {}).items()}
+
+
+def reproduced_stages() -> list:
+    """The stages `dvc status` finds up to date here (their deps and outs as dvc.lock records them)."""
+    shown = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout
+    changed = set(json.loads(shown or "{}"))
+    return [name for name in yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"] if name not in changed]
 
 
 def main() -> int:
-    committed = out_hashes(subprocess.run(["git", "show", "HEAD:dvc.lock"], cwd=REPO, check=True,
+    committed = stage_outs(subprocess.run(["git", "show", "HEAD:dvc.lock"], cwd=REPO, check=True,
                                           capture_output=True, text=True).stdout)
-    now = out_hashes((REPO / "dvc.lock").read_text())
-    problems = [f"{path}: committed {committed.get(path)}, reproduced {now.get(path)}"
-                for path in OUTPUTS if committed.get(path) != now.get(path)]
-    for report in REPORTS:
-        shown = subprocess.run(["git", "show", f"HEAD:{report}"], cwd=REPO, capture_output=True, text=True)
-        if shown.returncode != 0:
-            problems.append(f"{report}: not committed")
-        elif shown.stdout != (REPO / report).read_text():
-            problems.append(f"{report}: differs from the committed one (git diff HEAD -- {report})")
-    here = (json.loads((REPO / "results" / "round1" / "provenance.json").read_text()).get("hardware_fingerprint")
-            if (REPO / "results" / "round1" / "provenance.json").exists() else None)
+    now = stage_outs((REPO / "dvc.lock").read_text())
+    stages = reproduced_stages()
+    problems = [f"stage {name} is not up to date here: run `dvc repro {name}` first"
+                for name in REQUIRED if name not in stages]
+    for name in stages:
+        for path, md5 in now.get(name, {}).items():
+            in_git = subprocess.run(["git", "ls-files", "--error-unmatch", path], cwd=REPO,
+                                    capture_output=True).returncode == 0
+            if committed.get(name, {}).get(path) != md5:
+                problems.append(f"{path}: committed {committed.get(name, {}).get(path)}, reproduced {md5}"
+                                + (f" (git diff HEAD -- {path})" if in_git else ""))
+            elif in_git and subprocess.run(["git", "diff", "--quiet", "HEAD", "--", path], cwd=REPO).returncode:
+                problems.append(f"{path}: differs from the committed one (git diff HEAD -- {path})")
+    provenance = REPO / "results" / "round1" / "provenance.json"
+    here = json.loads(provenance.read_text()).get("hardware_fingerprint") if provenance.exists() else None
     for line in problems:
         print(f"demo does not reproduce: {line}")
     if not problems:
-        print(f"demo reproduces: {', '.join(OUTPUTS)}, round 1's params and report equal what is committed "
+        print(f"demo reproduces: the outputs of {', '.join(stages)} equal what is committed "
               f"(reproduced on {', '.join(here or ['?'])})")
         return 0
     reason = not_comparable()
@@ -83,6 +94,7 @@ def main() -> int:
         return 0
     print(f"(reproduced on {here}: the portable numerics promise the committed bits on every x86-64 CPU with AVX2)")
     return 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,7 +25,7 @@ import io
 import json
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -104,13 +104,40 @@ def study_params(path: str, bindings: List[str]) -> Dict:
         cfg, _ = resolve_config(study.baseline_recipe, [*study.baseline_bindings, *variant.bindings],
                                 f"study.variants[{variant.name!r}]")
         variants[variant.name] = config_changes(base, flat_dict(cfg))
-    return {"study": {"name": study.name, "seeds": list(study.seeds), "metric": study.metric,
+    return {"changed": recipe_changes(path, flat, study),
+            "study": {"name": study.name, "seeds": list(study.seeds), "metric": study.metric,
                       "direction": study.direction, "resume_from": portable(study.resume_from) or None,
                       "resumed_setting": list(resumed_setting(declared)),
                       "alpha": study.alpha, "analysis": study.analysis,
                       "equivalence_margin": study.equivalence_margin,
                       "metric_resolution": study.metric_resolution},
             "baseline": nested_dict(flat), "variants": {k: nested_dict(v) for k, v in variants.items()}}
+
+
+def _settings(study) -> Dict:
+    """The study settings a round's params show ('study.x': value): seeds and how it is judged."""
+    return {"study.seeds": list(study.seeds), "study.alpha": study.alpha, "study.analysis": study.analysis,
+            "study.equivalence_margin": study.equivalence_margin, "study.metric_resolution": study.metric_resolution}
+
+
+def recipe_changes(path: str, flat: Dict, study) -> Dict:
+    """What the round's runs get that its recipe (`path`, read alone) does not say: the overrides and,
+    in a round that resumes another, the setting it inherits, as nested {scope: {parameter: value}},
+    with the study settings (`_settings`) that differ from the recipe's (`study`: as the round
+    runs). The round's params in `dvc exp show` and `dvc params diff` (dvc.yaml tracks this key of
+    params/roundN.yaml): a column per changed parameter instead of one per engine default. Per-seed
+    start checkpoints are left out: they follow from the round it resumes."""
+    from experiments.plan import config_changes, resolve_config
+    from experiments.study import load_study
+    from rlhf.configurable import flat_dict, nested_dict
+
+    plain = load_study(path)
+    cfg, _ = resolve_config(plain.baseline_recipe, plain.baseline_bindings, "study.baseline_bindings")
+    written = {k: v for k, v in flat_dict(cfg).items() if k != "ppo.seed"}
+    changes = {k: v for k, v in config_changes(written, flat).items() if k != "ppo.init_from"}
+    declared = _settings(plain)
+    changes.update({k: v for k, v in _settings(study).items() if declared[k] != v})
+    return nested_dict(changes)
 
 
 OVERRIDES_FILE = "params.yaml"
@@ -237,27 +264,27 @@ def cmd_params(args) -> int:
 
 
 # ----------------------------------------------------------------------------- export
+def metric_key(name: str, taken: Sequence[str] = ()) -> str:
+    """A variant's name as a metrics key: DVC joins nested keys with dots (`variants.kl_coef_x8.2.p`
+    would be ambiguous), so every character but letters, digits, '_' and '-' becomes '_'; a name
+    that then collides with one in `taken` gets a numeric suffix."""
+    key = re.sub(r"[^A-Za-z0-9_-]", "_", name)
+    base, n = key, 2
+    while key in taken:
+        key, n = f"{base}_{n}", n + 1
+    return key
+
+
 def headline(aggregate: StudyAggregate) -> Dict:
     """dvc metrics (reports/<study>/metrics.json), under keys that are the same in every round and
-    experiment, so `dvc metrics diff` compares like with like:
-    `metric` (the decision metric's name);
+    experiment, so `dvc metrics diff` compares like with like and `dvc exp show` has a column per
+    number that matters (the full rows are in the report, seeds.csv and aggregate.json):
     `decision`: `chosen` (the variant's name, null when nothing could be decided), `chosen_value` and
         `baseline_value` (their means of the decision metric), `effect` (chosen - baseline, as the
         deciding analysis measured it; 0 when the baseline is kept) and `p_value` (its Holm-corrected
         p; null when the baseline is kept);
-    `baseline` and `chosen`: their rows (n, mean, std, ci95_low, ci95_high, verdict; against the
-        baseline also difference, p_value_holm, analysis, prob_improvement);
-    `variants`: every other variant's row, by name."""
-    rows: Dict[str, Dict] = {}
-    for name, v in aggregate.variants.items():
-        s = v.summary
-        row = {"n": s.n, "mean": s.mean, "std": s.std, "ci95_low": s.ci95[0], "ci95_high": s.ci95[1]}
-        cmp = v.comparison
-        if cmp:
-            row.update(difference=cmp.difference, p_value_holm=cmp.p_value_holm, analysis=cmp.analysis,
-                       prob_improvement=cmp.prob_improvement)
-        row["verdict"] = v.verdict
-        rows[name] = row
+    `variants`: per variant other than the baseline, under its name without dots (`metric_key`),
+        `difference` (against the baseline) and `verdict`."""
     chosen = aggregate.decision.chosen
     variant = aggregate.variants.get(chosen) if chosen is not None else None
     baseline = aggregate.variants.get(BASELINE)
@@ -268,9 +295,12 @@ def headline(aggregate: StudyAggregate) -> Dict:
                 "baseline_value": baseline.summary.mean if baseline is not None else None,
                 "effect": decisive.difference if decisive else (0.0 if chosen == BASELINE else None),
                 "p_value": comparison.p_value_holm if comparison else None}
-    return {"metric": aggregate.metric, "decision": decision, "baseline": rows.get(BASELINE),
-            "chosen": rows.get(chosen) if chosen is not None else None,
-            "variants": {name: row for name, row in rows.items() if name != BASELINE}}
+    variants: Dict[str, Dict] = {}
+    for name, v in aggregate.variants.items():
+        if name != BASELINE:
+            variants[metric_key(name, list(variants))] = {
+                "difference": v.comparison.difference if v.comparison else None, "verdict": v.verdict}
+    return {"decision": decision, "variants": variants}
 
 
 CURVE_METRICS = tuple(m for m in SIGNALS if m not in ("clip_fraction_lower", "clip_fraction_upper",

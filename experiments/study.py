@@ -708,4 +708,7 @@ def check_overrides(path: str | Path, overrides: Sequence[str], spec: str) -> No
             resolve(plain.baseline_recipe, plain.baseline_bindings)
         except (ConfigError, StudyError):
             return
-        raise StudyError(f"--overrides {spec}: {str(err).replace(' (-b binding)', '')}") from None
+        file = spec.rpartition(":")[0] or spec
+        raise StudyError(f"--overrides {spec}: {str(err).replace(' (-b binding)', '')}; the refused value is still in "
+                         f"{file} (a `dvc exp run -S` writes it there before the stage runs): remove it, or "
+                         f"`git checkout -- {file}`, before the next `dvc repro`") from None

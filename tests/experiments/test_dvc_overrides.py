@@ -92,6 +92,8 @@ def test_a_bad_override_is_one_line_naming_the_file_and_key(write_study, overrid
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith(f"error: --overrides params.yaml:{key}") and says in lines[0], lines[0]
+    if key in ("unknown", "invalid", "variant_as_baseline"):  # how to undo the `dvc exp run -S` that set it
+        assert "git checkout -- params.yaml" in lines[0], lines[0]
 
 
 def test_a_missing_overrides_file_or_key_is_refused(write_study, tmp_path):

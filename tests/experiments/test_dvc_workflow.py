@@ -7,13 +7,17 @@ line per variant; metrics.json's keys are the same numbers in every round, so `d
 compares them."""
 
 import argparse
+import csv
+import io
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import yaml
@@ -21,7 +25,7 @@ import yaml
 from experiments.cli import SUBCOMMANDS, _apply_overrides, build_parser
 from experiments.plan import expand
 from experiments.report import write_report
-from experiments.stages import cmd_export
+from experiments.stages import cmd_export, metric_key
 from experiments.study import load_study
 from rlhf.configurable import flat_dict, resolve
 from tests.conftest import REPO
@@ -86,7 +90,8 @@ def test_exp_run_set_param_reaches_the_rounds_params_and_runs(repo, monkeypatch)
     params = yaml.safe_load((repo / "params" / "round1.yaml").read_text())
     assert params["baseline"]["ppo"]["kl_coef"] == 0.1
     diff = dvc(repo, "params", "diff").stdout
-    assert "round1.ppo.kl_coef" in diff and "baseline.ppo.kl_coef" in diff and "0.05" in diff, diff
+    assert "round1.ppo.kl_coef" in diff and "changed.ppo.kl_coef" in diff and "0.1" in diff, diff
+    assert "baseline." not in diff  # the engine defaults are in the file, not in DVC's params views
 
     stage = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]["round1"]
     assert {"params.yaml": ["round1"]} in stage["params"]
@@ -113,6 +118,20 @@ def test_a_hand_edit_of_the_generated_params_is_refused(repo):
     text = (repo / "params" / "round1.yaml").read_text()
     assert yaml.safe_load(text)["baseline"]["ppo"]["kl_coef"] == 0.2  # the edit is still there, not lost
     assert "GENERATED: do not edit" in text and "dvc exp run -S '++round1.ppo.kl_coef=0.1'" in text
+    _restore(repo)
+
+
+def test_a_misspelt_set_key_says_how_to_restore_params_yaml(repo):
+    """`dvc exp run -S` writes the key into params.yaml before the stage refuses it; the one line says
+    so and how to undo it, and after that restore the pipeline runs again."""
+    _restore(repo)
+    out = dvc(repo, "exp", "run", "--single-item", "-S", "++round1.ppo.kl_cof=0.1", "params_round1", check=False)
+    said = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error: ")]
+    assert out.returncode != 0 and len(said) == 1, out.stdout + out.stderr
+    assert "ppo.kl_cof is not a known binding" in said[0] and "git checkout -- params.yaml" in said[0], said
+    assert "kl_cof" in (repo / "params.yaml").read_text()  # what DVC leaves behind, as the line says
+    git(repo, "checkout", "--", "params.yaml")
+    assert dvc(repo, "status", "params_round1").returncode == 0
     _restore(repo)
 
 
@@ -148,13 +167,15 @@ study.seeds = 3
 """
 
 
-def _export_round2(repo: Path, gold: dict) -> dict:
+def _export_round2(repo: Path, gold: dict, variants: Optional[dict] = None) -> dict:
     """A finished synthetic round 2 (its run dirs written as the engine leaves them), exported to
     reports/round2 by the pipeline's own export; returns its metrics.json."""
     shutil.rmtree(repo / "results" / "round2", ignore_errors=True)
     path = repo / "round2_synthetic.gin"
     path.write_text(ROUND2)
-    study = load_study(path)
+    study = load_study(path, [f"study.variants = {variants!r}"] if variants else [])
+    if variants:
+        gold = dict(zip(["baseline", *variants], gold.values()))
     specs = expand(study, "results")
     for spec in specs:
         fake_run(spec, gold[spec.variant][spec.seed])
@@ -170,12 +191,13 @@ def test_plots_draw_one_line_per_variant_and_metrics_keys_are_stable(repo, monke
     metrics = _export_round2(repo, {"baseline": [0.50, 0.52, 0.49], "kl_up": [0.70, 0.72, 0.69],
                                     "clip_up": [0.50, 0.51, 0.50]})
     decision = metrics["decision"]
-    assert decision["chosen"] == "kl_up" and metrics["chosen"]["verdict"] == "better"
+    assert decision["chosen"] == "kl_up" and metrics["variants"]["kl_up"]["verdict"] == "better"
     for key in ("chosen_value", "baseline_value", "effect", "p_value"):
         assert isinstance(decision[key], float), key
-    assert decision["effect"] == pytest.approx(0.2) and decision["chosen_value"] == metrics["chosen"]["mean"]
-    assert (metrics["baseline"]["mean"] == decision["baseline_value"]
-            and set(metrics["variants"]) == {"kl_up", "clip_up"})
+    assert decision["effect"] == pytest.approx(0.2) == metrics["variants"]["kl_up"]["difference"]
+    assert decision["baseline_value"] == pytest.approx(0.5033, abs=1e-4)
+    assert decision["chosen_value"] == pytest.approx(0.7033, abs=1e-4)
+    assert set(metrics) == {"decision", "variants"} and set(metrics["variants"]) == {"kl_up", "clip_up"}
 
     shown = json.loads(dvc(repo, "plots", "show", "--json").stdout)["data"]
     spec = shown["round2 gold accuracy"][0]["content"]
@@ -199,5 +221,39 @@ def test_plots_draw_one_line_per_variant_and_metrics_keys_are_stable(repo, monke
                           "clip_up": [0.50, 0.51, 0.50]})
     diff = json.loads(dvc(repo, "metrics", "diff", "--json").stdout)["reports/round2/metrics.json"]
     assert diff["decision.effect"]["diff"] == pytest.approx(-0.1)
-    assert diff["chosen.mean"]["diff"] == pytest.approx(-0.1) and "baseline.mean" not in diff  # unchanged
+    assert diff["decision.chosen_value"]["diff"] == pytest.approx(-0.1)
+    assert "decision.baseline_value" not in diff  # unchanged
+    _restore(repo)
+
+
+def test_a_variant_name_with_dots_is_one_metrics_key():
+    assert metric_key("kl_coef_x8.2") == "kl_coef_x8_2"
+    assert metric_key("a.b", taken=["a_b"]) == "a_b_2" and metric_key("lr 1e-6/2") == "lr_1e-6_2"
+
+
+def test_exp_show_has_a_column_per_changed_parameter_and_stable_metrics(repo, monkeypatch):
+    """Two experiments that differ in one override: `dvc exp show --csv` has the decision's columns,
+    per-variant columns without dots, and the round's changed parameters, never every engine default."""
+    _restore(repo)
+    monkeypatch.chdir(repo)
+    _export_round2(repo, {"baseline": [0.50, 0.52, 0.49], "kl_up": [0.70, 0.72, 0.69],
+                          "clip_up": [0.50, 0.51, 0.50]}, variants={"kl_x8.2": "ppo.kl_coef = 0.1",
+                                                                     "clip_up": "ppo.clip_range = 0.3"})
+    git(repo, "add", "reports/round2")
+    git(repo, "commit", "-qm", "round 2")
+    for kl in ("0.1", "0.2"):
+        dvc(repo, "exp", "run", "--single-item", "-S", f"++round1.ppo.kl_coef={kl}", "params_round1")
+    rows = list(csv.DictReader(io.StringIO(dvc(repo, "exp", "show", "--csv").stdout)))
+    columns = list(rows[0])  # a key, or 'file:key' where two files share it
+    keys = {c: c.rpartition(":")[2] for c in columns}
+    decision = {f"decision.{k}" for k in ("chosen", "chosen_value", "baseline_value", "effect", "p_value")}
+    per_variant = {f"variants.{v}.{k}" for v in ("kl_x8_2", "clip_up") for k in ("difference", "verdict")}
+    assert decision | per_variant <= set(keys.values()), columns
+    fixed = {"Experiment", "rev", "typ", "Created", "parent", "State", "Executor"}
+    for c, key in keys.items():  # every round's metrics (the committed rounds too): the same stable keys
+        assert (c in fixed or key in decision or re.fullmatch(r"variants\.[\w-]+\.(difference|verdict)", key)
+                or key.startswith(("changed.", "round1", "round2", "round3"))), c  # no engine default
+    kl = next(c for c in columns if c in ("changed.ppo.kl_coef", "params/round1.yaml:changed.ppo.kl_coef"))
+    assert sorted(r[kl] for r in rows if r[kl] not in ("", "-")) == ["0.1", "0.2"]
+    assert len(columns) < 60, columns
     _restore(repo)
