@@ -3,6 +3,7 @@ runs grouped by study and variant, the aggregate run's table and summary; a reru
 nothing logs nothing; WANDB_PROJECT is honoured; a resumed run continues its W&B run; W&B
 failures never reach a run."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ from experiments.wandb_sink import (
     aggregate_state_path,
     job_type_for,
     log_aggregate_dir,
+    offline_folders,
 )
 from tests.conftest import REPO
 from tests.experiments.test_wandb_report import finished  # noqa: F401 - a study dir of fake runs, reported
@@ -174,7 +176,9 @@ def _read_back(wandb_dir, timeout_s: float = 20.0) -> list:
         time.sleep(0.2)
 
 
-def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
+def test_a_resumed_offline_run_replaces_its_folder_with_the_whole_history(tmp_path, monkeypatch):
+    """Killed after 3 steps, resumed to 6: one offline folder of the id, holding steps 0..5, since
+    `wandb sync` would upload a second folder of the id in place of the first."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     run_dir = tmp_path / "run"
     _fake_run_dir(run_dir, 3)
@@ -186,14 +190,15 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     first = RunDirStreamer(run_dir, start())
     assert first.poll() == 3
     first.wandb_run.finish(exit_code=1)  # killed here
+    (other := tmp_path / "wandb" / "wandb" / "offline-run-20260101_000000-x-s-abc").mkdir()  # another id's folder
+    assert len(offline_folders(tmp_path / "wandb", "s-abc")) == 1
     _fake_run_dir(run_dir, 6)  # the resumed engine rewrote its metrics up to step 5
     second = RunDirStreamer(run_dir, start())
-    assert second.last_step == 2
+    assert second.last_step == -1  # offline: sent again from the start
     second.close(exit_code=0)
-    runs = _read_back(tmp_path / "wandb")
-    assert {r["id"] for r in runs} == {"s-abc"}
-    steps = sorted(row["_step"] for r in runs for row in r["history"])
-    assert steps == [0, 1, 2, 3, 4, 5]
+    (run,) = [r for r in _read_back(tmp_path / "wandb") if r["id"] == "s-abc"]
+    assert [row["_step"] for row in run["history"]] == [0, 1, 2, 3, 4, 5]
+    assert len(offline_folders(tmp_path / "wandb", "s-abc")) == 1 and other.is_dir()
 
 
 def test_wandb_failure_never_reaches_the_run(tmp_path, monkeypatch):
@@ -222,21 +227,32 @@ def test_job_type_names_the_change():
     assert job_type_for({"ppo.kl_coef": 0.1}) == "ppo.kl_coef=0.1"
 
 
-def test_a_changed_aggregate_continues_its_run_at_the_next_step(finished, monkeypatch):  # noqa: F811
-    """The aggregate run of a study, sent again: unchanged, nothing is opened; changed (here another
-    set of runs), the same W&B run at the next step."""
-    import time
+def test_each_aggregate_is_its_own_run_and_artifact_version(finished, monkeypatch):  # noqa: F811
+    """The aggregate of a study, sent again: unchanged, nothing is opened; changed (here another set
+    of runs), another W&B run with its own id and a version of the study's aggregate Artifact;
+    the first content again replaces its own folder. No two folders share an id."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = finished[2]
     wandb_dir = out.parent / "wandb"
-    assert log_aggregate_dir(out, "p", ["run-a", "run-b"])
-    assert not log_aggregate_dir(out, "p", ["run-b", "run-a"])
+    (out / "report.md").write_text("# the report")
+    assert log_aggregate_dir(out, "p", ["run-a", "run-b"], files=[out / "report.md"])
+    assert not log_aggregate_dir(out, "p", ["run-b", "run-a"], files=[out / "report.md"])
     assert len(find_runs(wandb_dir)) == 1
-    time.sleep(1.1)  # W&B names an offline run's files by the second it starts
-    assert log_aggregate_dir(out, "p", ["run-a", "run-c"])
+    assert log_aggregate_dir(out, "p", ["run-a", "run-c"], files=[out / "report.md"])
+    assert log_aggregate_dir(out, "p", ["run-a", "run-b"], files=[out / "report.md"])
     runs = _read_back(wandb_dir)
-    assert len(runs) == 2 and {(r["id"], r["project"]) for r in runs} == {("synthetic-aggregate", "p")}
-    assert sorted(row["_step"] for r in runs for row in r["history"]) == [0, 1]
-    assert json.loads(aggregate_state_path(wandb_dir, "p", "synthetic").read_text())["step"] == 1
-    assert all(r["summary"]["good.ci95_high"] > r["summary"]["good.mean"] > r["summary"]["good.ci95_low"]
-               for r in runs)
+    assert len(runs) == 2 and len({r["id"] for r in runs}) == 2
+    assert {r["project"] for r in runs} == {"p"} and all(r["id"].startswith("synthetic-aggregate-") for r in runs)
+    state = json.loads(aggregate_state_path(wandb_dir, "p", "synthetic").read_text())
+    assert state["run_id"] in {r["id"] for r in runs}
+    for r in runs:
+        assert [row["_step"] for row in r["history"]] == [0]
+        assert r["config"]["aggregate_sha256"] == hashlib.sha256((out / "aggregate.json").read_bytes()).hexdigest()
+        assert r["summary"]["good.ci95_high"] > r["summary"]["good.mean"] > r["summary"]["good.ci95_low"]
+        (artifact,) = [a for a in r["artifacts"] if a["type"] == "aggregate"]  # W&B's own: the table's
+        assert artifact["name"] == "synthetic-aggregate"
+        # The files the Artifact uploads lie in the run's own offline folder, as they were sent.
+        folder = Path(r["path"]).parent
+        assert sorted(artifact["files"]) == ["aggregate.json", "report.md"]
+        assert all(Path(f).parent.parent == folder for f in artifact["files"].values())
+        assert Path(artifact["files"]["report.md"]).read_text() == "# the report"
