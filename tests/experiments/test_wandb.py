@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from experiments.plan import git_commit
 from experiments.results import StudyAggregate
 from experiments.wandb_sink import (
     AGGREGATE_COLUMNS,
@@ -51,8 +52,8 @@ study.resume_variant = 'baseline'
 CAMPAIGN = "wb-campaign"
 
 
-def run_study(path: Path, results: Path, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "experiments", "run", str(path), "--results", str(results)],
+def run_study(path: Path, results: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "experiments", "run", str(path), "--results", str(results), *args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -63,7 +64,8 @@ def _aggregate_files(wandb_dir: Path) -> list:
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory):
     """Round 1 (two variants x two seeds), round 2 resuming it, then round 1 again as it is (nothing
-    to run or send), then round 1 again with WANDB_PROJECT set: the W&B files after each."""
+    to run or send), then round 1 again with WANDB_PROJECT set, then round 1 with a third seed: the
+    W&B files after each."""
     root = tmp_path_factory.mktemp("wb")
     results = root / "results"
     (root / "wb.gin").write_text(textwrap.dedent(ROUND1))
@@ -71,9 +73,10 @@ def campaign(tmp_path_factory):
     env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(root / "wandb"))
     env.pop("WANDB_PROJECT", None)
     out = {"root": root, "results": results}
-    for name, path, extra in (("round1", "wb.gin", {}), ("round2", "wb2.gin", {}), ("rerun", "wb.gin", {}),
-                              ("env", "wb.gin", {"WANDB_PROJECT": "from-env"})):
-        proc = run_study(root / path, results, {**env, **extra})
+    for name, path, extra, args in (("round1", "wb.gin", {}, ()), ("round2", "wb2.gin", {}, ()),
+                                    ("rerun", "wb.gin", {}, ()), ("env", "wb.gin", {"WANDB_PROJECT": "from-env"}, ()),
+                                    ("seed", "wb.gin", {}, ("-b", "study.seeds = 3"))):
+        proc = run_study(root / path, results, {**env, **extra}, *args)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         out[name] = {"stdout": proc.stdout, "aggregates": _aggregate_files(root / "wandb"),
                      "runs": find_runs(root / "wandb")}
@@ -93,12 +96,16 @@ def test_offline_runs_read_back(campaign):
         assert r["config"]["ppo"]["clip_range"] == clip and r["config"]["seed"] in (0, 1)
         assert r["config"]["study"] == "wb" and r["config"]["variant"] == r["group"].split("/")[1]
         assert r["config"]["provenance"]["data_sha256"] and r["tags"] == ["wb", r["config"]["variant"]]
+        # What made it: no DVC experiment here, and this checkout's commit.
+        assert r["config"]["revision"] == {"dvc_experiment": None, "git_commit": git_commit()}
+        assert r["id"] == f"wb-{r['config']['run_hash'][:12]}"
         steps = [row["_step"] for row in r["history"]]
         assert steps == [0, 1, 2, 3]  # step 0 (initial evaluation) and 3 PPO steps
         assert "reward_mean" in r["history"][1] and "policy_ratio_hist/_type" in r["history"][1]
         assert r["summary"]["status"] == "completed" and "final.eval/accuracy" in r["summary"]
     (aggregate,) = [r for r in runs if r["job_type"] == "aggregate"]
-    assert aggregate["group"] == "wb" and aggregate["id"] == "wb-aggregate" and aggregate["tags"] == ["wb", "aggregate"]
+    assert aggregate["group"] == "wb" and aggregate["id"].startswith("wb-aggregate-")
+    assert aggregate["tags"] == ["wb", "aggregate"] and aggregate["config"]["revision"]["git_commit"] == git_commit()
     (aggregate_file,) = campaign["round1"]["aggregates"]  # round 1's own aggregate run: its table, not round 2's
     (table_file,) = aggregate_file.parent.rglob("variants_*.table.json")
     table = json.loads(table_file.read_text())
@@ -145,7 +152,8 @@ def test_a_rerun_that_changes_nothing_logs_nothing(campaign):
     assert campaign["rerun"]["runs"] == campaign["round2"]["runs"]
     assert campaign["rerun"]["aggregates"] == campaign["round2"]["aggregates"]
     state = json.loads(aggregate_state_path(campaign["root"] / "wandb", CAMPAIGN, "wb").read_text())
-    assert state["run_id"] == "wb-aggregate" and state["step"] == 0 and state["mode"] == "offline"
+    (aggregate,) = [read_run(p) for p in campaign["round1"]["aggregates"]]
+    assert state["run_id"] == aggregate["id"] and state["mode"] == "offline"
 
 
 @pytest.mark.slow
@@ -153,8 +161,37 @@ def test_wandb_project_from_the_environment(campaign):
     """WANDB_PROJECT wins over the campaign: round 1's aggregate (its runs all done) goes there."""
     new = sorted(set(campaign["env"]["runs"]) - set(campaign["rerun"]["runs"]))
     (run,) = [read_run(p) for p in new]
-    assert (run["project"], run["id"], run["job_type"]) == ("from-env", "wb-aggregate", "aggregate")
+    assert (run["project"], run["job_type"]) == ("from-env", "aggregate") and run["id"].startswith("wb-aggregate-")
     assert [row["_step"] for row in run["history"]] == [0]
+
+
+@pytest.mark.slow
+def test_a_results_tree_syncs_as_one_run_per_id(campaign):
+    """What `wandb sync` of the whole W&B directory would upload after every launch above: no two
+    offline folders share an id (sync would keep only one of them), each run configuration (run
+    hash) is exactly one run, and each aggregate sent is its own run holding its Artifact version."""
+    runs = [read_run(p) for p in campaign["seed"]["runs"]]
+    ids = [r["id"] for r in runs]
+    assert len(ids) == len(set(ids)) == len({Path(r["path"]).parent for r in runs})
+    per_run = [r for r in runs if r["job_type"] != "aggregate"]
+    assert len(per_run) == 6 + 1  # round 1: 2 variants x 3 seeds (the third added last); round 2: 1
+    assert len({r["config"]["run_hash"] for r in per_run}) == len(per_run)
+    assert sorted((r["config"]["variant"], r["config"]["seed"]) for r in per_run if r["config"]["study"] == "wb") == [
+        ("baseline", 0), ("baseline", 1), ("baseline", 2), ("clip_up", 0), ("clip_up", 1), ("clip_up", 2)]
+    aggregates = [r for r in runs if r["job_type"] == "aggregate"]
+    # round 1's three contents (two seeds; the same in another project; three seeds) and round 2's
+    assert sorted((r["project"], r["config"]["study"]) for r in aggregates) == [
+        ("from-env", "wb"), (CAMPAIGN, "wb"), (CAMPAIGN, "wb"), (CAMPAIGN, "wb2")]
+    for r in aggregates:
+        (artifact,) = [a for a in r["artifacts"] if a["type"] == "aggregate"]
+        assert artifact["name"] == f"{r['config']['study']}-aggregate"
+        assert sorted(artifact["files"]) == ["aggregate.json", "report.md"]
+        assert all(Path(f).is_relative_to(Path(r["path"]).parent) for f in artifact["files"].values())
+    (latest,) = [r for r in aggregates if r["id"] == json.loads(
+        aggregate_state_path(campaign["root"] / "wandb", CAMPAIGN, "wb").read_text())["run_id"]]
+    (artifact,) = [a for a in latest["artifacts"] if a["type"] == "aggregate"]
+    assert Path(artifact["files"]["aggregate.json"]).read_bytes() == (campaign["results"] / "wb" /
+                                                                       "aggregate.json").read_bytes()
 
 
 def _fake_run_dir(path: Path, steps: int) -> None:
@@ -256,3 +293,46 @@ def test_each_aggregate_is_its_own_run_and_artifact_version(finished, monkeypatc
         assert sorted(artifact["files"]) == ["aggregate.json", "report.md"]
         assert all(Path(f).parent.parent == folder for f in artifact["files"].values())
         assert Path(artifact["files"]["report.md"]).read_text() == "# the report"
+
+
+STAGE = """
+from experiments.wandb_sink import WandbRun, files_dir, revision
+
+WandbRun(project="p", group="g", job_type="j", name="n", run_id="made-in-a-copy", config={"revision": revision()},
+         directory=files_dir("results")).finish()
+open("out.txt", "w").write("done")
+"""
+
+
+def test_a_temporary_dvc_experiment_keeps_its_wandb_files(tmp_path):
+    """`dvc exp run --temp` (queued experiments run the same way) runs the stage in a copy of the
+    repository that DVC deletes afterwards: the W&B files go to the repository it was started from,
+    and the run records the experiment and its baseline commit."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "stage.py").write_text(STAGE)
+    (repo / "params.yaml").write_text("x: 1\n")
+    (repo / "dvc.yaml").write_text("stages:\n  log:\n    cmd: python stage.py\n    deps: [stage.py]\n"
+                                   "    params: [x]\n    outs: [out.txt]\n")
+    (repo / ".gitignore").write_text("/results/\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DVC_")}
+    env.update(PYTHONPATH=str(REPO), WANDB_MODE="offline")
+
+    def call(*argv):
+        proc = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{argv}: {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        return proc.stdout
+
+    user = ["-c", "user.name=test", "-c", "user.email=test@localhost"]
+    call("git", "init", "-q")
+    call("git", "config", "user.name", "test")  # `dvc exp run` commits
+    call("git", "config", "user.email", "test@localhost")
+    call(sys.executable, "-m", "dvc", "init", "-q")
+    call("git", *user, "add", "-A")
+    call("git", *user, "commit", "-qm", "a pipeline")
+    head = call("git", "rev-parse", "HEAD").strip()
+    call(sys.executable, "-m", "dvc", "exp", "run", "--temp", "-n", "kl-up", "-S", "x=2")
+    (run,) = [read_run(p) for p in find_runs(repo / "results" / "wandb")]
+    assert run["id"] == "made-in-a-copy"
+    assert run["config"]["revision"] == {"dvc_experiment": "kl-up", "git_commit": head}
+    assert not (repo / "out.txt").exists()  # it did run in a copy, not in this workspace
