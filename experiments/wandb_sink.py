@@ -90,12 +90,13 @@ def files_root(directory: Optional[str]) -> Optional[str]:
 
 def files_dir(results_dir: str | Path) -> str:
     """The directory of a results dir's W&B files (`files_root` of it): `<results>/wandb`. A DVC
-    experiment run in a temporary copy of the repository (`dvc exp run --temp`, queued ones) would
-    lose them with the copy: there, the same path in the repository the experiment was started from
-    (DVC_ROOT, which DVC sets to it for every experiment), so they outlive the copy."""
+    experiment run in a temporary copy of the repository (`dvc exp run --temp`, queued ones: DVC
+    makes it inside the repository's own `.dvc/`) would lose them with the copy: there, the same
+    path in the repository the experiment was started from (DVC_ROOT, which DVC sets to it for
+    every experiment), so they outlive the copy."""
     wandb_dir = Path(results_dir).resolve() / "wandb"
-    origin = os.environ.get("DVC_ROOT")
-    if not origin:
+    dvc_root = os.environ.get("DVC_ROOT")
+    if not dvc_root:
         return str(wandb_dir)
     from dvc.repo import Repo  # DVC runs this command, so it is installed
 
@@ -104,9 +105,10 @@ def files_dir(results_dir: str | Path) -> str:
         copy = Path(Repo.find_root(str(start))).resolve()
     except Exception:  # noqa: BLE001 - results outside any DVC repository stay where they are
         return str(wandb_dir)
-    if copy == Path(origin).resolve() or not wandb_dir.is_relative_to(copy):
+    origin = Path(dvc_root).resolve()
+    if copy == origin or not copy.is_relative_to(origin):  # the workspace itself, or another repository
         return str(wandb_dir)
-    return str(Path(origin).resolve() / wandb_dir.relative_to(copy))
+    return str(origin / wandb_dir.relative_to(copy))
 
 
 def revision() -> Dict[str, Optional[str]]:

@@ -6,6 +6,7 @@ failures never reach a run."""
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -72,14 +73,19 @@ def campaign(tmp_path_factory):
     (root / "wb2.gin").write_text(textwrap.dedent(ROUND2).replace("{results}", str(results)))
     env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(root / "wandb"))
     env.pop("WANDB_PROJECT", None)
-    out = {"root": root, "results": results}
+    out = {"root": root, "results": results, "commit": git_commit()}
     for name, path, extra, args in (("round1", "wb.gin", {}, ()), ("round2", "wb2.gin", {}, ()),
                                     ("rerun", "wb.gin", {}, ()), ("env", "wb.gin", {"WANDB_PROJECT": "from-env"}, ()),
                                     ("seed", "wb.gin", {}, ("-b", "study.seeds = 3"))):
         proc = run_study(root / path, results, {**env, **extra}, *args)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        # What each step left: later steps rewrite round 1's aggregate.json and the W&B state.
+        aggregate = root / f"aggregate-{name}.json"
+        shutil.copyfile(results / "wb" / "aggregate.json", aggregate)
+        state = aggregate_state_path(root / "wandb", CAMPAIGN, "wb")
         out[name] = {"stdout": proc.stdout, "aggregates": _aggregate_files(root / "wandb"),
-                     "runs": find_runs(root / "wandb")}
+                     "runs": find_runs(root / "wandb"), "aggregate": aggregate,
+                     "state": json.loads(state.read_text()) if state.exists() else None}
     return out
 
 
@@ -97,7 +103,7 @@ def test_offline_runs_read_back(campaign):
         assert r["config"]["study"] == "wb" and r["config"]["variant"] == r["group"].split("/")[1]
         assert r["config"]["provenance"]["data_sha256"] and r["tags"] == ["wb", r["config"]["variant"]]
         # What made it: no DVC experiment here, and this checkout's commit.
-        assert r["config"]["revision"] == {"dvc_experiment": None, "git_commit": git_commit()}
+        assert r["config"]["revision"] == {"dvc_experiment": None, "git_commit": campaign["commit"]}
         assert r["id"] == f"wb-{r['config']['run_hash'][:12]}"
         steps = [row["_step"] for row in r["history"]]
         assert steps == [0, 1, 2, 3]  # step 0 (initial evaluation) and 3 PPO steps
@@ -105,7 +111,8 @@ def test_offline_runs_read_back(campaign):
         assert r["summary"]["status"] == "completed" and "final.eval/accuracy" in r["summary"]
     (aggregate,) = [r for r in runs if r["job_type"] == "aggregate"]
     assert aggregate["group"] == "wb" and aggregate["id"].startswith("wb-aggregate-")
-    assert aggregate["tags"] == ["wb", "aggregate"] and aggregate["config"]["revision"]["git_commit"] == git_commit()
+    assert aggregate["tags"] == ["wb", "aggregate"]
+    assert aggregate["config"]["revision"]["git_commit"] == campaign["commit"]
     (aggregate_file,) = campaign["round1"]["aggregates"]  # round 1's own aggregate run: its table, not round 2's
     (table_file,) = aggregate_file.parent.rglob("variants_*.table.json")
     table = json.loads(table_file.read_text())
@@ -131,7 +138,7 @@ def test_a_campaign_is_one_wandb_project(campaign):
 @pytest.mark.slow
 def test_the_aggregate_summary_holds_each_variants_statistics(campaign):
     """The aggregate run's summary: the table's values per variant, std and 95% CI included."""
-    aggregate = StudyAggregate.load(campaign["results"] / "wb" / "aggregate.json")
+    aggregate = StudyAggregate.load(campaign["round1"]["aggregate"])
     (run,) = [read_run(p) for p in campaign["round1"]["aggregates"]]
     summary = run["summary"]
     assert summary["chosen"] == aggregate.decision.chosen and summary["metric"] == "final.eval/accuracy"
@@ -151,9 +158,9 @@ def test_a_rerun_that_changes_nothing_logs_nothing(campaign):
     assert "0 completed, 4 already done, 0 failed" in campaign["rerun"]["stdout"]
     assert campaign["rerun"]["runs"] == campaign["round2"]["runs"]
     assert campaign["rerun"]["aggregates"] == campaign["round2"]["aggregates"]
-    state = json.loads(aggregate_state_path(campaign["root"] / "wandb", CAMPAIGN, "wb").read_text())
+    state = campaign["rerun"]["state"]
     (aggregate,) = [read_run(p) for p in campaign["round1"]["aggregates"]]
-    assert state["run_id"] == aggregate["id"] and state["mode"] == "offline"
+    assert state == {**campaign["round1"]["state"], "run_id": aggregate["id"], "mode": "offline"}
 
 
 @pytest.mark.slow
@@ -187,11 +194,10 @@ def test_a_results_tree_syncs_as_one_run_per_id(campaign):
         assert artifact["name"] == f"{r['config']['study']}-aggregate"
         assert sorted(artifact["files"]) == ["aggregate.json", "report.md"]
         assert all(Path(f).is_relative_to(Path(r["path"]).parent) for f in artifact["files"].values())
-    (latest,) = [r for r in aggregates if r["id"] == json.loads(
-        aggregate_state_path(campaign["root"] / "wandb", CAMPAIGN, "wb").read_text())["run_id"]]
+    (latest,) = [r for r in aggregates if r["id"] == campaign["seed"]["state"]["run_id"]]
     (artifact,) = [a for a in latest["artifacts"] if a["type"] == "aggregate"]
-    assert Path(artifact["files"]["aggregate.json"]).read_bytes() == (campaign["results"] / "wb" /
-                                                                       "aggregate.json").read_bytes()
+    assert Path(artifact["files"]["aggregate.json"]).read_bytes() == campaign["seed"]["aggregate"].read_bytes()
+    assert campaign["seed"]["aggregate"].read_bytes() != campaign["round1"]["aggregate"].read_bytes()
 
 
 def _fake_run_dir(path: Path, steps: int) -> None:
