@@ -402,9 +402,9 @@ def aggregate_state_path(directory: str | Path, project: str, study: str) -> Pat
 
 
 def log_aggregate_dir(study_dir: str | Path, project: str, run_hashes: Iterable[str],
-                      files: Iterable[str | Path] = (), directory: Optional[str | Path] = None) -> bool:
+                      files: Iterable[str | Path] = ()) -> bool:
     """Sends a finished study's aggregate.json, plots and `files` (the report) as a W&B aggregate
-    run under `directory` (default: `files_dir` of the results), with aggregate.json and `files`
+    run beside its runs' (`files_dir` of the results), with aggregate.json and `files`
     as a version of the study's aggregate Artifact, unless this very content was the last sent in
     this mode (a rerun that changed nothing): then it opens no W&B run and writes no file. Each
     content is its own run (its id from the content hash). Returns whether it logged."""
@@ -422,7 +422,7 @@ def log_aggregate_dir(study_dir: str | Path, project: str, run_hashes: Iterable[
          "images": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in images},
          "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}},
         sort_keys=True, default=str).encode()).hexdigest()
-    directory = str(directory or files_dir(study_dir.parent))
+    directory = files_dir(study_dir.parent)
     state_path = aggregate_state_path(directory, project, aggregate.study)
     try:
         state = json.loads(state_path.read_text())

@@ -1,7 +1,9 @@
 """W&B: the offline files of two real studies, rounds of one campaign, read back: one project,
-runs grouped by study and variant, the aggregate run's table and summary; a rerun that changes
-nothing logs nothing; WANDB_PROJECT is honoured; a resumed run continues its W&B run; W&B
-failures never reach a run."""
+one W&B run per run configuration (its run hash) recording what made it, runs grouped by study and
+variant, each aggregate its own run with its table, summary and Artifact version; a rerun that
+changes nothing logs nothing; WANDB_PROJECT is honoured; the whole W&B tree has one folder per run
+id (what `wandb sync` needs); a resumed offline run replaces its folder; a temporary DVC experiment
+keeps its W&B files; W&B failures never reach a run."""
 
 import hashlib
 import json
