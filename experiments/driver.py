@@ -152,12 +152,14 @@ def _run_waves(study: Study, args: Namespace, console: Console, seed_plan: Optio
 def log_wandb_aggregate(study: Study, specs: List[RunSpec], args: Namespace, console: Console) -> None:
     """The study's W&B aggregate run, from the aggregate.json and plots just written (nothing new
     is logged when they are what was last sent); W&B's own failures are a warning."""
+    from experiments.report import REPORT
     from experiments.wandb_sink import log_aggregate_dir, project_for, wandb_mode
     if wandb_mode() == "disabled":
         return
     project = project_for(study)  # a bad WANDB_PROJECT is the user's error, said as one
     try:
-        log_aggregate_dir(study_dir(study, args.results), project, [s.run_hash for s in specs])
+        out = study_dir(study, args.results)
+        log_aggregate_dir(out, project, [s.run_hash for s in specs], files=[out / REPORT])
     except Exception as err:  # noqa: BLE001 - W&B must never fail a study
         console.print(f"warning: W&B aggregate: {err}", highlight=False)
 

@@ -77,7 +77,7 @@ def _wandb_streamer(spec: dict, manager: dict):
         if wandb_mode() == "disabled":
             return _NoStreamer()
         run = run_for_spec(spec, operative_flat(spec.get("operative_config", "")), manager.get("wandb_dir"),
-                           manager["wandb_project"])
+                           manager["wandb_project"], manager.get("wandb_revision"))
         return RunDirStreamer(spec["run_dir"], run)
     except Exception as err:  # noqa: BLE001 - e.g. wandb not installed
         print(f"warning: W&B: {err} (continuing without it)", file=sys.stderr)

@@ -231,15 +231,15 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
             return result
         from rlhf.placement.cluster import check_address
         check_address(ray_address)  # a cluster that cannot be joined: one line before anything else is said
-        wandb_dir = str(Path(results_dir).resolve() / "wandb")
+        from experiments.wandb_sink import files_dir, project_for, revision
+        wandb_dir = files_dir(results_dir)
         wandb_mode = _runs_wandb_mode(display, wandb_dir)
-        from experiments.wandb_sink import project_for
         wandb_project = project_for(study) if wandb_mode != "disabled" else ""
         with ray_cluster(ray_address, num_cpus, num_gpus) as gcs_address:
             _check_resources(study)
             check_nodes_see(study_path, todo)
             manager = {**manager_fields(study_path.parent, argv), "ray_address": gcs_address,
-                       "wandb_project": wandb_project, "wandb_dir": wandb_dir,
+                       "wandb_project": wandb_project, "wandb_dir": wandb_dir, "wandb_revision": revision(),
                        "wandb_mode": wandb_mode, "start_gap_s": study.start_gap_s}
             runs = RayRuns(study.name, manager, cache_dir, todo)
             for s in todo:

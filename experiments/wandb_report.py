@@ -15,9 +15,11 @@ The report holds, in this order:
 - one mean +- std panel per guide signal (a line per variant, the runs grouped by `variant`);
 - the advisor's evidence: why this round tested what it tested (the rules that fired on the
   previous round) and what the rules say about this round's choice.
-Run sets: the study's runs (config `study` and `variant`, which the aggregate run lacks) and the
-study's aggregate run (config `study`, job type `aggregate`), so nothing else of the project (the
-campaign's other rounds share it) shows.
+Run sets: the study's runs, by the run hashes of its plan (config `run_hash`, one W&B run per
+configuration), grouped by variant, and the aggregate run of this very aggregate (config
+`aggregate_sha256`, job type `aggregate`). Nothing else of the project shows: not the campaign's
+other rounds, nor runs of the same study under other configurations (a `dvc exp run -S` of
+another value, an earlier commit's code), which `study` and `variant` alone would pool.
 
 Offline (no login, `WANDB_MODE=offline`), the report's definition, the view spec W&B stores,
 is written to `RESULTS/<study>/wandb_report.json`; `--publish` reads it back and creates the
@@ -31,9 +33,10 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import List, Optional
 
+from experiments.collect import load_plan
 from experiments.results import StudyAggregate, aggregate_path
 from experiments.study import split_binding
-from experiments.wandb_sink import AGGREGATE_JOB_TYPE, AGGREGATE_TABLE, decision_key
+from experiments.wandb_sink import AGGREGATE_JOB_TYPE, AGGREGATE_TABLE, aggregate_sha256, decision_key
 from rlhf.metrics import SIGNALS  # each a panel
 
 DEFINITION = "wandb_report.json"
@@ -103,13 +106,15 @@ def build_report(agg: StudyAggregate, study_dir: str | Path, project: str, entit
     notes = []
     if (agg.provenance or {}).get("hardware_mixed"):
         notes.append(f"Runs come from {len(agg.provenance['hardware_mixed'])} different machines.")
-    study_runs = expr.And(expr.Config("study") == agg.study, expr.Config("variant").isin(list(agg.variants)))
+    run_hashes = [spec.run_hash for spec in load_plan(Path(study_dir))]
+    study_runs = expr.And(expr.Config("study") == agg.study, expr.Config("run_hash").isin(run_hashes))
     runs = wr.Runset(entity=entity, project=project, name=f"{agg.study} runs", filters=study_runs,
                      groupby=["config.variant"])
     seeds = wr.Runset(entity=entity, project=project, name=f"{agg.study} runs, one per seed", filters=study_runs)
     aggregate_run = wr.Runset(entity=entity, project=project, name=f"{agg.study} aggregate",
                               filters=expr.And(expr.Config("study") == agg.study,
-                                               expr.Metric("JobType") == AGGREGATE_JOB_TYPE))
+                                               expr.Metric("JobType") == AGGREGATE_JOB_TYPE,
+                                               expr.Config("aggregate_sha256") == aggregate_sha256(study_dir)))
     panels: List[wr.PanelTypes] = [
         wr.LinePlot(title=f"{metric} (mean ± std over seeds)", x="Step", y=[metric], groupby_aggfunc="mean",
                     groupby_rangefunc="stddev", layout=wr.Layout(x=8 * (i % 3), y=6 * (i // 3), w=8, h=6))

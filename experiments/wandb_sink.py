@@ -1,22 +1,30 @@
 """W&B as a sink of the experiment manager (the engine never imports wandb).
 
 Project: one per tuning campaign (`project_for`): the study's `study.wandb_project`, else
-WANDB_PROJECT, else `study.campaign`, else the study's name. Within it, one W&B run per (variant,
-seed): group `study/variant`, job_type the parameter change, tags study and variant, config the
-operative config nested by gin scope (`{'ppo': {'kl_coef': ...}}`, the form W&B's panels address
-as `ppo.kl_coef`) plus seed, variant, study and provenance, history the per-step metrics streamed
-from the run's `metrics.jsonl`, summary the final metrics. The W&B run id comes from the run's
-content hash, and the last step sent is kept in the run dir (`wandb.json`), so a resumed run
-continues the same W&B run without repeating steps.
+WANDB_PROJECT, else `study.campaign`, else the study's name. Within it, one W&B run per run
+configuration, i.e. per run hash (experiments/plan.py: config, seed, code, data, start): group
+`study/variant`, job_type the parameter change, tags study and variant, config the operative
+config nested by gin scope (`{'ppo': {'kl_coef': ...}}`, the form W&B's panels address as
+`ppo.kl_coef`) plus seed, variant, study, `run_hash`, `revision` (the DVC experiment and git commit
+that made it) and provenance, history the per-step metrics streamed from the run's
+`metrics.jsonl`, summary the final metrics. The W&B run id is `<study>-<run hash>`: another
+configuration (`dvc exp run -S ...`) is another W&B run, the same one is the same run.
 
-One aggregate run per study (group `study`, job_type `aggregate`): the per-variant table, the same
-statistics in its summary, the plots. Its id is the study's; what it last logged is recorded under
-the W&B files (`aggregate_state_path`), so a rerun that changes nothing logs nothing, and a changed
-aggregate continues the same run at the next step.
+A resumed run keeps its id. Online, W&B continues it from the last step sent (kept in the run dir,
+`wandb.json`). Offline, W&B would write a second folder with the same id, which `wandb sync`
+uploads in place of the first rather than after it; so the new attempt replaces the id's earlier
+folder and sends the whole history again from `metrics.jsonl` (`replace_offline_folders`): one
+folder per id, each complete.
+
+One aggregate run per version of a study's aggregate (group `study`, job_type `aggregate`, id
+`<study>-aggregate-<content hash>`): the per-variant table, the same statistics in its summary,
+the plots, and aggregate.json with the report as a W&B Artifact `<study>-aggregate` (type
+`aggregate`), whose versions are the aggregate's. What was last logged is recorded under the W&B
+files (`aggregate_state_path`), so a rerun that changes nothing logs nothing.
 
 Mode: `WANDB_MODE` wins (`offline`, `online`, `disabled`); otherwise online when an API key is
-configured, else offline. `WANDB_DIR` is honoured; without it, files go under the study's
-results directory. Any W&B failure is reported once and then ignored: it never kills a run.
+configured, else offline. `WANDB_DIR` is honoured; without it, files go under the results
+directory (`files_dir`). Any W&B failure is reported once and then ignored: it never kills a run.
 """
 
 from __future__ import annotations
@@ -25,11 +33,14 @@ import hashlib
 import json
 import netrc
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, Literal, Optional, cast
 
 from experiments.errors import StudyError
+from experiments.plan import git_commit
 from experiments.results import StudyAggregate, aggregate_path
 from experiments.study import Study, wandb_project_problem
 from rlhf.atomic import write_json
@@ -77,6 +88,56 @@ def files_root(directory: Optional[str]) -> Optional[str]:
     return os.environ.get("WANDB_DIR") or directory
 
 
+def files_dir(results_dir: str | Path) -> str:
+    """The directory of a results dir's W&B files (`files_root` of it): `<results>/wandb`. A DVC
+    experiment run in a temporary copy of the repository (`dvc exp run --temp`, queued ones: DVC
+    makes it inside the repository's own `.dvc/`) would lose them with the copy: there, the same
+    path in the repository the experiment was started from (DVC_ROOT, which DVC sets to it for
+    every experiment), so they outlive the copy."""
+    wandb_dir = Path(results_dir).resolve() / "wandb"
+    dvc_root = os.environ.get("DVC_ROOT")
+    if not dvc_root:
+        return str(wandb_dir)
+    from dvc.repo import Repo  # DVC runs this command, so it is installed
+
+    start = next(p for p in wandb_dir.parents if p.is_dir())  # the results dir may not exist yet
+    try:
+        copy = Path(Repo.find_root(str(start))).resolve()
+    except Exception:  # noqa: BLE001 - results outside any DVC repository stay where they are
+        return str(wandb_dir)
+    origin = Path(dvc_root).resolve()
+    if copy == origin or not copy.is_relative_to(origin):  # the workspace itself, or another repository
+        return str(wandb_dir)
+    return str(origin / wandb_dir.relative_to(copy))
+
+
+def revision() -> Dict[str, Optional[str]]:
+    """What made this launch's runs: the DVC experiment (`dvc exp run` sets DVC_EXP_NAME, in the
+    workspace, a temporary copy or the queue) and the git commit, the experiment's baseline
+    (DVC_EXP_BASELINE_REV) or HEAD; None where there is none."""
+    return {"dvc_experiment": os.environ.get("DVC_EXP_NAME") or None,
+            "git_commit": os.environ.get("DVC_EXP_BASELINE_REV") or git_commit()}
+
+
+_OFFLINE_FOLDER = re.compile(r"offline-run-\d{8}_\d{6}-(.+)")
+"""An offline run's folder, as W&B names it: `offline-run-<date>_<time>-<run id>`."""
+
+
+def offline_folders(root: str | Path, run_id: str) -> List[Path]:
+    """The offline folders of run `run_id` under a W&B files root (`<root>/wandb/`)."""
+    found = (_OFFLINE_FOLDER.fullmatch(p.name) for p in (Path(root) / "wandb").glob("offline-run-*"))
+    return sorted(Path(root) / "wandb" / m.group(0) for m in found if m and m.group(1) == run_id)
+
+
+def replace_offline_folders(root: str | Path, run_id: str) -> int:
+    """Removes run `run_id`'s offline folders before it is written again from the start: `wandb
+    sync` uploads a second folder of an id in place of the first, not after it. Returns how many."""
+    folders = offline_folders(root, run_id)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    return len(folders)
+
+
 def _warn(message: str) -> None:
     print(f"warning: W&B: {message} (continuing without it)", file=sys.stderr)
 
@@ -118,8 +179,11 @@ class WandbRun:
 
             if directory:
                 Path(directory).mkdir(parents=True, exist_ok=True)
+            root = files_root(directory)
+            if self.mode == "offline" and root:
+                replace_offline_folders(root, run_id)
             self.run = wandb.init(project=project, group=group, job_type=job_type, name=name, id=run_id,
-                                  config=config, dir=files_root(directory), mode=self.mode,
+                                  config=config, dir=root, mode=self.mode,
                                   resume="allow", tags=list(tags), reinit="create_new",
                                   settings=wandb.Settings(silent=True, console="off"))
         except Exception as err:  # noqa: BLE001 - W&B must never take a run down
@@ -129,6 +193,12 @@ class WandbRun:
     @property
     def active(self) -> bool:
         return self.run is not None
+
+    @property
+    def continues(self) -> bool:
+        """Whether it continues what was sent before under its id (online), rather than being
+        written anew from the start (offline: `replace_offline_folders`)."""
+        return self.mode == "online"
 
     def log(self, payload: Dict, step: Optional[int] = None) -> None:
         if self.run is None:
@@ -173,7 +243,8 @@ class RunDirStreamer:
         self.run_dir = Path(run_dir)
         self.wandb_run = wandb_run
         state = self._read_state()
-        self.last_step = state.get("last_step", -1) if state.get("run_id") == self._run_id() else -1
+        continues = wandb_run.continues and state.get("run_id") == self._run_id()
+        self.last_step = state.get("last_step", -1) if continues else -1
         self.provenance_sent = False
 
     def _run_id(self) -> Optional[str]:
@@ -257,11 +328,19 @@ def job_type_for(changes: Dict) -> str:
     return text[:64]
 
 
-def run_for_spec(spec: Dict, flat_config: Dict, directory: Optional[str], project: str) -> WandbRun:
+def run_id_for(spec: Dict) -> str:
+    """A run's W&B id: its study and run hash, so one W&B run per configuration."""
+    return f"{spec['study']}-{spec['run_hash'][:12]}"
+
+
+def run_for_spec(spec: Dict, flat_config: Dict, directory: Optional[str], project: str,
+                 made_by: Optional[Dict] = None) -> WandbRun:
+    """The W&B run of a run spec; `made_by` is the launch's `revision()`."""
     config = {**nested_dict(flat_config), "seed": spec["seed"], "variant": spec["variant"], "study": spec["study"],
-              "run_hash": spec["run_hash"], "provenance": provenance_config(spec["run_dir"])}
+              "run_hash": spec["run_hash"], "revision": made_by or revision(),
+              "provenance": provenance_config(spec["run_dir"])}
     return WandbRun(project=project, group=f"{spec['study']}/{spec['variant']}", job_type=job_type_for(spec["changes"]),
-                    name=f"{spec['variant']}-seed{spec['seed']}", run_id=f"{spec['study']}-{spec['run_hash'][:12]}",
+                    name=f"{spec['variant']}-seed{spec['seed']}", run_id=run_id_for(spec),
                     config=config, directory=directory, tags=[spec["study"], spec["variant"]])
 
 
@@ -302,35 +381,48 @@ def aggregate_summary(aggregate: StudyAggregate, rows: List[List]) -> Dict:
     return summary
 
 
-def aggregate_run_id(study: str) -> str:
-    """The W&B run id of a study's aggregate run: one per study and project."""
+AGGREGATE_ARTIFACT_TYPE = "aggregate"
+
+
+def aggregate_artifact_name(study: str) -> str:
+    """The W&B Artifact of a study's aggregate: one name per study, a version per aggregate."""
     return f"{study}-aggregate"
 
 
+def aggregate_sha256(study_dir: str | Path) -> str:
+    """The aggregate's identity as its runs and the Report record it (`aggregate_sha256` in the
+    aggregate run's config): the hash of the study's aggregate.json."""
+    return hashlib.sha256(aggregate_path(study_dir).read_bytes()).hexdigest()
+
+
 def aggregate_state_path(directory: str | Path, project: str, study: str) -> Path:
-    """What a study's aggregate run last logged (its content hash, step and mode), kept with the W&B
-    run files (under WANDB_DIR when set), not in the study's results: it records what those files hold."""
+    """What a study's aggregate run last logged (its content hash, run id and mode), kept with the
+    W&B run files (under WANDB_DIR when set), not in the study's results: it records what those files hold."""
     return Path(cast(str, files_root(str(directory)))) / "wandb" / "aggregates" / project / f"{study}.json"
 
 
-def log_aggregate_dir(study_dir: str | Path, project: str, run_hashes: Iterable[str]) -> bool:
-    """Sends a finished study's aggregate.json and plots as its W&B aggregate run, unless this very
-    content was already sent in this mode (a rerun that changed nothing): then it opens no W&B run
-    and writes no file. A changed aggregate continues the run at the next step. Returns whether it
-    logged."""
+def log_aggregate_dir(study_dir: str | Path, project: str, run_hashes: Iterable[str],
+                      files: Iterable[str | Path] = ()) -> bool:
+    """Sends a finished study's aggregate.json, plots and `files` (the report) as a W&B aggregate
+    run beside its runs' (`files_dir` of the results), with aggregate.json and `files`
+    as a version of the study's aggregate Artifact, unless this very content was the last sent in
+    this mode (a rerun that changed nothing): then it opens no W&B run and writes no file. Each
+    content is its own run (its id from the content hash). Returns whether it logged."""
     study_dir = Path(study_dir)
     aggregate = StudyAggregate.load(aggregate_path(study_dir))
     rows = aggregate_rows(aggregate)
     summary = aggregate_summary(aggregate, rows)
     images = sorted((study_dir / "plots").glob("*.png"))
-    config = {"study": aggregate.study,
+    files = [aggregate_path(study_dir), *(Path(f) for f in files if Path(f).is_file())]
+    config = {"study": aggregate.study, "aggregate_sha256": aggregate_sha256(study_dir),
               "runs_sha256": hashlib.sha256("".join(sorted(run_hashes)).encode()).hexdigest()}
     mode = wandb_mode()
     content = hashlib.sha256(json.dumps(
         {"project": project, "config": config, "columns": AGGREGATE_COLUMNS, "rows": rows, "summary": summary,
-         "images": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in images}},
+         "images": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in images},
+         "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}},
         sort_keys=True, default=str).encode()).hexdigest()
-    directory = study_dir.parent / "wandb"
+    directory = files_dir(study_dir.parent)
     state_path = aggregate_state_path(directory, project, aggregate.study)
     try:
         state = json.loads(state_path.read_text())
@@ -338,10 +430,10 @@ def log_aggregate_dir(study_dir: str | Path, project: str, run_hashes: Iterable[
         state = {}
     if state.get("content_sha256") == content and state.get("mode") == mode:
         return False
-    step = int(state.get("step", -1)) + 1
+    run_id = f"{aggregate_artifact_name(aggregate.study)}-{content[:12]}"
     run = WandbRun(project=project, group=aggregate.study, job_type=AGGREGATE_JOB_TYPE,
-                   name=f"{aggregate.study}-aggregate", run_id=aggregate_run_id(aggregate.study), config=config,
-                   directory=str(directory), tags=[aggregate.study, AGGREGATE_JOB_TYPE])
+                   name=f"{aggregate.study}-aggregate", run_id=run_id, config={**config, "revision": revision()},
+                   directory=directory, tags=[aggregate.study, AGGREGATE_JOB_TYPE])
     if not run.active:
         return False
     try:
@@ -351,8 +443,9 @@ def log_aggregate_dir(study_dir: str | Path, project: str, run_hashes: Iterable[
         payload: Dict[str, object] = {AGGREGATE_TABLE: table}
         for image in images:
             payload[f"plots/{image.stem}"] = wandb.Image(str(image))
-        run.log(payload, step=step)
+        run.log(payload)
         run.set_summary(summary)
+        _log_artifact(run, aggregate.study, files, config)
     except Exception as err:  # noqa: BLE001
         _warn(f"aggregate failed: {err}")
         run.finish(exit_code=1)
@@ -362,8 +455,24 @@ def log_aggregate_dir(study_dir: str | Path, project: str, run_hashes: Iterable[
     if logged:
         try:
             state_path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(state_path, {"run_id": aggregate_run_id(aggregate.study), "project": project, "mode": mode,
-                                    "content_sha256": content, "step": step})
+            write_json(state_path, {"run_id": run_id, "project": project, "mode": mode, "content_sha256": content})
         except OSError as err:  # the next rerun logs it again
             _warn(f"cannot record the aggregate sent ({err})")
     return logged
+
+
+def _log_artifact(run: WandbRun, study: str, files: List[Path], metadata: Dict) -> None:
+    """`files` as a version of the study's aggregate Artifact. Their copies go into the run's own
+    folder, which then holds everything `wandb sync` uploads (W&B would otherwise stage them under
+    the user's home), and which no later aggregate changes."""
+    import wandb
+
+    assert run.run is not None
+    artifact = wandb.Artifact(name=aggregate_artifact_name(study), type=AGGREGATE_ARTIFACT_TYPE, metadata=metadata)
+    kept = Path(run.run.dir).parent / AGGREGATE_ARTIFACT_TYPE
+    kept.mkdir(exist_ok=True)
+    for path in files:
+        copy = kept / path.name
+        shutil.copyfile(path, copy)
+        artifact.add_file(str(copy), name=path.name, policy="immutable", skip_cache=True)
+    run.run.log_artifact(artifact)

@@ -23,6 +23,7 @@ from experiments.wandb_report import (
     load_definition,
     save_definition,
 )
+from experiments.wandb_sink import aggregate_sha256
 from rlhf.atomic import write_json
 from tests.conftest import REPO
 from tests.experiments.test_report import ACCURACY, STUDY, fake_run
@@ -67,8 +68,10 @@ def test_report_blocks_panels_and_run_filters(finished):
     assert all(p.groupby_aggfunc == "mean" and p.groupby_rangefunc == "stddev" for p in grid.panels)
     runset = grid.runsets[0]
     assert runset.groupby == ["config.variant"]
-    study_runs = ("Config(\"study\") == 'synthetic' and Config(\"variant\") in "
-                  "['baseline', 'good', 'same', 'hot', 'broken']")
+    # The study's runs are its plan's configurations (run hashes), not every run of its variants.
+    hashes = [run["run_hash"] for run in json.loads((out / "plan.json").read_text())["runs"]]
+    assert len(set(hashes)) == 20
+    study_runs = f"Config(\"study\") == 'synthetic' and Config(\"run_hash\") in {hashes!r}"
     assert runset.filters == study_runs
     decision = _section(report, "Decision metric per variant")
     assert [type(p).__name__ for p in decision.panels] == ["BarPlot", "ParallelCoordinatesPlot",
@@ -76,9 +79,35 @@ def test_report_blocks_panels_and_run_filters(finished):
     assert decision.runsets[0].filters == study_runs and decision.runsets[0].groupby == []
     aggregate = report.blocks[4]
     assert [type(p).__name__ for p in aggregate.panels] == ["WeavePanelSummaryTable"]
-    assert aggregate.runsets[0].filters == "Config(\"study\") == 'synthetic' and Metric(\"JobType\") == 'aggregate'"
+    assert aggregate.runsets[0].filters == ("Config(\"study\") == 'synthetic' and Metric(\"JobType\") == 'aggregate' "
+                                            f"and Config(\"aggregate_sha256\") == '{aggregate_sha256(out)}'")
     advisor = report.blocks[-1].text
     assert "The advisor on this round's choice** `good`" in advisor and "| rule | change | evidence | why |" in advisor
+
+
+def test_another_configuration_of_the_study_is_another_run_set(finished, tmp_path):
+    """The study with another baseline value (what `dvc exp run -S '++round1.ppo.kl_coef=...'` does):
+    same study and variant names, but its Report selects none of the first one's runs, except those
+    of the one configuration both share ('good' sets ppo.kl_coef itself)."""
+    path, _, out, agg = finished
+    other = load_study(path, ["study.baseline_bindings = ['ppo.total_steps = 5', 'ppo.kl_coef = 0.07']"])
+    other_out = tmp_path / "other" / "synthetic"
+    other_out.mkdir(parents=True)
+    write_json(other_out / "plan.json", {"study": other.name,
+                                         "runs": [s.to_json() for s in expand(other, tmp_path / "other")]})
+    (other_out / "aggregate.json").write_text((out / "aggregate.json").read_text().replace("0.5", "0.6"))
+
+    def selected(study_dir):
+        grid = _section(build_report(agg, study_dir, project="synthetic"), "Signals per variant")
+        return set(re.findall(r"'([0-9a-f]{64})'", grid.runsets[0].filters))
+
+    def aggregate_filter(study_dir):
+        return build_report(agg, study_dir, project="synthetic").blocks[4].runsets[0].filters
+
+    good = {run["run_hash"] for run in json.loads((out / "plan.json").read_text())["runs"] if run["variant"] == "good"}
+    assert len(selected(out)) == len(selected(other_out)) == 20 and selected(out) & selected(other_out) == good
+    assert len(good) == 4
+    assert aggregate_filter(out) != aggregate_filter(other_out)
 
 
 def test_changed_bindings_are_the_variants_keys(finished):
@@ -102,11 +131,12 @@ def test_saved_definition_holds_each_panel(finished, tmp_path):
     spec = json.loads(save_definition(build_report(agg, out, project="synthetic"), tmp_path / DEFINITION).read_text())
     assert spec["displayName"] == "synthetic: tuning decision" and spec["project"]["name"] == "synthetic"
     (aggregate_sets, aggregate), (seed_sets, decision), (signal_sets, signals) = _grids(spec)
-    variants = ["baseline", "good", "same", "hot", "broken"]
-    study_runs = [("config", "study", "=", "synthetic"), ("config", "variant", "IN", variants)]
+    hashes = [run["run_hash"] for run in json.loads((out / "plan.json").read_text())["runs"]]
+    study_runs = [("config", "study", "=", "synthetic"), ("config", "run_hash", "IN", hashes)]
 
-    # The aggregate run's table: W&B's summary-table panel over the run with job type 'aggregate'.
-    assert _filters(aggregate_sets[0]) == [("config", "study", "=", "synthetic"), ("run", "jobType", "=", "aggregate")]
+    # The aggregate run's table: W&B's summary-table panel over this aggregate's run (job type 'aggregate').
+    assert _filters(aggregate_sets[0]) == [("config", "study", "=", "synthetic"), ("run", "jobType", "=", "aggregate"),
+                                           ("config", "aggregate_sha256", "=", aggregate_sha256(out))]
     (table,) = aggregate
     assert table["viewType"] == "Weave"
     pick = table["config"]["panel2Config"]["exp"]["fromOp"]

@@ -52,10 +52,11 @@ def _key(item) -> str:
 
 
 def read_run(path: str | Path) -> Dict:
-    """{'id', 'project', 'group', 'job_type', 'name', 'tags', 'config': {}, 'history': [rows], 'summary': {}}."""
+    """{'id', 'project', 'group', 'job_type', 'name', 'tags', 'config': {}, 'history': [rows], 'summary': {},
+    'artifacts': [{'name', 'type', 'aliases', 'files': {name: local path}}]}."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    out: Dict = {"config": {}, "history": [], "summary": {}, "path": str(path)}
+    out: Dict = {"config": {}, "history": [], "summary": {}, "artifacts": [], "path": str(path)}
     for payload in _payloads(Path(path).read_bytes()):
         rec = pb.Record()
         try:
@@ -77,6 +78,10 @@ def read_run(path: str | Path) -> Dict:
         elif kind == "summary":
             for item in rec.summary.update:
                 out["summary"][_key(item)] = _value(item)
+        elif kind == "artifact":
+            art = rec.artifact
+            out["artifacts"].append({"name": art.name, "type": art.type, "aliases": list(art.aliases),
+                                     "files": {e.path: e.local_path for e in art.manifest.contents}})
     return out
 
 
