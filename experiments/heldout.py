@@ -404,7 +404,7 @@ def _best_checkpoint(scorer: Scorer, rounds: Sequence[tuple]) -> Optional[dict]:
     best = None
     for study, study_dir, agg in rounds:
         record = agg.best_checkpoints
-        if record is not None and record.best is not None and (best is None or record.best.value > best[3].value):
+        if record is not None and record.best is not None and (best is None or record.best.rank > best[3].rank):
             best = (study, study_dir, agg, record.best)
     if best is None:
         return None
