@@ -125,7 +125,7 @@ def _apply_overrides(args: argparse.Namespace, command: Subcommand) -> None:
     spec = getattr(args, "overrides", None)
     if not spec:
         return
-    from experiments.study import check_overrides, read_overrides
+    from experiments.overrides import check_overrides, read_overrides
     bindings = read_overrides(spec)
     for path in [args.study] if command.study else args.studies:
         check_overrides(path, bindings, spec)

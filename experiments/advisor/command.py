@@ -22,7 +22,8 @@ from experiments.advisor.window import DEFAULT_WINDOW, AdviceError, load_window
 
 def add_arguments(parser: ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="the next study recipe (default: ./<name>.gin)")
-    parser.add_argument("--name", default=None, help="the next study's name (default: --out's file name without .gin, else <study>_next)")
+    parser.add_argument("--name", default=None,
+                        help="the next study's name (default: --out's file name without .gin, else <study>_next)")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="last steps read per seed")
     parser.add_argument("--variant", default=None, help="advise on this variant (default: the chosen one)")
     parser.add_argument("--group", action="append", default=[], choices=GROUPS,
