@@ -324,15 +324,20 @@ def paired_difference(a: Sequence[dict], b: Sequence[dict], metric: str) -> dict
 
 # ----------------------------------------------------------------------------- the command
 def read_rounds(args) -> List[Tuple[Study, Path, StudyAggregate]]:
+    """(study, results dir, aggregate) of `args.studies` in round order (`heldout`, `confirm`,
+    `summary`); every study file is read, and a study listed twice refused, before any aggregate."""
     from experiments.study import load_study
 
-    rounds, files = [], {}
+    studies, files = [], {}
     for path in args.studies:
         study = load_study(path, args.binding)
         if study.name in files:
             raise StudyError(f"study {study.name!r} is listed twice ({files[study.name]} and {path}): list each "
                              f"round once, in round order")
         files[study.name] = path
+        studies.append((path, study))
+    rounds = []
+    for path, study in studies:
         study_dir = Path(args.results) / study.name
         rounds.append((study, study_dir, read_aggregate(
             study_dir, f"{aggregate_path(study_dir)} not found: run `python -m experiments run {path}` first")))
@@ -492,8 +497,9 @@ def cmd_heldout(args) -> int:
 
     check_samples_per_prompt(args.samples_per_prompt)
     out = output_file(args.out)
+    rounds = read_rounds(args)
     test_file, examples = read_test(args.test)
-    record = heldout_record(read_rounds(args), test_file, examples, args.samples_per_prompt)
+    record = heldout_record(rounds, test_file, examples, args.samples_per_prompt)
     write_text(out, record_text(record))
     final = record["final_choice"]["summary"]["accuracy"]
     for line in record["missing"]:

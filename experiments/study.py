@@ -33,7 +33,7 @@ from experiments.sequential import Waves, parse_waves
 from experiments.stats import POWER
 from rlhf.configurable import RECIPES_DIR, SCOPES, find_recipe, iter_statements, statements
 from rlhf.errors import ConfigError
-from rlhf.metrics import EVAL_METRICS, METRICS, NAMESPACES, is_known_metric
+from rlhf.metrics import EVAL_METRICS, FRACTIONS, METRICS, NAMESPACES, is_known_metric
 from rlhf.validation import invalid, positive_int, why_not_a_file
 
 EVAL_PREFIX = "eval/"
@@ -191,6 +191,14 @@ class Study:
             raise _bad("study.metric_resolution", step, "must be a number >= 0 in the metric's units: its grid "
                                                          "step, e.g. 1/128 for an accuracy over 128 prompts "
                                                          "(0: a continuous metric)")
+        if self.metric in FRACTIONS:  # a fraction's range bounds both: [0, 1]
+            if margin >= 1:
+                raise _bad("study.equivalence_margin", margin, f"must be below 1: {self.metric} is a fraction in "
+                                                               f"[0, 1], and a margin as wide as its range calls every "
+                                                               f"variant 'equivalent' (e.g. 0.02)")
+            if step > 1:
+                raise _bad("study.metric_resolution", step, f"must be at most 1: {self.metric} is a fraction in [0, 1] "
+                                                            f"(its grid step is 1/prompts, e.g. 1/128)")
 
     @property
     def all_variants(self) -> Tuple[Variant, ...]:

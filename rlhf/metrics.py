@@ -41,6 +41,11 @@ EVAL_METRICS = ("eval/accuracy", "eval/rm_score", "eval/reward_mean", "eval/resp
 `greedy_` ones when ppo.eval_temperature > 0)."""
 
 
+FRACTIONS = ("accuracy", "clip_fraction", "clip_fraction_lower", "clip_fraction_upper", "response_clip_ratio",
+             "rollout_success_rate", "eval/accuracy", "eval/rollout_success_rate", "eval/greedy_accuracy")
+"""Metrics that are fractions, in [0, 1]: a margin or a grid step in their units is bounded by that range."""
+
+
 MACHINE_NAMESPACES = ("timing_s/", "perf/")
 """Names the machine measures (wall times, throughput, memory, utilisation): they go to
 `PERF_FILE`, the rest of a record to `METRICS_FILE`."""

@@ -1,6 +1,6 @@
 """A run whose final metric is NaN fails alone: every stage after it reads the aggregate the manager
 wrote (a missing value is null there and '–' in report.md), and a file that is not an aggregate is
-refused naming the field."""
+refused naming the field; `summary` refuses a held-out record it cannot use in one line."""
 
 import json
 import os
@@ -94,3 +94,20 @@ def test_a_bad_aggregate_names_the_field(nan_round, tmp_path):
     done = experiments("export", path, "--results", tmp_path / "results", "--out", tmp_path / "reports", cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "not a study aggregate (best_checkpoints.runs[3].value: Input should be a valid number" in done.stderr
+
+
+@pytest.mark.parametrize("record, match", [
+    ("[]", "not a record of the `heldout` stage (a JSON object with 'studies' and 'final_choice'; it holds a list)"),
+    ('{"studies": ["round1", "round2"], "final_choice": {}}',
+     "is a record of the studies ['round1', 'round2'], not of these rounds ['nanround']"),
+    ('{"studies": ["nanround"], "final_choice": {"summary": {"accuracy": {"mean": NaN}}}}',
+     "not a record of the `heldout` stage (it holds a bare NaN; `heldout` writes a missing value as null)"),
+])
+def test_summary_refuses_a_heldout_record_it_cannot_use(nan_round, tmp_path, record, match):
+    path, _ = nan_round
+    held = tmp_path / "heldout.json"
+    held.write_text(record)
+    done = experiments("summary", path, "--results", tmp_path / "results", "--heldout", held,
+                       "--out", tmp_path / "summary.md", cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and match in done.stderr, done.stderr
+    assert f"--heldout '{held}'" in done.stderr and not (tmp_path / "summary.md").exists()
