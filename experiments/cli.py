@@ -22,8 +22,16 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Union
 
 from rich.console import Console
 
-from experiments.errors import (EXIT_CONFIG, EXIT_DISK_FULL, EXIT_INTERRUPTED, INTERRUPTED, RUN_REMEDY, STAGE_REMEDY,
-                               StudyError, disk_full_line)
+from experiments.errors import (
+    EXIT_CONFIG,
+    EXIT_DISK_FULL,
+    EXIT_INTERRUPTED,
+    INTERRUPTED,
+    RUN_REMEDY,
+    STAGE_REMEDY,
+    StudyError,
+    disk_full_line,
+)
 from rlhf.errors import ConfigError
 
 Hook = Union[str, Callable]
