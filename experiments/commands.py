@@ -143,7 +143,8 @@ def cmd_status(args: Namespace, console: Console) -> int:
         counts[st] = counts.get(st, 0) + 1
         row = tail_metrics(s.run_dir)
         reward = scalar(row.get("reward_mean"))
-        step = f"{int(row['step']) + 1}/{s.total_steps}" if "step" in row else f"0/{s.total_steps}"
+        # A row's step is the updates done (step 0: the initial evaluation, before any).
+        step = f"{int(row['step']) if 'step' in row else 0}/{s.total_steps}"
         table.add_row(s.key, st, step, f"{reward:.3f}" if reward is not None else "-",
                       (attempt.get("error") or "") if st == RunStatus.FAILED else "")
     console.print(table)

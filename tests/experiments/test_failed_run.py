@@ -69,6 +69,9 @@ def test_a_nan_run_fails_alone_and_every_stage_reads_the_round(nan_round, tmp_pa
         assert done.returncode in (0, 1), (argv, done.stderr)  # 1: a failed run, said, not a refusal
     report = (out / "report.md").read_text()
     assert not re.search(r"\bnan\b", report, re.IGNORECASE) and "| good | 1 | failed | – |" in report
+    # status counts a finished run's steps as its updates (step 0 is the initial evaluation).
+    done = experiments("status", path, "--results", tmp_path / "results", cwd=tmp_path)
+    assert done.stdout.count("5/5") == 6 and "6/5" not in done.stdout, done.stdout
     # advise names the next study after the file it writes.
     assert "study.name = 'my_round2'" in (tmp_path / "my_round2.gin").read_text()
 
