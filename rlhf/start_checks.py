@@ -62,7 +62,7 @@ def model_position_limit(cfg) -> tuple:
     return None, None
 
 
-def check_machine(device: str, rollout_backend: str) -> None:
+def check_machine(device: str, rollout_backend: str = "hf") -> None:
     """What a run asks of the machine it computes on, before anything loads: a visible CUDA device
     for `ppo.device = 'cuda'`, the vllm package for `ppo.rollout_backend = 'vllm'`. A ConfigError of
     one line naming the binding and the CPU alternative."""

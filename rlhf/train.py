@@ -71,6 +71,9 @@ def main(argv=None) -> int:
         cfg, operative = configurable.resolve(args.recipe, args.binding)
         if cfg.ppo.resolved_placement != "local":  # a dead cluster fails now, not after minutes of retries
             check_address(args.ray_address)
+        else:  # this process computes: what the recipe needs of this machine, before any model loads
+            from rlhf.start_checks import check_machine
+            check_machine(cfg.ppo.device, cfg.ppo.rollout_backend)
         check_writable(out)
         with run_dir.DirLock(out / run_dir.RUN_LOCK):
             return train(args, argv, cfg, operative, out)

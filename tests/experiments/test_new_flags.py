@@ -81,6 +81,19 @@ def test_plan_checks_what_the_recipe_needs_of_the_machine(capsys, tmp_path):
     assert main(["plan", GPU_STUDY, *cpu, "--results", str(tmp_path)]) == 0
 
 
+def test_the_engine_checks_the_machine_as_plan_does(tmp_path):
+    import importlib.util
+
+    import torch
+    if not torch.cuda.is_available():
+        err = one_line_process(["rlhf.train", TINY, "-b", "ppo.device = 'cuda'", "--out", str(tmp_path / "run")])
+        assert err.startswith("error: ppo.device = 'cuda' needs a GPU") and not (tmp_path / "run").exists()
+    if importlib.util.find_spec("vllm") is None:
+        err = one_line_process(["rlhf.train", TINY, "-b", "ppo.rollout_backend = 'vllm'", "--out",
+                                str(tmp_path / "run")])
+        assert err.startswith("error: ppo.rollout_backend = 'vllm' needs the vllm package")
+
+
 @pytest.mark.parametrize("argv, match", [
     (["heldout", ROUND1, "--test", "t", "--out", "{dir}"], "--out '{dir}' is a directory; give a file"),
     (["summary", ROUND1, "--out", "{dir}"], "--out '{dir}' is a directory; give a file"),
