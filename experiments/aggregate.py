@@ -425,4 +425,4 @@ def best_checkpoints(results: Sequence[RunOutcome], study_name: str) -> Optional
                  for r in results if r.best_checkpoint)
     if not runs:
         return None
-    return BestCheckpoints(metric=GOLD_METRIC, runs=runs, best=max(runs, key=lambda c: c.value))
+    return BestCheckpoints(metric=GOLD_METRIC, runs=runs, best=max(runs, key=lambda c: c.rank))

@@ -8,7 +8,7 @@ DVC pipeline's per-round overrides in params.yaml); the DVC pipeline's other sta
 extra arguments), so a new step of the loop adds one entry and one module. Exit codes: 0
 success, 1 some runs failed (or nothing could be decided), 2 invalid study, binding or input
 (one line, no traceback), 130 interrupted; a full disk stops the manager with one line naming
-the file it could not write (`errors.disk_full_line`) and exit code 1 (its files are written
+the file it could not write (`errors.disk_full_line`) and exit code 4, as the engine's (its files are written
 atomically, so a rerun picks up where it stopped).
 """
 
@@ -22,7 +22,16 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Union
 
 from rich.console import Console
 
-from experiments.errors import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED, INTERRUPTED, StudyError, disk_full_line
+from experiments.errors import (
+    EXIT_CONFIG,
+    EXIT_DISK_FULL,
+    EXIT_INTERRUPTED,
+    INTERRUPTED,
+    RUN_REMEDY,
+    STAGE_REMEDY,
+    StudyError,
+    disk_full_line,
+)
 from rlhf.errors import ConfigError
 
 Hook = Union[str, Callable]
@@ -125,7 +134,7 @@ def _apply_overrides(args: argparse.Namespace, command: Subcommand) -> None:
     spec = getattr(args, "overrides", None)
     if not spec:
         return
-    from experiments.study import check_overrides, read_overrides
+    from experiments.overrides import check_overrides, read_overrides
     bindings = read_overrides(spec)
     for path in [args.study] if command.study else args.studies:
         check_overrides(path, bindings, spec)
@@ -178,8 +187,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_INTERRUPTED
     except OSError as err:  # a full disk: one line naming the file (or dir) that could not be written
         where = getattr(args, "results", None) or getattr(args, "out", None)
-        line = disk_full_line(err, str(Path(where).resolve()) if isinstance(where, str) else None)
+        line = disk_full_line(err, str(Path(where).resolve()) if isinstance(where, str) else None,
+                              STAGE_REMEDY if command.stage else RUN_REMEDY)
         if line is None:
             raise
         print(line, file=sys.stderr)
-        return EXIT_ERROR
+        return EXIT_DISK_FULL

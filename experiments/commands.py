@@ -18,10 +18,12 @@ from experiments.driver import decision_line, run_study
 from experiments.errors import EXIT_OK, EXIT_RUNS_FAILED, StudyError
 from experiments.launch import decide, is_locked
 from experiments.plan import expand, study_dir
-from experiments.results import RunStatus
+from experiments.results import BASELINE, RunStatus
 from experiments.run_records import last_attempt, scalar, state, tail_metrics
 from experiments.seed_plan import plan_lines, seed_plan, with_planned_waves
 from experiments.study import load_study
+from rlhf.errors import ConfigError
+from rlhf.start_checks import check_machine
 
 
 def _planned(args: Namespace):
@@ -30,6 +32,33 @@ def _planned(args: Namespace):
     specs = expand(study, args.results)
     plan = seed_plan(study, args.results)
     return with_planned_waves(study, plan), specs, plan
+
+
+def preflight(study, specs, args: Namespace) -> None:
+    """What `run` would refuse, refused by `plan` as well and by the same checks: the Ray address's form
+    (--ray-address, else RAY_ADDRESS), the W&B project, and, when the runs compute on this machine (no
+    cluster address), what each variant's recipe needs of it (a GPU, vLLM). One line each."""
+    from experiments.plan import resolve_config
+    from experiments.wandb_sink import project_for, wandb_mode
+    from rlhf.placement.cluster import given_address  # imports torch: only for the commands that check
+    address = given_address(getattr(args, "ray_address", None))
+    if wandb_mode() != "disabled":
+        project_for(study)
+    if address is not None:  # a cluster's nodes are other machines: the engine checks there when a run starts
+        return
+    base = next(s for s in specs if s.variant == BASELINE)
+    ppo = resolve_config(base.recipe, base.bindings, "the baseline")[0].ppo
+    for spec in {s.variant: s for s in specs}.values():  # a variant differs from the baseline by its changes
+        where = "the baseline" if spec.variant == BASELINE else f"study.variants[{spec.variant!r}]"
+        device, backend = (spec.changes.get(f"ppo.{k}", getattr(ppo, k)) for k in ("device", "rollout_backend"))
+        try:
+            check_machine(device=device, rollout_backend=backend)
+        except ConfigError as err:
+            raise StudyError(f"{where}: {err}{CPU_STUDY if study.gpus_per_run > 0 else ''}") from None
+
+
+CPU_STUDY = ", study.gpus_per_run = 0 (README, quick start 3)"
+"""The study's own binding a CPU run needs beside the engine's, said after them."""
 
 
 PLAN_TABLE_RUNS = 1000
@@ -53,6 +82,7 @@ def cmd_plan(args: Namespace, console: Console) -> int:
     """Prints the run table (variant, seed, change, hashes, what a `run` would do) without running;
     above PLAN_TABLE_RUNS runs, one row per variant, with a notice saying so."""
     study, specs, plan = _planned(args)
+    preflight(study, specs, args)
     table = Table(title=f"study {study.name}: {len(study.all_variants)} variants x {len(study.seeds)} seeds "
                         f"= {len(specs)} runs ({study.cpus_per_run} CPU, {study.gpus_per_run:g} GPU each)")
     if len(specs) > PLAN_TABLE_RUNS:
@@ -91,6 +121,7 @@ def cmd_plan(args: Namespace, console: Console) -> int:
 def cmd_run(args: Namespace, console: Console) -> int:
     """Runs what the plan needs on Ray, then writes the report (experiments/driver.py)."""
     study, specs, plan = _planned(args)
+    preflight(study, specs, args)
     for line in plan_lines(study, plan, specs):
         console.print(line, highlight=False)
     return run_study(study, specs, args, console, plan)
@@ -112,7 +143,8 @@ def cmd_status(args: Namespace, console: Console) -> int:
         counts[st] = counts.get(st, 0) + 1
         row = tail_metrics(s.run_dir)
         reward = scalar(row.get("reward_mean"))
-        step = f"{int(row['step']) + 1}/{s.total_steps}" if "step" in row else f"0/{s.total_steps}"
+        # A row's step is the updates done (step 0: the initial evaluation, before any).
+        step = f"{int(row['step']) if 'step' in row else 0}/{s.total_steps}"
         table.add_row(s.key, st, step, f"{reward:.3f}" if reward is not None else "-",
                       (attempt.get("error") or "") if st == RunStatus.FAILED else "")
     console.print(table)

@@ -241,7 +241,8 @@ def cmd_confirm(args) -> int:
     from rich.console import Console
 
     from experiments.driver import run_fixed
-    from experiments.heldout import _rounds, read_test
+    from experiments.heldout import check_samples_per_prompt, read_rounds, read_test
+    from experiments.paths import output_file
     from experiments.plan import expand, study_dir
     from experiments.results import read_aggregate
     from experiments.summary import NOTHING_TO_CONFIRM
@@ -251,8 +252,10 @@ def cmd_confirm(args) -> int:
 
     if args.max_seeds < 2:
         raise StudyError(f"--max-seeds {args.max_seeds} is invalid: at least 2 (a paired test needs two seeds)")
+    check_samples_per_prompt(args.samples_per_prompt)
+    out_file = output_file(args.out)
     test_file, examples = read_test(args.test)
-    rounds = _rounds(args)
+    rounds = read_rounds(args)
     plan = seed_count(rounds, args.max_seeds)
     seeds = fresh_seeds(rounds, plan["seeds"])
     study = confirmation_study(rounds, seeds, Path(args.results))
@@ -264,8 +267,7 @@ def cmd_confirm(args) -> int:
         where = study_dir(study, args.results)  # the study's results dir holds the record too (a stage's output)
         where.mkdir(parents=True, exist_ok=True)
         write_text(where / "confirmation.json", text)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        write_text(args.out, text)
+        write_text(out_file, text)
         console.print(f"wrote {args.out}: the rounds adopted no change, so there is nothing to confirm and nothing ran")
         return EXIT_OK
     console.print(f"confirmation: the tuned recipe against the original baseline, {len(seeds)} fresh seeds "
@@ -277,8 +279,7 @@ def cmd_confirm(args) -> int:
     where = study_dir(study, args.results)
     agg = read_aggregate(where, f"{where}: no aggregate.json; the confirmation did not run")
     out = record(rounds, study, agg, _score(study, where, agg, examples, args.samples_per_prompt), plan, test_file)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_text(args.out, json.dumps(out, indent=2, allow_nan=False) + "\n")
+    write_text(out_file, json.dumps(out, indent=2, allow_nan=False) + "\n")
     ci = out["ci"]
     shown = (f"{out['difference']:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}] (p = {out['p']:.3g})"
              if out["difference"] is not None and None not in ci else "")

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from experiments.errors import StudyError
-from experiments.paths import portable
+from experiments.paths import output_dir, output_file, portable
 from experiments.results import BASELINE, RunStatus, StudyAggregate, aggregate_path, read_aggregate
 from experiments.run_records import GOLD_METRIC, iter_metrics, latest_checkpoint, scalar, summary
 from rlhf.atomic import write_text
@@ -96,14 +96,13 @@ def cmd_testsplit(args) -> int:
     from rlhf import configurable
     from rlhf.data import dataset_hash
 
+    out = output_dir(args.out)
     cfg, _ = configurable.resolve(args.recipe, args.binding)
     rows, dropped = unread_examples(cfg.task)
     if not rows:
         raise StudyError(f"no test split is left: the task's held-out rows are all evaluated (task.eval_size = "
                          f"{cfg.task.eval_size} of {args.recipe}) or repeat a train or evaluated prompt; lower "
                          f"task.eval_size or give the task more held-out rows")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     write_text(out / TEST_FILE, "".join(json.dumps({"prompt": ex.prompt, "answer": ex.answer,
                                                     **({"data_source": ex.data_source} if ex.data_source else {})})
                                         + "\n" for ex in rows))
@@ -324,12 +323,21 @@ def paired_difference(a: Sequence[dict], b: Sequence[dict], metric: str) -> dict
 
 
 # ----------------------------------------------------------------------------- the command
-def _rounds(args) -> List[Tuple[Study, Path, StudyAggregate]]:
+def read_rounds(args) -> List[Tuple[Study, Path, StudyAggregate]]:
+    """(study, results dir, aggregate) of `args.studies` in round order (`heldout`, `confirm`,
+    `summary`); every study file is read, and a study listed twice refused, before any aggregate."""
     from experiments.study import load_study
 
-    rounds = []
+    studies, files = [], {}
     for path in args.studies:
         study = load_study(path, args.binding)
+        if study.name in files:
+            raise StudyError(f"study {study.name!r} is listed twice ({files[study.name]} and {path}): list each "
+                             f"round once, in round order")
+        files[study.name] = path
+        studies.append((path, study))
+    rounds = []
+    for path, study in studies:
         study_dir = Path(args.results) / study.name
         rounds.append((study, study_dir, read_aggregate(
             study_dir, f"{aggregate_path(study_dir)} not found: run `python -m experiments run {path}` first")))
@@ -404,7 +412,7 @@ def _best_checkpoint(scorer: Scorer, rounds: Sequence[tuple]) -> Optional[dict]:
     best = None
     for study, study_dir, agg in rounds:
         record = agg.best_checkpoints
-        if record is not None and record.best is not None and (best is None or record.best.value > best[3].value):
+        if record is not None and record.best is not None and (best is None or record.best.rank > best[3].rank):
             best = (study, study_dir, agg, record.best)
     if best is None:
         return None
@@ -450,17 +458,49 @@ def record_text(record: dict) -> str:
                   text) + "\n"
 
 
+def read_heldout(path: str | Path, studies: Sequence[str]) -> dict:
+    """The `heldout` stage's record at `path` (`--heldout`), for the rounds `studies`: a StudyError of one
+    line when it is not valid strict JSON (a bare NaN or Infinity is no value `heldout` writes: it
+    writes null), not a JSON object, or a record of other studies than these."""
+    def bare(token: str):
+        raise ValueError(f"it holds a bare {token}; `heldout` writes a missing value as null")
+    fix = "run `python -m experiments heldout` with the same studies first"
+    try:
+        record = json.loads(Path(path).read_text(), parse_constant=bare)
+    except (OSError, ValueError) as err:
+        raise StudyError(f"--heldout {str(path)!r}: not a record of the `heldout` stage ({err}); {fix}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("final_choice"), dict):
+        raise StudyError(f"--heldout {str(path)!r}: not a record of the `heldout` stage (a JSON object with "
+                         f"'studies' and 'final_choice'; it holds a {type(record).__name__}); {fix}")
+    if record.get("studies") != list(studies):
+        raise StudyError(f"--heldout {str(path)!r} is a record of the studies {record.get('studies')}, not of these "
+                         f"rounds {list(studies)}; {fix}")
+    return record
+
+
+MAX_SAMPLES_PER_PROMPT = 256
+"""The most responses `heldout` samples per test prompt and model: a bound on its cost, far past the
+point where more samples of the same prompts change an interval that counts prompts."""
+
+
+def check_samples_per_prompt(samples: int) -> None:
+    """`--samples-per-prompt` of `heldout` and `confirm`: 0 (the run's own) to MAX_SAMPLES_PER_PROMPT."""
+    if not 0 <= samples <= MAX_SAMPLES_PER_PROMPT:
+        raise StudyError(f"--samples-per-prompt {samples} is invalid: 0 (the run's ppo.eval_samples_per_prompt) to "
+                         f"{MAX_SAMPLES_PER_PROMPT}; every model scored samples that many responses per test prompt, "
+                         f"and the intervals narrow with prompts, not with samples of the same prompts")
+
+
 def cmd_heldout(args) -> int:
     from rlhf import numerics
     numerics.apply()  # before torch loads: the same samples on every x86-64 CPU
 
-    if args.samples_per_prompt < 0:
-        raise StudyError(f"--samples-per-prompt {args.samples_per_prompt} is invalid: 0 (the run's "
-                         f"ppo.eval_samples_per_prompt) or more")
+    check_samples_per_prompt(args.samples_per_prompt)
+    out = output_file(args.out)
+    rounds = read_rounds(args)
     test_file, examples = read_test(args.test)
-    record = heldout_record(_rounds(args), test_file, examples, args.samples_per_prompt)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_text(args.out, record_text(record))
+    record = heldout_record(rounds, test_file, examples, args.samples_per_prompt)
+    write_text(out, record_text(record))
     final = record["final_choice"]["summary"]["accuracy"]
     for line in record["missing"]:
         print(f"notice: {line}")

@@ -51,10 +51,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Any, Dict, List, Optional, Tuple, TypeVar
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, TypeAdapter, ValidationError
 
 from experiments.errors import StudyError
 
@@ -342,9 +343,15 @@ class CheckpointScore:
     variant: str
     seed: int
     step: int
-    value: float
+    value: Optional[float]
+    """Null when the eval row held no finite number (the file writes a NaN as null): a missing value."""
     path: str
     """The checkpoint dir, relative to the study's results dir."""
+
+    @property
+    def rank(self) -> float:
+        """The value to compare checkpoints by: a missing one ranks below every score."""
+        return self.value if self.value is not None else -math.inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,7 +419,10 @@ class StudyAggregate:
                    if f.name not in data and f.name not in ADDED_LATER] if isinstance(data, dict) else []
         if missing:
             raise ValueError(f"no {', '.join(missing)} (`python -m experiments report` writes the aggregate anew)")
-        return _ADAPTER.validate_python(data)
+        try:
+            return _ADAPTER.validate_python(data)
+        except ValidationError as err:  # the first wrong field by its path, as a reader finds it in the file
+            raise ValueError(field_error(err)) from None
 
     def save(self, path: str | Path) -> None:
         from rlhf.atomic import write_json
@@ -431,6 +441,17 @@ class StudyAggregate:
 
     def replace(self, **changes) -> "StudyAggregate":
         return dataclasses.replace(self, **changes)
+
+
+def field_error(err: ValidationError) -> str:
+    """Pydantic's first error as 'best_checkpoints.runs[3].value: Input should be a valid number (got
+    null)': the field's path in the JSON file, and what it holds."""
+    first = err.errors()[0]
+    path = ""
+    for part in first["loc"]:
+        path += f"[{part}]" if isinstance(part, int) else f"{'.' if path else ''}{part}"
+    got = json.dumps(first.get("input"), default=str)
+    return f"{path or 'the file'}: {first['msg']} (got {got[:60]})"
 
 
 ADDED_LATER = ("sequential",)

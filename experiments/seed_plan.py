@@ -287,6 +287,10 @@ def plan_lines(study: Study, plan: Optional[SeedPlan], specs: Sequence = ()) -> 
                             f"{_signed(plan.target_effect, study.direction)} is detected with {at:.0%} power (fixed "
                             f"design); give the round distinct starts (more seeds in the round it resumes) for more")
     if plan is None:
+        if study.target_effect is None and study.power != stats.POWER:
+            lineages.append(f"notice: study.power = {study.power:g} has no effect without study.target_effect: the "
+                            f"power is what the seed plan sizes the seeds for, and only a target effect makes a plan; "
+                            f"set study.target_effect (in {study.metric}'s units) or leave study.power out")
         return lineages
     if plan.sequential:
         short = []

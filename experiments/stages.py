@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from experiments.paths import portable
+from experiments.paths import output_dir, output_file, portable
 from experiments.results import BASELINE, StudyAggregate, aggregate_path, read_aggregate
 from rlhf.atomic import finite, write_text
 from rlhf.metrics import SIGNALS
@@ -217,8 +217,12 @@ def hand_edit(target: Path, params: Dict, path: str, spec: Optional[str] = None)
         return None
     try:
         edited = yaml.safe_load(text)
-    except yaml.YAMLError:
-        edited = None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        return (f"{portable(target)} does not parse as YAML{where} ({getattr(err, 'problem', None) or err}): it is "
+                f"generated from {portable(path)} by `python -m experiments params`, which would overwrite it; "
+                f"restore it (git checkout -- {portable(target)}) or delete it, and change {portable(path)} instead")
     if edited == params:
         return None
     now, then = _flat_keys(params), _flat_keys(edited if isinstance(edited, dict) else {})
@@ -227,7 +231,8 @@ def hand_edit(target: Path, params: Dict, path: str, spec: Optional[str] = None)
     file, round_key = _override_target(params, spec)
     parts = key.split(".")
     name = ".".join(parts[1:])
-    from experiments.study import MANAGED_BINDINGS, OVERRIDE_FIXED, STUDY_PARAMETERS
+    from experiments.overrides import OVERRIDE_FIXED
+    from experiments.study import MANAGED_BINDINGS, STUDY_PARAMETERS
     overridable = (parts[0] == "baseline" and len(parts) == 3 and name not in MANAGED_BINDINGS) or (
         parts[0] == "study" and len(parts) == 2 and parts[1] in STUDY_PARAMETERS and key not in OVERRIDE_FIXED)
     if overridable and value is not ...:
@@ -391,9 +396,8 @@ def cmd_export(args) -> int:
     study = load_study(args.study, args.binding)
     study_dir = Path(args.results) / study.name
     where = portable(study_dir)
+    out = output_dir(Path(args.out) / study.name)
     aggregate = _load(study_dir)
-    out = Path(args.out) / study.name
-    out.mkdir(parents=True, exist_ok=True)
     metrics = headline(aggregate)
     write_text(out / "metrics.json", json.dumps(finite(metrics), indent=1, sort_keys=True, allow_nan=False))
     write_text(out / "curves.csv", _csv(curves(study_dir, aggregate),
@@ -422,25 +426,17 @@ def cmd_summary(args) -> int:
     split's scores, which no decision read (experiments/heldout.py `heldout_lines`).
     `--confirmation` reads a confirmation run's record (experiments/summary.py `Confirmation`),
     which decides the summary's first line."""
-    from experiments.study import load_study
+    from experiments.heldout import read_heldout, read_rounds
     from experiments.summary import read_confirmation, render_summary
 
-    rounds = []
-    for path in args.studies:
-        study = load_study(path, args.binding)
-        rounds.append((study, _load(Path(args.results) / study.name)))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    out = output_file(args.out)
+    rounds = [(study, agg) for study, _, agg in read_rounds(args)]
     heldout = None
     if getattr(args, "heldout", None):  # the test split's record
-        from experiments.errors import StudyError
-        try:
-            heldout = json.loads(Path(args.heldout).read_text())
-        except (OSError, ValueError) as err:
-            raise StudyError(f"--heldout {args.heldout}: not a record of the `heldout` stage ({err}); run "
-                             f"`python -m experiments heldout` first") from None
+        heldout = read_heldout(args.heldout, [study.name for study, _ in rounds])
     confirmation = read_confirmation(args.confirmation) if getattr(args, "confirmation", None) else None
-    write_text(args.out, render_summary(rounds, Path(args.results), heldout, confirmation))
-    print(f"wrote {args.out}")
+    write_text(out, render_summary(rounds, Path(args.results), heldout, confirmation))
+    print(f"wrote {out}")
     return 0
 
 

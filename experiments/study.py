@@ -33,7 +33,7 @@ from experiments.sequential import Waves, parse_waves
 from experiments.stats import POWER
 from rlhf.configurable import RECIPES_DIR, SCOPES, find_recipe, iter_statements, statements
 from rlhf.errors import ConfigError
-from rlhf.metrics import EVAL_METRICS, METRICS, NAMESPACES, is_known_metric
+from rlhf.metrics import EVAL_METRICS, FRACTIONS, METRICS, NAMESPACES, is_known_metric
 from rlhf.validation import invalid, positive_int, why_not_a_file
 
 EVAL_PREFIX = "eval/"
@@ -191,6 +191,14 @@ class Study:
             raise _bad("study.metric_resolution", step, "must be a number >= 0 in the metric's units: its grid "
                                                          "step, e.g. 1/128 for an accuracy over 128 prompts "
                                                          "(0: a continuous metric)")
+        if self.metric in FRACTIONS:  # a fraction's range bounds both: [0, 1]
+            if margin >= 1:
+                raise _bad("study.equivalence_margin", margin, f"must be below 1: {self.metric} is a fraction in "
+                                                               f"[0, 1], and a margin as wide as its range calls every "
+                                                               f"variant 'equivalent' (e.g. 0.02)")
+            if step > 1:
+                raise _bad("study.metric_resolution", step, f"must be at most 1: {self.metric} is a fraction in [0, 1] "
+                                                            f"(its grid step is 1/prompts, e.g. 1/128)")
 
     @property
     def all_variants(self) -> Tuple[Variant, ...]:
@@ -205,6 +213,8 @@ WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
 
 def wandb_project_problem(name: str) -> str:
     """What makes `name` no W&B project name ('' when it is one, or empty: no choice made)."""
+    if name and not name.strip():
+        return "may not be blank (leave it '' to let WANDB_PROJECT, study.campaign or the study's name decide)"
     if len(name) > WANDB_PROJECT_MAX:
         return f"may have at most {WANDB_PROJECT_MAX} characters (it has {len(name)})"
     bad = sorted({c for c in name if c in WANDB_PROJECT_FORBIDDEN})
@@ -389,7 +399,7 @@ def split_binding(line: str, where: str) -> Tuple[str, str]:
     return f"{m.group(1)}.{m.group(2)}", m.group(3)
 
 
-def _engine_binding(line: str, where: str) -> str:
+def engine_binding(line: str, where: str) -> str:
     key, _ = split_binding(line, where)
     scope = key.split(".")[0]
     if scope not in ENGINE_SCOPES:
@@ -450,7 +460,7 @@ def _variants(value, coupled: Sequence[str]) -> Tuple[Variant, ...]:
         lines = (spec,) if isinstance(spec, str) else tuple(spec) if isinstance(spec, (list, tuple)) else None
         if not lines:
             raise StudyError(f"{where} = {spec!r}: must be a binding string or a list of bindings")
-        keys = [_engine_binding(line, where) for line in lines]
+        keys = [engine_binding(line, where) for line in lines]
         if len(set(keys)) != len(keys):
             raise StudyError(f"{where} binds {keys}: each parameter at most once")
         if len(lines) > 1 and name not in coupled:
@@ -487,7 +497,7 @@ def _validate(args: dict, path: Path) -> Study:
     if isinstance(bindings, str) or not isinstance(bindings, (list, tuple)):
         raise _bad("study.baseline_bindings", bindings, "must be a list of 'scope.param = value' strings")
     for line in bindings:
-        _engine_binding(line, "study.baseline_bindings")
+        engine_binding(line, "study.baseline_bindings")
     coupled = args["coupled"]
     if isinstance(coupled, str) or not isinstance(coupled, (list, tuple)):
         raise _bad("study.coupled", coupled, "must be a list of variant names")
@@ -551,7 +561,7 @@ def load_study(path: str | Path, bindings: Sequence[str] = ()) -> Study:
                          f"e.g. recipes/studies/smoke.gin")
     study_level, engine = split_cli_bindings(bindings)
     for line in engine:
-        _engine_binding(line, "-b")
+        engine_binding(line, "-b")
     args = study()
     try:  # a syntax error names its file and line (or -b binding); an include cycle its chain
         parsed = [(file, s) for file, s in iter_statements(path)]
@@ -628,87 +638,3 @@ def _has_reference(value) -> bool:
     if isinstance(value, dict):
         return any(_has_reference(k) or _has_reference(v) for k, v in value.items())
     return not isinstance(value, (str, int, float, bool, type(None)))
-
-
-# ----------------------------------------------------------------------------- overrides
-OVERRIDE_FIXED = ("study.name", "study.resume_from")
-"""Study bindings an overrides file may not change: they wire a round to its results and the one it resumes."""
-
-
-def read_overrides(spec: str) -> Tuple[str, ...]:
-    """`FILE:KEY` (e.g. 'params.yaml:round1'): the bindings under KEY of the YAML file FILE, written
-    as `{scope: {parameter: value}}` (DVC's `dvc exp run -S '++round1.ppo.kl_coef=0.1'` writes them
-    so; a dotted 'scope.parameter: value' also works), as '-b' lines in the file's order. A scope is
-    an engine scope or `study` (but not study.name or study.resume_from); KEY may hold nothing
-    (`round1: {}`). Raises StudyError naming FILE:KEY."""
-    import yaml
-
-    path, sep, key = spec.rpartition(":")
-    if not sep or not path or not key:
-        raise StudyError(f"--overrides {spec!r} is invalid: expected FILE:KEY, e.g. params.yaml:round1")
-    problem = why_not_a_file(Path(path))
-    if problem:
-        raise StudyError(f"--overrides {spec}: {path!r} {problem}; expected a YAML file of per-round overrides")
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise StudyError(f"--overrides {spec}: {path} is not readable YAML ({' '.join(str(err).split())})") from None
-    if not isinstance(data, Mapping) or key not in data:
-        keys = ", ".join(map(str, data)) if isinstance(data, Mapping) else "none"
-        raise StudyError(f"--overrides {spec}: {path} has no key {key!r} (its keys: {keys or 'none'})")
-    held = data[key] or {}
-    shape = "a mapping {scope: {parameter: value}}, e.g. {ppo: {kl_coef: 0.1}} ({} for none)"
-    if not isinstance(held, Mapping):
-        raise StudyError(f"--overrides {spec} = {held!r} is invalid: must be {shape}")
-    flat = {}
-    for scope, params in held.items():
-        if isinstance(scope, str) and "." in scope:
-            flat[scope] = params
-        elif isinstance(params, Mapping) and params:
-            flat.update({f"{scope}.{param}": value for param, value in params.items()})
-        elif not isinstance(params, Mapping):
-            raise StudyError(f"--overrides {spec}: {scope!r} = {params!r} is invalid: must be {shape}")
-    bindings = []
-    for name, value in flat.items():
-        line = f"{name} = {value!r}"
-        if name in OVERRIDE_FIXED:
-            raise StudyError(f"--overrides {spec}: {name} may not be overridden (it wires the round to its results "
-                             f"and to the round it resumes); edit the study recipe")
-        if name.startswith("study."):
-            param = name.split(".", 1)[1]
-            if param not in STUDY_PARAMETERS:
-                close = difflib.get_close_matches(param, STUDY_PARAMETERS, n=1)
-                hint = f" (did you mean study.{close[0]}?)" if close else ""
-                raise StudyError(f"--overrides {spec}: {name} is not a study binding{hint}")
-        else:
-            _engine_binding(line, f"--overrides {spec}")
-        bindings.append(line)
-    return tuple(bindings)
-
-
-def check_overrides(path: str | Path, overrides: Sequence[str], spec: str) -> None:
-    """Loads the study with `overrides` and resolves its baseline and variants, as planning will: an
-    unknown parameter, an invalid value, or a value that makes a variant the baseline (the variant's
-    own change) fails here, in one line naming `spec` (the overrides file and key), before anything
-    runs. A problem the study has without the overrides is left to the usual checks."""
-    from rlhf.configurable import flat_dict, resolve
-
-    try:
-        overridden = load_study(path, overrides)
-        if any(not line.startswith("study.") for line in overrides):
-            recipe, base = overridden.baseline_recipe, overridden.baseline_bindings
-            flat = flat_dict(resolve(recipe, base)[0])
-            for variant in overridden.variants:
-                if flat_dict(resolve(recipe, [*base, *variant.bindings])[0]) == flat:
-                    raise StudyError(f"it makes study.variants[{variant.name!r}] ({'; '.join(variant.bindings)}) the "
-                                     f"baseline, so the variant would change nothing; override another parameter")
-    except (ConfigError, StudyError) as err:
-        try:
-            plain = load_study(path)
-            resolve(plain.baseline_recipe, plain.baseline_bindings)
-        except (ConfigError, StudyError):
-            return
-        file = spec.rpartition(":")[0] or spec
-        raise StudyError(f"--overrides {spec}: {str(err).replace(' (-b binding)', '')}; the refused value is still in "
-                         f"{file} (a `dvc exp run -S` writes it there before the stage runs): remove it, or "
-                         f"`git checkout -- {file}`, before the next `dvc repro`") from None

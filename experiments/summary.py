@@ -405,7 +405,7 @@ def render_summary(rounds: Sequence[tuple], results_dir: Path, heldout: Optional
         if record is not None and record.best is not None:
             body += [f"Best gold checkpoint of {study.name} (on the eval split that made the decisions): "
                      f"{best_checkpoint_text(record.best, record.metric, f'{portable(study_dir)}/')}.", ""]
-            if best_overall is None or record.best.value > best_overall[1].value:
+            if best_overall is None or record.best.rank > best_overall[1].rank:
                 best_overall = (study, record.best, record.metric)
     lines = ["# Tuning path", ""]
     if rounds:

@@ -11,10 +11,12 @@ must not load the study machinery (or torch) use it too.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import math
 import os
 from pathlib import Path
+from typing import Optional
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 """The errnos of a full disk (or quota): the engine and the manager stop in one line, keeping what is written."""
@@ -68,3 +70,26 @@ def finite(data):
 def write_json(path: str | Path, data: dict) -> None:
     """Atomic JSON write (`write_atomic`), strict: a non-finite number is written as null (`finite`)."""
     write_text(path, json.dumps(finite(data), indent=2, sort_keys=False, default=str, allow_nan=False) + "\n")
+
+
+def unwritten_path(err: BaseException) -> Optional[str]:
+    """The file a full disk stopped a write of: the error's own filename (open, mkdir, rename name
+    it), else, for a write, flush or fsync that failed (the OS names no file then), the file being
+    written when it was raised: the target of `rlhf.atomic.write_atomic` (not its temporary), or
+    an open file in the failing frames. None when neither says."""
+    named = getattr(err, "filename", None) or getattr(err, "filename2", None)
+    if named:
+        return os.fsdecode(named) if isinstance(named, (str, bytes, os.PathLike)) else str(named)
+    frames, tb = [], err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):  # innermost first
+        if frame.f_code.co_name == "write_atomic" and isinstance(frame.f_locals.get("path"), (str, os.PathLike)):
+            return os.fspath(frame.f_locals["path"])
+    for frame in reversed(frames):
+        for value in frame.f_locals.values():
+            name = getattr(value, "name", None) if isinstance(value, io.IOBase) else None
+            if isinstance(name, (str, os.PathLike)):
+                return os.fspath(name)
+    return None

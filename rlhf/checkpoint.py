@@ -29,7 +29,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, Optional
 
-from rlhf.atomic import is_disk_full
+from rlhf.atomic import is_disk_full, unwritten_path
 
 if TYPE_CHECKING:  # annotations only
     import torch
@@ -265,10 +265,11 @@ def disk_full_message(err: BaseException, out: str | Path) -> Optional[str]:
         return str(err)
     if not is_disk_full(err):
         return None
-    where = f" writing {err.filename}" if isinstance(err, OSError) and err.filename else ""
+    path = unwritten_path(err)
+    where = f" writing {path}" if path else ""
     latest = latest_checkpoint(Path(out) / "checkpoints", full=False)
-    return (f"disk full{where} (No space left on device): free space, then --resume continues from "
-            f"{latest if latest is not None else 'step 0 (no checkpoint was written)'}")
+    return (f"disk full{where} under --out {str(out)!r} (No space left on device): free space, then --resume "
+            f"continues from {latest if latest is not None else 'step 0 (no checkpoint was written)'}")
 
 
 @contextlib.contextmanager

@@ -41,6 +41,11 @@ def check_writable(out: Path, flag: str = "--out") -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as err:
+        from rlhf.atomic import is_disk_full
+        if is_disk_full(err):
+            probe.unlink(missing_ok=True)
+            err.filename = err.filename or str(probe)  # the entry point's full-disk line names it (exit 4)
+            raise
         raise ConfigError(f"{flag} {str(out)!r} is not a writable run dir ({err.strerror or type(err).__name__}"
                           f"{': ' + str(err.filename) if err.filename and str(err.filename) != str(probe) else ''}); "
                           f"choose a directory you can write") from None

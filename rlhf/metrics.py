@@ -41,6 +41,11 @@ EVAL_METRICS = ("eval/accuracy", "eval/rm_score", "eval/reward_mean", "eval/resp
 `greedy_` ones when ppo.eval_temperature > 0)."""
 
 
+FRACTIONS = ("accuracy", "clip_fraction", "clip_fraction_lower", "clip_fraction_upper", "response_clip_ratio",
+             "rollout_success_rate", "eval/accuracy", "eval/rollout_success_rate", "eval/greedy_accuracy")
+"""Metrics that are fractions, in [0, 1]: a margin or a grid step in their units is bounded by that range."""
+
+
 MACHINE_NAMESPACES = ("timing_s/", "perf/")
 """Names the machine measures (wall times, throughput, memory, utilisation): they go to
 `PERF_FILE`, the rest of a record to `METRICS_FILE`."""
@@ -157,6 +162,13 @@ class JsonlSink:
                 raise
 
 
+def _shown(value, spec: str) -> str:
+    """A number of the live line, or '–' for one not measured yet (never 'nan')."""
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return format(value, spec)
+    return "–"
+
+
 class ConsoleProgress:
     """A live line (step, reward, KL, accuracy, ETA): redrawn in place on a terminal, printed
     every `every` steps when the output is a file or pipe."""
@@ -176,10 +188,11 @@ class ConsoleProgress:
             self.last_acc = record["eval/accuracy"]
         done = step - self.start_step
         elapsed = time.time() - self.start_time
-        eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
-        acc = f" | eval acc {self.last_acc:.3f}" if self.last_acc is not None else ""
-        line = (f"step {step}/{self.total} | reward {record.get('reward_mean', float('nan')):.3f} | "
-                f"KL {record.get('kl_divergence', float('nan')):.4f}{acc} | ETA {eta:5.0f}s")
+        eta = elapsed / done * (self.total - step) if done > 0 else None
+        acc = f" | eval acc {_shown(self.last_acc, '.3f')}" if self.last_acc is not None else ""
+        # The initial evaluation's row (step 0) has no reward or KL yet, and no step time to project.
+        line = (f"step {step}/{self.total} | reward {_shown(record.get('reward_mean'), '.3f')} | "
+                f"KL {_shown(record.get('kl_divergence'), '.4f')}{acc} | ETA {_shown(eta, '5.0f')}s")
         if self.tty:
             self.stream.write("\r" + line.ljust(100))
             self.stream.flush()

@@ -60,3 +60,20 @@ def model_position_limit(cfg) -> tuple:
         if isinstance(config.get(key), int) and config[key] > 0:
             return config[key], f"{key} in {path}"
     return None, None
+
+
+def check_machine(device: str, rollout_backend: str = "hf") -> None:
+    """What a run asks of the machine it computes on, before anything loads: a visible CUDA device
+    for `ppo.device = 'cuda'`, the vllm package for `ppo.rollout_backend = 'vllm'`. A ConfigError of
+    one line naming the binding and the CPU alternative."""
+    import importlib.util
+
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("ppo.device = 'cuda' needs a GPU and this machine shows none (torch.cuda.is_available() is "
+                          "False); run it on a GPU machine, or on the CPU with ppo.device = 'cpu', "
+                          "ppo.rollout_backend = 'hf', ppo.dtype = 'float32'")
+    if rollout_backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("ppo.rollout_backend = 'vllm' needs the vllm package, which is not installed here "
+                          "(`pip install -e '.[vllm]'` on a GPU machine); or use ppo.rollout_backend = 'hf'")

@@ -66,10 +66,14 @@ def main(argv=None) -> int:
         if args.resume and args.overwrite:
             raise ConfigError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
                               "--overwrite replaces it")
+        from rlhf.placement.cluster import check_address, given_address
+        given_address(args.ray_address)  # the address's form, whatever the placement: Ray's error is a traceback
         cfg, operative = configurable.resolve(args.recipe, args.binding)
         if cfg.ppo.resolved_placement != "local":  # a dead cluster fails now, not after minutes of retries
-            from rlhf.placement.cluster import check_address
             check_address(args.ray_address)
+        else:  # this process computes: what the recipe needs of this machine, before any model loads
+            from rlhf.start_checks import check_machine
+            check_machine(cfg.ppo.device, cfg.ppo.rollout_backend)
         check_writable(out)
         with run_dir.DirLock(out / run_dir.RUN_LOCK):
             return train(args, argv, cfg, operative, out)

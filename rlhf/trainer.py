@@ -44,9 +44,9 @@ class TrainingDiverged(RuntimeError):
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        from rlhf.errors import ConfigError
-        raise ConfigError("ppo.device = 'cuda' is invalid: no CUDA device is visible; use 'cpu' or 'auto'")
+    if name == "cuda":
+        from rlhf.start_checks import check_machine
+        check_machine(device=name)
     return torch.device(name)
 
 

@@ -22,7 +22,8 @@ from experiments.advisor.window import DEFAULT_WINDOW, AdviceError, load_window
 
 def add_arguments(parser: ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="the next study recipe (default: ./<name>.gin)")
-    parser.add_argument("--name", default=None, help="the next study's name (default: <study>_next)")
+    parser.add_argument("--name", default=None,
+                        help="the next study's name (default: --out's file name without .gin, else <study>_next)")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="last steps read per seed")
     parser.add_argument("--variant", default=None, help="advise on this variant (default: the chosen one)")
     parser.add_argument("--group", action="append", default=[], choices=GROUPS,
@@ -77,7 +78,8 @@ def cmd_advise(args: Namespace, console: Console) -> int:
         table.add_row("settled", s.rule, s.change, _evidence(s.evidence), f"not proposed again: {why}")
     console.print(table)
     console.print(f"silent: {', '.join(advice.silent) or 'none'}", highlight=False)
-    name = args.name or f"{study_dir.name}_next"
+    # `--out my_round2.gin` names the study after its file, as the file names it everywhere else.
+    name = args.name or (Path(args.out).name.removesuffix(".gin") if args.out else f"{study_dir.name}_next")
     out = Path(args.out or f"{name}.gin")
     command = "python -m experiments advise " + " ".join(args.argv[1:]) if getattr(args, "argv", None) else ""
     text = next_study_text(study_dir, advice, name=name, max_variants=args.max_variants, command=command)

@@ -36,30 +36,55 @@ TOKEN_HELP = ("set RAY_AUTH_TOKEN to the cluster's token (`ray get-auth-token` o
               "the head node's ~/.ray/auth_token to this machine (RAY_AUTH_TOKEN_PATH names another file)")
 
 
+def given_address(address: Optional[str]) -> Optional[Tuple[str, str, int]]:
+    """(where, host, port) of the cluster address to join: `address` (`--ray-address`), else RAY_ADDRESS;
+    None to start a local instance (neither given, an empty RAY_ADDRESS, or 'auto' / 'local', which Ray
+    resolves itself). Checks the address's form, without the network: a ConfigError of one line naming
+    the flag or variable for an empty `--ray-address`, a Ray Client address, or anything but HOST:PORT
+    with a port in 1..65535 (Ray's own errors for these are tracebacks, or a local instance started)."""
+    if address is not None and not address.strip():
+        raise ConfigError("--ray-address '' is empty: give the cluster's HOST:PORT (the one `ray start --head` "
+                          "prints), or leave the flag out to start a local instance")
+    given = address or os.environ.get("RAY_ADDRESS", "").strip() or None
+    if not given or given in ("auto", "local"):
+        return None
+    where = f"{'--ray-address' if address else 'RAY_ADDRESS'} {given!r}"
+    if given.startswith("ray://"):
+        raise ConfigError(f"{where} is a Ray Client address; give the cluster's GCS address HOST:PORT (the one "
+                          f"`ray start --head` prints, port 6379 by default) and run this on a node of the cluster")
+    rest = given.split("://", 1)[-1].rstrip("/")
+    host, sep, port = rest.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")  # an IPv6 host, as [fd00::5]:6379
+    host = host[1:-1] if bracketed else host
+    if not sep or not host or (":" in host and not bracketed):
+        raise ConfigError(f"{where} is not HOST:PORT: give the cluster's address as `ray start --head` prints it "
+                          f"(e.g. 10.0.0.5:6379, [fd00::5]:6379 for IPv6), 'auto', or leave it out to start a "
+                          f"local instance")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{where}: the port {port!r} is not a port number (1..65535); Ray's head listens on "
+                          f"6379 unless `ray start --head --port` said otherwise")
+    return where, host, int(port)
+
+
 def check_address(address: Optional[str]) -> None:
     """Checks, within seconds, that this process can join the Ray cluster at `address` (else RAY_ADDRESS);
     nothing to check without one, or for 'auto' and 'local' (Ray resolves those itself, at once).
 
-    In turn: something accepts a TCP connection there (PROBE_TIMEOUT_S); it answers a Ray GCS handshake
+    In turn: the address is HOST:PORT (`given_address`); something accepts a TCP connection there
+    (PROBE_TIMEOUT_S); it answers a Ray GCS handshake
     (PROBE_TIMEOUT_S: an HTTP server or any other service fails here); when the cluster requires token
     authentication (`ray start --head` turns it on whenever a token exists) and RAY_AUTH_MODE is unset,
     this process turns token mode on (Ray does the same for address 'auto', never for an explicit one)
     and the token must be accepted; and this machine runs a node of that cluster (ray.init attaches a
     driver to a node on its own machine). Each failure is a ConfigError of one line saying what to set,
     start or fix."""
-    given = address or os.environ.get("RAY_ADDRESS") or None
-    if not given or given in ("auto", "local"):
+    parsed = given_address(address)
+    if parsed is None:
         return
-    where = f"{'--ray-address' if address else 'RAY_ADDRESS'} {given!r}"
-    if given.startswith("ray://"):
-        raise ConfigError(f"{where} is a Ray Client address; give the cluster's GCS address HOST:PORT (the one "
-                          f"`ray start --head` prints, port 6379 by default) and run this on a node of the cluster")
-    host, sep, port = given.split("://", 1)[-1].rstrip("/").rpartition(":")
-    if not sep or not port.isdigit():
-        return  # not HOST:PORT: Ray's own error says what it expects
-    host = host.strip("[]")
+    where, host, port = parsed
+    given = address or os.environ["RAY_ADDRESS"].strip()
     try:
-        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
+        socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
     except OSError as err:
         reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
         raise ConfigError(f"{where}: no Ray cluster answers there ({reason}, within {PROBE_TIMEOUT_S:g} s); "

@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from experiments.errors import StudyError
+from experiments.overrides import read_overrides
 from experiments.plan import expand
-from experiments.study import load_study, read_overrides
+from experiments.study import load_study
 from tests.conftest import REPO
 
 STUDY = """

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import yaml
 
+from experiments.overrides import read_overrides
 from experiments.paths import portable
 from experiments.stages import study_params
-from experiments.study import load_study, read_overrides
+from experiments.study import load_study
 from tests.conftest import REPO
 
 TRACE = """

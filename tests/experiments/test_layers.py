@@ -18,7 +18,7 @@ from tests.import_graph import cycles, import_graph, layer_violations
 
 LAYERS = (
     ("errors", "results", "stats", "paths", "sequential"),
-    ("study",),
+    ("study", "overrides"),
     ("run_records",),
     ("resume_from", "gpu_fit", "plan", "seed_plan"),
     ("collect", "aggregate", "execute", "display", "wandb_sink", "watchdog", "launch"),

@@ -146,10 +146,10 @@ def test_a_full_disk_is_one_line_loses_nothing_and_a_rerun_picks_up(write_study,
     with pytest.raises(OSError, match="No space left on device"):
         _outcome(None, specs[0])
 
-    # The manager's own writes: one line, exit 1, no traceback, nothing half-written.
+    # The manager's own writes: one line, exit 4 (as the engine's), no traceback, nothing half-written.
     study_dir = (results / "full").resolve()
     _no_space_for("aggregate.json", monkeypatch)
-    assert main(["run", str(path), "--results", str(results)]) == 1
+    assert main(["run", str(path), "--results", str(results)]) == 4
     err = capsys.readouterr().err  # the live view's lines, then the one error line
     assert "Traceback" not in err and [line for line in err.splitlines() if line.startswith("error:")] == [
         err.strip().splitlines()[-1]]
@@ -188,8 +188,8 @@ def test_a_full_disk_names_the_file_it_could_not_write_though_the_os_names_none(
         fake_run(spec, 0.5 + 0.1 * (spec.variant == "kl") + 0.01 * spec.seed)
     study_dir = (results / "full").resolve()
     _no_space_at_sync(monkeypatch)
-    # The manager's own write: the one line names the file, exit 1, no traceback.
-    assert main(["run", str(path), "--results", str(results)]) == 1
+    # The manager's own write: the one line names the file, exit 4, no traceback.
+    assert main(["run", str(path), "--results", str(results)]) == 4
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == (
         f"error: No space left on device writing {study_dir / 'plan.json'}: free some space, then run the same "

@@ -29,7 +29,8 @@ def test_defaults_and_seed_forms(write_study):
     assert (study.metric, study.metric_from, study.direction) == ("eval/accuracy", "final", "higher")
     assert study.cpus_per_run == 1 and study.gpus_per_run == 0
     assert (study.analysis, study.equivalence_margin) == ("auto", 0.0)
-    margin = load_study(write_study(MINIMAL + "study.equivalence_margin = 1\n")).equivalence_margin
+    margin = load_study(write_study(MINIMAL + "study.metric = 'eval/rm_score'\nstudy.equivalence_margin = 1\n")
+                        ).equivalence_margin  # a score's range is open: 1 is a margin (an accuracy's is not)
     assert margin == 1.0 and isinstance(margin, float)
     assert load_study(write_study(MINIMAL + "study.seeds = [7, 3]\n")).seeds == (7, 3)
 
