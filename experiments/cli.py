@@ -30,6 +30,10 @@ Hook = Union[str, Callable]
 pay for (or need) Ray, W&B and scipy, which only the study subcommands use."""
 
 
+WRITE_RESULTS = ("run", "report", "advise")
+"""The study subcommands that write into the results dir (pushed back to a storage location)."""
+
+
 def _resolve(hook: Hook) -> Callable:
     if not isinstance(hook, str):
         return hook
@@ -169,7 +173,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         _apply_overrides(args, command)
         handler = _resolve(command.handler)
-        return handler(args) if command.stage else handler(args, console)
+        if not command.study:
+            return handler(args) if command.stage else handler(args, console)
+        from experiments.storage import results_location  # --results as a URI: a local copy, synced
+        with results_location(args.results, write=args.command in WRITE_RESULTS) as args.results:
+            return handler(args, console)
     except (ConfigError, StudyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
