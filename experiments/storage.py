@@ -29,7 +29,7 @@ LOCAL_ONLY = (MARKER, ".lock")
 UNSHARED = ("wandb",)
 """Top-level dirs of the location that a push adds to but never deletes from: runs on other nodes
 add their W&B run files there, which this copy never saw."""
-CHECKPOINTS_POLL_S = 30.0
+CHECKPOINTS_POLL_S = 5.0
 """How often a run looks for a new checkpoint to push while its engine runs."""
 
 
