@@ -29,6 +29,8 @@ LOCAL_ONLY = (MARKER, ".lock")
 UNSHARED = ("wandb",)
 """Top-level dirs of the location that a push adds to but never deletes from: runs on other nodes
 add their W&B run files there, which this copy never saw."""
+PARTIAL = ".partial-"
+"""The name prefix of a file being copied (`_copy`): never listed, never synced."""
 CHECKPOINTS_POLL_S = 5.0
 """How often a run looks for a new checkpoint to push while its engine runs."""
 
@@ -70,7 +72,8 @@ def _files(filesystem, root: str) -> Dict[str, Tuple[int, Optional[int]]]:
     out = {}
     for info in filesystem.get_file_info(fs.FileSelector(root, recursive=True)):
         rel = info.path[len(root):].lstrip("/")
-        if info.type == fs.FileType.File and Path(rel).name not in LOCAL_ONLY \
+        name = Path(rel).name
+        if info.type == fs.FileType.File and name not in LOCAL_ONLY and not name.startswith(PARTIAL) \
                 and not any(part.startswith(".tmp_") for part in Path(rel).parts):
             out[rel] = (info.size, info.mtime_ns)
     return out
@@ -86,8 +89,7 @@ def _sync(src_fs, src: str, dst_fs, dst: str, delete: bool) -> None:
     for rel, (size, mtime) in theirs.items():
         have = mine.get(rel)
         if have is None or have[0] != size or (mtime or 0) > (have[1] or 0):
-            dst_fs.create_dir(f"{dst}/{rel}".rsplit("/", 1)[0], recursive=True)
-            fs.copy_files(f"{src}/{rel}", f"{dst}/{rel}", source_filesystem=src_fs, destination_filesystem=dst_fs)
+            _copy(src_fs, f"{src}/{rel}", dst_fs, f"{dst}/{rel}")
             if to_local and mtime:
                 os.utime(f"{dst}/{rel}", ns=(mtime, mtime))
     if delete:
@@ -119,10 +121,19 @@ def push(local: Path, uri: str, sub: str = "") -> None:
             push(local, uri, entry.name) if entry.is_dir() else _sync_file(entry, filesystem, f"{root}/{entry.name}")
 
 
-def _sync_file(path: Path, filesystem, target: str) -> None:
+def _copy(src_fs, src: str, dst_fs, dst: str) -> None:
+    """One file, copied under a temporary name and then moved into place: a copy cut short (a killed
+    manager or run) never leaves a truncated file where a reader, or the next pull, would take it as whole."""
     from pyarrow import fs
-    filesystem.create_dir(target.rsplit("/", 1)[0], recursive=True)
-    fs.copy_files(str(path), target, source_filesystem=_local(), destination_filesystem=filesystem)
+    folder, name = dst.rsplit("/", 1)
+    dst_fs.create_dir(folder, recursive=True)
+    partial = f"{folder}/{PARTIAL}{os.getpid()}-{name}"
+    fs.copy_files(src, partial, source_filesystem=src_fs, destination_filesystem=dst_fs)
+    dst_fs.move(partial, dst)
+
+
+def _sync_file(path: Path, filesystem, target: str) -> None:
+    _copy(_local(), str(path), filesystem, target)
 
 
 @contextlib.contextmanager

@@ -26,9 +26,11 @@ from tests.conftest import REPO
 from tests.experiments.test_ray_cluster import RayNode, clean_env, free_port, ray_cli
 
 SMOKE = "recipes/studies/smoke.gin"
-BINDINGS = ["ppo.total_steps = 4", "ppo.eval_every = 4", "ppo.save_every = 1", "ppo.final_window = 2",
-            "study.seeds = 1", "study.cpus_per_run = 1"]
-"""Two runs of four steps, a checkpoint each step; one CPU on the cluster runs them one after the other."""
+BINDINGS = ["ppo.total_steps = 3", "ppo.eval_every = 3", "ppo.save_every = 1", "ppo.final_window = 2",
+            "task.eval_size = 16", "study.variants = {'longer': 'ppo.total_steps = 15'}", "study.seeds = 1",
+            "study.cpus_per_run = 1"]
+"""A run of three steps and one of fifteen, a checkpoint each step; one CPU on the cluster runs them one
+after the other, and the longer one is far from its end when its first checkpoint reaches the location."""
 
 
 class JobCluster:
@@ -74,6 +76,14 @@ def job_cluster():
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture
+def store(workdir):
+    """A storage location (a dir, given to the manager as a file:// URI); its local copy is removed afterwards."""
+    path = workdir / "store"
+    yield path
+    shutil.rmtree(storage.staging_dir(path.as_uri()), ignore_errors=True)
+
+
 def wait_for(what: str, check, timeout: float = 400):
     deadline = time.monotonic() + timeout
     while not (found := check()):
@@ -87,12 +97,11 @@ def attempts(run_dir: Path) -> list:
 
 
 @pytest.mark.slow
-def test_a_study_as_a_ray_job_keeps_finished_runs_when_stopped_and_the_resubmitted_job_resumes(job_cluster, workdir):
-    store = workdir / "store"
+def test_a_study_as_a_ray_job_keeps_finished_runs_when_stopped_and_the_resubmitted_job_resumes(job_cluster, store):
     uri = store.as_uri()
     proc = job_cluster.submit("study-1", uri, wait=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    runs = {name: store / "smoke" / "runs" / name / "seed0" for name in ("baseline", "kl_coef_x2")}
+    runs = {name: store / "smoke" / "runs" / name / "seed0" for name in ("baseline", "longer")}
 
     def one_done_one_checkpointed():  # what the storage location holds, as the runs push it
         done = [n for n, d in runs.items() if (d / "summary.json").exists()]
@@ -125,7 +134,7 @@ def test_a_study_as_a_ray_job_keeps_finished_runs_when_stopped_and_the_resubmitt
                                       env={**job_cluster.env, "RAY_AUTH_MODE": "token"}, capture_output=True,
                                       text=True, timeout=120).stdout)
     names = {t["name"] for t in tasks}
-    assert {"smoke:baseline/seed0", "smoke:kl_coef_x2/seed0"} <= names
+    assert {"smoke:baseline/seed0", "smoke:longer/seed0"} <= names
     manager = json.loads((runs[interrupted] / "provenance.json").read_text())["manager"]
     assert manager["results_dir"] == uri and manager["results_uri"] == uri
 
