@@ -41,7 +41,8 @@ class JobCluster:
         (root / "token").write_text(os.urandom(32).hex())
         self.env = clean_env(RAY_AUTH_TOKEN_PATH=str(root / "token"))
         self.dashboard = free_port()
-        self.head = RayNode(["--head", "--port", str(free_port()), "--num-cpus", "1", "--temp-dir", str(root / "head"),
+        self.port = free_port()
+        self.head = RayNode(["--head", "--port", str(self.port), "--num-cpus", "1", "--temp-dir", str(root / "head"),
                              "--include-dashboard", "true", "--dashboard-port", str(self.dashboard),
                              "--ray-client-server-port", str(free_port()),
                              "--dashboard-agent-listen-port", str(free_port())], self.env, root / "head.log")
@@ -129,11 +130,11 @@ def test_a_study_as_a_ray_job_keeps_finished_runs_when_stopped_and_the_resubmitt
     assert (store / "smoke" / "report.md").exists() and (store / "smoke" / "plan.json").exists()
 
     # The runs were tasks of the jobs, under their names; the records say where the results are.
-    tasks = json.loads(subprocess.run(ray_cli("list", "tasks", "--address", f"127.0.0.1:{job_cluster.dashboard}",
-                                              "--format", "json", "--limit", "1000"),
-                                      env={**job_cluster.env, "RAY_AUTH_MODE": "token"}, capture_output=True,
-                                      text=True, timeout=120).stdout)
-    names = {t["name"] for t in tasks}
+    listed = subprocess.run(ray_cli("list", "tasks", "--address", f"127.0.0.1:{job_cluster.port}", "--format", "json",
+                                    "--limit", "1000"), env={**job_cluster.env, "RAY_AUTH_MODE": "token"},
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    names = {t["name"] for t in json.loads(listed.stdout)}
     assert {"smoke:baseline/seed0", "smoke:longer/seed0"} <= names
     manager = json.loads((runs[interrupted] / "provenance.json").read_text())["manager"]
     assert manager["results_dir"] == uri and manager["results_uri"] == uri
