@@ -154,7 +154,9 @@ def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
             p.add_argument("-b", "--binding", dest="bindings", action="append", default=[],
                            help="a gin binding: study.* changes the study, anything else every run's baseline "
                                 "config (repeatable)")
-            p.add_argument("--results", default="results", help="results root; the study lives in RESULTS/<name>/")
+            p.add_argument("--results", default="results",
+                           help="results root: a path, or a URI pyarrow.fs reaches (s3://, gs://, file://; "
+                                "docs/scaling.md); the study lives in RESULTS/<name>/")
             add_overrides_argument(p)
         if command.add_arguments:
             _resolve(command.add_arguments)(p)
