@@ -39,6 +39,10 @@ Hook = Union[str, Callable]
 pay for (or need) Ray, W&B and scipy, which only the study subcommands use."""
 
 
+WRITE_RESULTS = ("run", "report", "advise")
+"""The study subcommands that write into the results dir (pushed back to a storage location)."""
+
+
 def _resolve(hook: Hook) -> Callable:
     if not isinstance(hook, str):
         return hook
@@ -159,7 +163,9 @@ def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
             p.add_argument("-b", "--binding", dest="bindings", action="append", default=[],
                            help="a gin binding: study.* changes the study, anything else every run's baseline "
                                 "config (repeatable)")
-            p.add_argument("--results", default="results", help="results root; the study lives in RESULTS/<name>/")
+            p.add_argument("--results", default="results",
+                           help="results root: a path, or a URI pyarrow.fs reaches (s3://, gs://, file://; "
+                                "docs/scaling.md); the study lives in RESULTS/<name>/")
             add_overrides_argument(p)
         if command.add_arguments:
             _resolve(command.add_arguments)(p)
@@ -178,7 +184,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         _apply_overrides(args, command)
         handler = _resolve(command.handler)
-        return handler(args) if command.stage else handler(args, console)
+        if not command.study:
+            return handler(args) if command.stage else handler(args, console)
+        from experiments.storage import results_location  # --results as a URI: a local copy, synced
+        with results_location(args.results, write=args.command in WRITE_RESULTS) as args.results:
+            return handler(args, console)
     except (ConfigError, StudyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG

@@ -26,6 +26,7 @@ from typing import Optional
 from experiments.errors import DETERMINISTIC_FAILURES, EXIT_CONFIG, EXIT_DIVERGED, name_unwritten_path
 from experiments.results import RunStatus
 from experiments.run_records import read_json, read_record, write_record
+from experiments.storage import pull_run_dir, push_run_dir, with_sync
 from rlhf import gpu_gate
 from rlhf.atomic import write_json
 
@@ -236,6 +237,7 @@ def execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: st
 def _execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: str) -> dict:
     run_dir = Path(spec["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
+    pull_run_dir(spec, manager)  # results in a storage location: the run dir as last pushed, from any node
     if 0 < spec["gpus"] < 1:  # runs share this GPU: their engines start one at a time
         gpu_gate.wait_to_start(run_dir, manager.get("start_gap_s", 0.0))
     record = _record(spec)
@@ -264,7 +266,7 @@ def _execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: s
         child = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=manager.get("cwd"),
                                  start_new_session=True,
                                  preexec_fn=_die_with_parent if platform.system() == "Linux" else None)
-        exit_code, interrupted = _supervise(child, _wandb_streamer(spec, manager))
+        exit_code, interrupted = _supervise(child, with_sync(_wandb_streamer(spec, manager), spec, manager))
     seconds = time.monotonic() - start
     stderr_tail = _tail(run_dir / "stderr.log", CAUSE_SEARCH)
     new_stderr = stderr_tail if stderr_start == 0 else stderr_tail.split(banner.strip())[-1].strip()
@@ -273,6 +275,7 @@ def _execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: s
                  error=None if exit_code in (0, None) else describe_failure(exit_code, new_stderr))
     write_record(run_dir, record)
     merge_provenance(run_dir, spec, record, manager)
+    push_run_dir(spec, manager)
     if interrupted:
         raise KeyboardInterrupt(f"{spec['variant']}/seed{spec['seed']} interrupted")
     return {"key": f"{spec['variant']}/seed{spec['seed']}", "exit_code": exit_code, "error": entry["error"],

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, cast
 
+from experiments import storage
 from experiments.display import DONE, DONE_BEFORE, QUEUED, RETRYING, StudyDisplay
 from experiments.errors import DETERMINISTIC_FAILURES, StudyError
 from experiments.execute import execute, now
@@ -181,9 +182,11 @@ def check_nodes_see(study_path: Path, specs: List[RunSpec]) -> None:
     results dir (a file written here now: a shared filesystem). A StudyError naming the node, the path and
     what a cluster of several nodes needs otherwise; nothing to check on one node."""
     from rlhf.placement.cluster import paths_missing_on_nodes
+    shared = storage.location_of(study_path.parent) is None  # a storage location's runs sync their own dirs
     probe = study_path / f".node-check-{os.getpid()}"
-    needs = {str(probe): "the study's results dir, written here", str(Path(__file__).resolve()): "this code",
-             os.getcwd(): "the working directory", **{s.recipe: "a recipe" for s in specs}}
+    needs = {**({str(probe): "the study's results dir, written here"} if shared else {}),
+             str(Path(__file__).resolve()): "this code", os.getcwd(): "the working directory",
+             **{s.recipe: "a recipe" for s in specs}}
     probe.write_text("")
     try:
         missing = paths_missing_on_nodes(list(needs))
@@ -193,13 +196,18 @@ def check_nodes_see(study_path: Path, specs: List[RunSpec]) -> None:
         node, paths = next(iter(missing.items()))
         raise StudyError(f"the Ray node {node} does not see {paths[0]} ({needs[paths[0]]}); every node that runs "
                          f"work needs this checkout ({REPO_ROOT}), the recipes, data and working directory at the same "
-                         f"absolute paths as here, and the results dir ({study_path.parent}) on a shared filesystem")
+                         f"absolute paths as here (or a `ray job submit --working-dir` on a cluster with one temp "
+                         f"dir path), and the results dir ({study_path.parent}) on a shared filesystem or "
+                         f"--results in a storage location (docs/scaling.md)")
 
 
 def manager_fields(results_dir: Path, argv: Optional[List[str]]) -> dict:
+    """The study-level provenance every run records; with results in a storage location (experiments/storage.py)
+    `results_dir` is its URI, and the runs get the URI and the local copy they sync."""
+    uri = storage.location_of(results_dir)
     return {"manager_command": [sys.executable, "-m", "experiments", *(argv or sys.argv[1:])],
-            "manager_host": os.uname().nodename, "cwd": os.getcwd(), "results_dir": str(results_dir),
-            "launched_at": now()}
+            "manager_host": os.uname().nodename, "cwd": os.getcwd(), "results_dir": uri or str(results_dir),
+            "launched_at": now(), **({"results_uri": uri, "staging_dir": str(results_dir)} if uri else {})}
 
 
 def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address: Optional[str] = None,
@@ -244,6 +252,7 @@ def launch(study: Study, specs: List[RunSpec], results_dir: Path, *, ray_address
             runs = RayRuns(study.name, manager, cache_dir, todo)
             for s in todo:
                 prepare(s, actions[s.key])
+                runs.pushed(s)
                 runs.submit(s, actions[s.key] == "resume")
                 display.set(s.key, QUEUED, "resume" if actions[s.key] == "resume" else "")
             _wait_for(runs, display, result, study.retries)
@@ -307,6 +316,19 @@ class RayRuns:
         self.attempts = {s.key: 0 for s in todo}
         self.refs: Dict[object, RunSpec] = {}
 
+    def pushed(self, spec: RunSpec) -> None:
+        """With results in a storage location: the run dir as `prepare` left it is what the run pulls."""
+        if self.manager.get("results_uri"):
+            storage.push(Path(self.manager["staging_dir"]), self.manager["results_uri"], self._sub(spec))
+
+    def pulled(self, spec: RunSpec) -> None:
+        """With results in a storage location: the run dir as its task (on any node) last pushed it."""
+        if self.manager.get("results_uri"):
+            storage.pull(self.manager["results_uri"], Path(self.manager["staging_dir"]), self._sub(spec))
+
+    def _sub(self, spec: RunSpec) -> str:
+        return Path(spec.run_dir).relative_to(self.manager["staging_dir"]).as_posix()
+
     def submit(self, spec: RunSpec, resume: bool) -> None:
         self.attempts[spec.key] += 1
         # A one-process run holds its resources in its task; a distributed run's task holds
@@ -346,6 +368,7 @@ def _settle(runs: RayRuns, ref, display: StudyDisplay, result: LaunchResult, ret
     """A finished task's run: completed; or submitted again when it crashed or was killed and has
     retries left (resumed from its latest checkpoint, else started over); or failed."""
     spec = runs.refs.pop(ref)
+    runs.pulled(spec)
     outcome = _outcome(ref, spec)
     if outcome["status"] == RunStatus.COMPLETED:
         result.completed.append(spec.key)
@@ -355,6 +378,7 @@ def _settle(runs: RayRuns, ref, display: StudyDisplay, result: LaunchResult, ret
         resume = latest_checkpoint(spec.run_dir) is not None
         if not resume:
             clear_engine_outputs(spec.run_dir)
+        runs.pushed(spec)
         runs.submit(spec, resume)
     else:
         result.failed[spec.key] = outcome["error"] or "failed"

@@ -17,7 +17,7 @@ from tests.conftest import REPO
 from tests.import_graph import cycles, import_graph, layer_violations
 
 LAYERS = (
-    ("errors", "results", "stats", "paths", "sequential"),
+    ("errors", "results", "stats", "paths", "storage", "sequential"),
     ("study", "overrides"),
     ("run_records",),
     ("resume_from", "gpu_fit", "plan", "seed_plan"),
@@ -26,7 +26,7 @@ LAYERS = (
     ("commands", "confirm", "advisor.command", "cli", "__main__"),
 )
 """0 the vocabulary (the one error and the exit codes, the result types with the run-status enum
-and the run record, statistics and seed waves' design, paths as files record them) -> 1
+and the run record, statistics and seed waves' design, paths as files record them, a results location's local copy) -> 1
 declarations (the study) -> 2 what a run dir holds -> 3 the plan (where runs start, whether they fit
 their GPU, specs and hashes, seeds planned for power) -> 4 runs launched, executed and read back,
 and the aggregate -> 5 what is made of them (report, plots, the advisor, the pipeline stages, W&B
