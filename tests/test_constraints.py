@@ -38,8 +38,8 @@ def test_every_package_of_the_install_closure_is_pinned():
 def test_the_readme_and_ci_install_through_the_lock():
     head = (REPO / "README.md").read_text().split("```")[1]
     commands = [line for line in head.splitlines() if "pip install" in line]
-    torch_line, install = commands  # torch first (the pinned version, the CPU wheel), then the project
     pins = dict(line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines() if "==" in line)
-    assert f"torch=={pins['torch']} --index-url https://download.pytorch.org/whl/cpu" in torch_line
-    assert "-c constraints.txt -e '.[dev]'" in install
+    assert len(commands) == 2 and all("-c constraints.txt -e '.[dev]'" in c for c in commands)
+    assert all(c.startswith(f"pip install torch=={pins['torch']} && ") for c in commands)  # torch first, pinned
     assert "-c constraints.txt -e '.[dev]'" in (REPO / ".ci" / "run").read_text()
+    assert "--index-url https://download.pytorch.org/whl/cpu" in (REPO / "README.md").read_text()  # the CPU wheel
