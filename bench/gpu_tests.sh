@@ -8,6 +8,9 @@
 # with a JUnit XML report; the reports are merged into $OUT/gpu_tests.json (date, commit, device,
 # and each test's outcome: passed / failed / skipped / error / timeout) for bench/results/.
 # TESTS_S (default 480) is the time all files together may take after set-up.
+# The carry must hold vLLM whole: its engine imports llguidance at start-up. The device copies the
+# session's checkout; from another checkout, carry a tarball of this tree (all of tests/: the GPU
+# files import CPU test modules) beside .carry and run this script from where it unpacks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/bench-out}
