@@ -81,7 +81,7 @@ def rng_state() -> tuple[Dict[str, torch.Tensor], dict]:
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"torch_cuda_{i}"] = s
     kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    tensors["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
+    tensors["numpy_keys"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))  # int64 holds the uint32 keys exactly
     version, internal, gauss = random.getstate()
     return tensors, {"python": [version, list(internal), gauss],
                      "numpy": [kind, int(pos), int(has_gauss), float(cached_gaussian)]}
