@@ -1,6 +1,7 @@
 """PPO math as pure functions. Shapes: B = sequences, T = response tokens; `mask[b, t]` is 1 on
 valid response tokens (up to and including EOS). Each function is tested against a naive loop
-in tests/rlhf/test_algos.py.
+in tests/rlhf/test_algos.py; `compute_advantages`, every branch, against hand computations in
+tests/rlhf/test_advantages.py.
 """
 
 from __future__ import annotations
