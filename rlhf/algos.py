@@ -1,6 +1,7 @@
 """PPO math as pure functions. Shapes: B = sequences, T = response tokens; `mask[b, t]` is 1 on
 valid response tokens (up to and including EOS). Each function is tested against a naive loop
-in tests/rlhf/test_algos.py.
+in tests/rlhf/test_algos.py; `compute_advantages`, every branch, against hand computations in
+tests/rlhf/test_advantages.py.
 """
 
 from __future__ import annotations
@@ -158,6 +159,49 @@ ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {
 """`ppo.adv_estimator` name -> its estimator. A new estimator is one entry here (a pure function
 of `AdvantageInputs` and its test in tests/rlhf/test_algos.py); the config, the trainer, the roles
 and the memory plan read what they need from the entry."""
+
+
+def token_kl(logprobs: Optional[torch.Tensor], ref_logprobs: Optional[torch.Tensor], mask: torch.Tensor,
+             estimator: str) -> torch.Tensor:
+    """KL(actor || reference) per response token, [B, T] (0 on padding), by `estimator`
+    (`kl_penalty`) from the actor's log-probs of the sampled tokens; zeros while there are none (an
+    on-policy update computes them, and its KL is not in the reward)."""
+    if logprobs is None or ref_logprobs is None:
+        return torch.zeros_like(mask)
+    return kl_penalty(logprobs, ref_logprobs, estimator) * mask
+
+
+@dataclasses.dataclass(frozen=True)
+class Advantages:
+    """What `compute_advantages` gives the update: B sequences, T response tokens."""
+
+    advantages: torch.Tensor
+    """[B, T]: the estimator's advantages (whitened when `ppo.whiten_advantages`), 0 on padding."""
+    returns: Optional[torch.Tensor]
+    """[B, T]: the critic's targets, or None for an estimator without a critic."""
+    token_rewards: torch.Tensor
+    """[B, T]: the rewards the estimator read (`AdvantageInputs.token_rewards`)."""
+
+
+def compute_advantages(*, scores: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor,
+                       values: Optional[torch.Tensor], kl: torch.Tensor, kl_coef: float, ppo) -> Advantages:
+    """The rewards and advantages of one scored rollout under `ppo` (a `PPOConfig`).
+
+    scores [B]: each sequence's reward; mask [B, T]: 1 on valid response tokens (float);
+    group_ids [B]: the prompt each sequence answers; values [B, T]: the critic's, or None;
+    kl [B, T]: `token_kl` under `ppo.kl_estimator`; kl_coef: this step's coefficient (adapted
+    when `ppo.adaptive_kl`). With `ppo.kl_mode = 'reward'` every token's reward is -kl_coef x its
+    KL and the sequence's score lands on its last valid token (`token_rewards`); with 'loss' the
+    KL is left to the actor's loss. The advantages are `ppo.adv_estimator`'s
+    (`ADVANTAGE_ESTIMATORS`), then whitened over valid tokens when `ppo.whiten_advantages`."""
+    reward_kl = kl if ppo.kl_mode == "reward" else torch.zeros_like(kl)
+    rewards = token_rewards(scores, reward_kl, mask, kl_coef)
+    inputs = AdvantageInputs(token_rewards=rewards, sequence_rewards=scores - kl_coef * reward_kl.sum(-1),
+                             values=values, group_ids=group_ids, mask=mask)
+    adv, returns = ppo.estimator.compute(inputs, ppo)
+    if ppo.whiten_advantages:
+        adv = masked_whiten(adv, mask)
+    return Advantages(advantages=adv, returns=returns, token_rewards=rewards)
 
 
 def aggregate(loss_per_token: torch.Tensor, mask: torch.Tensor, mode: str,

@@ -6,8 +6,8 @@ Layout of `checkpoints/step_N/`:
                     loadable with `PeftModel.from_pretrained(base, 'actor')`
   critic.safetensors, or with LoRA critic/ (peft's adapter of the backbone, value_head.safetensors)
   actor_optim.safetensors, critic_optim.safetensors   optimizer tensors
-  rng.safetensors   torch CPU (and CUDA) generator states
-  state.json        step, optimizer param groups and scalars, schedulers, sampler, KL controller, python RNG
+  rng.safetensors   torch CPU (and CUDA) generator states, numpy's global generator keys
+  state.json        step, optimizer param groups and scalars, schedulers, sampler, KL controller, python and numpy RNG
   manifest.json     size and sha256 of every other file, written last
 A checkpoint is written to a temporary folder and renamed into place, so a kill never leaves a
 half-written `step_N`. A checkpoint damaged later (a truncated copy, a full disk, bit rot) fails
@@ -72,22 +72,31 @@ def optimizer_from_flat(tensors: Dict[str, torch.Tensor], meta: dict) -> dict:
 
 
 def rng_state() -> tuple[Dict[str, torch.Tensor], dict]:
+    """The process's random generators: torch's CPU (and CUDA) states and numpy's global MT19937 keys
+    as tensors; Python's state and the rest of numpy's as JSON."""
+    import numpy as np
     import torch
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"torch_cuda_{i}"] = s
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    tensors["numpy_keys"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))  # int64 holds the uint32 keys exactly
     version, internal, gauss = random.getstate()
-    return tensors, {"python": [version, list(internal), gauss]}
+    return tensors, {"python": [version, list(internal), gauss],
+                     "numpy": [kind, int(pos), int(has_gauss), float(cached_gaussian)]}
 
 
 def restore_rng(tensors: Dict[str, torch.Tensor], meta: dict) -> None:
+    import numpy as np
     import torch
     torch.set_rng_state(tensors["torch_cpu"])
     if torch.cuda.is_available():
         cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
         if len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda)
+    kind, pos, has_gauss, cached_gaussian = meta["numpy"]
+    np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
     version, internal, gauss = meta["python"]
     random.setstate((version, tuple(internal), gauss))
 

@@ -190,12 +190,10 @@ class PPOTrainer:
         return batch
 
     def token_kl(self, batch: Batch) -> torch.Tensor:
-        """KL(actor || reference) per response token [B, R] (0 on padding), from the old log-probs;
-        zeros before an on-policy update has computed them (its KL is not in the reward)."""
-        mask = batch["response_mask"].float()
-        if "old_logprobs" not in batch:
-            return torch.zeros_like(mask)
-        return algos.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], self.ppo.kl_estimator) * mask
+        """KL(actor || reference) per response token [B, R] from the old log-probs (`algos.token_kl`)."""
+        return algos.token_kl(batch["old_logprobs"] if "old_logprobs" in batch else None,
+                              batch["ref_logprobs"] if "ref_logprobs" in batch else None,
+                              batch["response_mask"].float(), self.ppo.kl_estimator)
 
     def kl_metrics(self, batch: Batch) -> Dict[str, float]:
         kl = self.token_kl(batch)
@@ -203,23 +201,16 @@ class PPOTrainer:
                 "actor/kl_seq_sum": float(kl.sum(-1).mean())}
 
     def compute_advantages(self, batch: Batch) -> Dict[str, float]:
-        """The rewards (the score, minus kl_coef x KL when `ppo.kl_mode = 'reward'`) and the
-        advantages of `ppo.adv_estimator` (rlhf/algos.py `ADVANTAGE_ESTIMATORS`), whitened when
-        `ppo.whiten_advantages`; `batch` gains advantages (and returns, for a critic)."""
+        """`algos.compute_advantages` on the scored rollout, with this step's KL coefficient; `batch`
+        gains advantages (and returns, for a critic)."""
         mask = batch["response_mask"].float()
-        kl = self.token_kl(batch)
-        kl_coef = self.kl_ctl.value
-        in_reward = self.ppo.kl_mode == "reward"
-        rewards = algos.token_rewards(batch["scores"], kl if in_reward else torch.zeros_like(kl), mask, kl_coef)
-        inputs = algos.AdvantageInputs(
-            token_rewards=rewards, sequence_rewards=batch["scores"] - (kl_coef * kl.sum(-1) if in_reward else 0),
-            values=batch["values"] if "values" in batch else None, group_ids=batch["group_ids"], mask=mask)
-        adv, returns = self.ppo.estimator.compute(inputs, self.ppo)
-        if returns is not None:
-            batch["returns"] = returns
-        if self.ppo.whiten_advantages:
-            adv = algos.masked_whiten(adv, mask)
-        batch["advantages"] = adv
+        result = algos.compute_advantages(scores=batch["scores"], mask=mask, group_ids=batch["group_ids"],
+                                          values=batch["values"] if "values" in batch else None,
+                                          kl=self.token_kl(batch), kl_coef=self.kl_ctl.value, ppo=self.ppo)
+        if result.returns is not None:
+            batch["returns"] = result.returns
+        batch["advantages"] = result.advantages
+        rewards = result.token_rewards
         kl_metrics = self.kl_metrics(batch)
         out = {"kl_divergence": kl_metrics["kl_divergence"],
                "kl_coef": float(self.kl_ctl.value),

@@ -113,3 +113,16 @@ def layer_violations(graph: Mapping[str, Iterable[str]], layers: Sequence[Sequen
             if imported != package and theirs > own:
                 out.append(f"{module} (layer {own}) imports {imported} (layer {theirs})")
     return out
+
+
+def loaded_packages(module: str) -> Set[str]:
+    """The top-level packages loaded by importing `module` alone, in a fresh interpreter (raises with
+    its stderr when the import fails)."""
+    import json
+    import subprocess
+    import sys
+    code = f"import json, sys; import {module}; print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise AssertionError(f"import {module} failed:\n{proc.stderr[-2000:]}")
+    return set(json.loads(proc.stdout.splitlines()[-1]))

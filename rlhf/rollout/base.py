@@ -92,14 +92,30 @@ def encode_prompts(tokenizer, prompts: Sequence[str | Sequence[int]], max_prompt
     return out, mask
 
 
-def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int):
-    """Mask of tokens up to and including the first EOS, and whether an EOS was produced."""
-    is_eos = response_ids == eos_token_id
+def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int,
+                           lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Response ids [B, R] -> (mask [B, R] long, finished [B] bool). The mask covers the tokens up to
+    and including the first EOS, and only the first `lengths[b]` positions of row b (the tokens the
+    engine returned; by default all R, as HF generate pads rows after their EOS); `finished` says
+    whether a row has an EOS there. A row without one was cut at the limit: all its tokens count."""
+    positions = torch.arange(response_ids.shape[1], device=response_ids.device)
+    returned = positions[None] < (lengths[:, None] if lengths is not None else response_ids.shape[1])
+    is_eos = (response_ids == eos_token_id) & returned
     finished = is_eos.any(-1)
     # Tokens after the first EOS: the count of EOS strictly before position t is > 0.
     eos_before = is_eos.long().cumsum(-1) - is_eos.long()
-    mask = (eos_before == 0).long()
+    mask = ((eos_before == 0) & returned).long()
     return mask, finished
+
+
+def response_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                   eos_token_id: int, pad_token_id: int, lengths: Optional[torch.Tensor] = None) -> Batch:
+    """The rollout `Batch` every backend returns, from right-padded response ids [B, R]
+    (`response_mask_from_ids`); the ids outside the mask become `pad_token_id`."""
+    mask, finished = response_mask_from_ids(response_ids, eos_token_id, lengths)
+    response = torch.where(mask.bool(), response_ids, torch.full_like(response_ids, pad_token_id))
+    return Batch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+                  "response_ids": response, "response_mask": mask, "finished": finished})
 
 
 class RolloutBackend(Protocol):

@@ -7,7 +7,7 @@ from typing import List, Sequence
 import torch
 
 from rlhf.batch import Batch
-from rlhf.rollout.base import SamplingParams, encode_prompts, response_mask_from_ids
+from rlhf.rollout.base import SamplingParams, encode_prompts, response_batch
 
 
 class HFRollout:
@@ -68,7 +68,4 @@ class HFRollout:
             pad = torch.full((response.shape[0], sampling.max_new_tokens - response.shape[1]),
                              tok.pad_token_id, dtype=response.dtype)
             response = torch.cat([response, pad], 1)
-        mask, finished = response_mask_from_ids(response, tok.eos_token_id)
-        response = torch.where(mask.bool(), response, torch.full_like(response, tok.pad_token_id))
-        return Batch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-                      "response_ids": response, "response_mask": mask, "finished": finished})
+        return response_batch(prompt_ids, prompt_mask, response, tok.eos_token_id, tok.pad_token_id)

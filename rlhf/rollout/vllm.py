@@ -37,7 +37,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 import torch
 
 from rlhf.batch import Batch
-from rlhf.rollout.base import SamplingParams, derive_seed, encode_prompts
+from rlhf.rollout.base import SamplingParams, derive_seed, encode_prompts, response_batch
 
 
 def batch_from_token_lists(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -45,30 +45,25 @@ def batch_from_token_lists(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                            pad_token_id: int, logprobs: Optional[Sequence[Sequence[float]]] = None) -> Batch:
     """The rollout `Batch` from per-request response token lists (and their sampling log-probs).
 
-    Responses are cut after their first EOS (kept, and covered by the mask) and right-padded to
-    `max_new_tokens`; `finished` says whether an EOS was produced. Log-probs, when given, align
-    with the response tokens and are 0 where the mask is 0 ([B, R] float32, key `rollout_logprobs`).
+    The lists are right-padded to `max_new_tokens` and masked as the HF backend's ids are
+    (rlhf/rollout/base.py `response_batch`): up to and including the first EOS; `finished` says
+    whether an EOS was produced. Log-probs, when given, align with the response tokens and are 0
+    where the mask is 0 ([B, R] float32, key `rollout_logprobs`).
     """
     n = len(responses)
-    response = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((n, max_new_tokens), dtype=torch.long)
-    finished = torch.zeros(n, dtype=torch.bool)
-    lps = torch.zeros((n, max_new_tokens), dtype=torch.float32) if logprobs is not None else None
+    ids = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long)
+    lengths = torch.zeros(n, dtype=torch.long)
+    lps = torch.zeros((n, max_new_tokens), dtype=torch.float32)
     for i, tokens in enumerate(responses):
         tokens = list(tokens)[:max_new_tokens]
-        if eos_token_id in tokens:
-            tokens = tokens[:tokens.index(eos_token_id) + 1]
-            finished[i] = True
-        k = len(tokens)
-        if k:
-            response[i, :k] = torch.tensor(tokens, dtype=torch.long)
-            mask[i, :k] = 1
-            if lps is not None and logprobs is not None:
-                lps[i, :k] = torch.tensor(list(logprobs[i])[:k], dtype=torch.float32)
-    out = Batch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-                 "response_ids": response, "response_mask": mask, "finished": finished})
-    if lps is not None:
-        out["rollout_logprobs"] = lps
+        lengths[i] = len(tokens)
+        if tokens:
+            ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            if logprobs is not None:
+                lps[i, :len(tokens)] = torch.tensor(list(logprobs[i])[:len(tokens)], dtype=torch.float32)
+    out = response_batch(prompt_ids, prompt_mask, ids, eos_token_id, pad_token_id, lengths)
+    if logprobs is not None:
+        out["rollout_logprobs"] = lps * out["response_mask"]
     return out
 
 

@@ -7,14 +7,12 @@ inside a function (tests/import_graph.py).
 """
 
 import ast
-import subprocess
-import sys
 
 import pytest
 
 from experiments.results import AGGREGATE, RunStatus
 from tests.conftest import REPO
-from tests.import_graph import cycles, import_graph, layer_violations
+from tests.import_graph import cycles, import_graph, layer_violations, loaded_packages
 
 LAYERS = (
     ("errors", "results", "stats", "paths", "storage", "sequential"),
@@ -90,6 +88,9 @@ def test_each_run_state_and_study_file_is_written_out_once():
 
 @pytest.mark.parametrize("module", ["experiments.errors", "experiments.sequential", "experiments.run_records",
                                     "experiments.plan", "experiments.driver", "experiments.advisor.command"])
-def test_each_module_imports_on_its_own(module):
-    proc = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_each_module_imports_on_its_own_without_the_engines_heavy_parts(module):
+    """Each imports alone, and planning, status and the verdicts load no torch, transformers, Ray,
+    W&B, DVC or plotting: those come with the commands that run, log or draw."""
+    loaded = loaded_packages(module)
+    assert "experiments" in loaded  # the check sees what was loaded
+    assert loaded & {"torch", "transformers", "ray", "wandb", "dvc", "vllm", "matplotlib"} == set()

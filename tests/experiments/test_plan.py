@@ -168,6 +168,33 @@ def test_retraining_the_policy_checkpoint_changes_the_run_hash(write_study, tmp_
     assert len(before) == len(after) == 9 and not before & after
 
 
+def test_new_data_at_the_same_path_changes_the_run_hash(write_study, tmp_path):
+    """Only the bytes of the train file change (no binding, no config text): every run hash changes
+    with the data hash, and the config hashes do not."""
+    import json
+
+    from rlhf.config import TinyModelConfig
+    from rlhf.tiny import build_char_tokenizer, build_tiny_model
+    model = tmp_path / "policy"
+    tok = build_char_tokenizer(model)
+    build_tiny_model(TinyModelConfig(), tok, seed=0).save_pretrained(str(model))
+    train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    rows = lambda answers: "".join(json.dumps({"prompt": f"{i}+1=", "answer": a}) + "\n"  # noqa: E731
+                                   for i, a in enumerate(answers))
+    train.write_text(rows([str(i + 1) for i in range(8)]))
+    held.write_text(rows(["1", "2"]))
+    files = (f"\"model.name_or_path = '{model}'\", \"task.name = 'file'\", \"task.train_path = '{train}'\", "
+             f"\"task.eval_path = '{held}'\", 'task.eval_size = 2'")
+    study = load_study(write_study(STUDY.replace("'ppo.total_steps = 4'", f"'ppo.total_steps = 4', {files}")))
+    before = expand(study, tmp_path / "results")
+    train.write_text(rows([str(i + 1) for i in range(7)] + ["9"]))  # one answer differs
+    after = expand(study, tmp_path / "results")
+    assert [s.config_hash for s in after] == [s.config_hash for s in before]
+    assert len({s.data_hash for s in before}) == len({s.data_hash for s in after}) == 1
+    assert before[0].data_hash != after[0].data_hash
+    assert not {s.run_hash for s in before} & {s.run_hash for s in after}
+
+
 def test_pipeline_stages_load_only_their_own_modules(tmp_path):
     # `python -m experiments data` (and sft) run where only the engine is installed: no Ray, W&B,
     # scipy or plotting is imported for them, and the study subcommands still list and parse.

@@ -106,7 +106,7 @@ def test_ranks_match_one_rank_and_offload_frees_the_device(model_dir, tmp_path):
     many = spawn(ws, True, model_dir, tmp_path / "many.json", 29612)
     resident = spawn(ws, False, model_dir, tmp_path / "resident.json", 29613)
     for run in (one, many, resident):
-        assert "model.safetensors" in run["files"] and "config.json" in run["files"]
+        assert "actor/model.safetensors" in run["files"] and "actor/config.json" in run["files"]  # checkpoint paths
         assert run["optimizer_params"] > 0 and all(torch.isfinite(torch.tensor(v)) for v in run["critic"].values())
     assert many["old_logprobs_sum"] == pytest.approx(one["old_logprobs_sum"], rel=1e-4)
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/clip_fraction", "actor/entropy"):

@@ -43,6 +43,25 @@ def test_run_dir_contract(seed0_run):
         assert key in step, key
     hist = step["policy_ratio_hist"]
     assert len(hist["bin_edges"]) == len(hist["counts"]) + 1 and sum(hist["counts"]) > 0
+    # The values, not only the keys: relations each record must satisfy (recipes/tiny.gin: 64
+    # responses of at most 6 tokens a step, 2 epochs, kl_coef 0.05 fixed, the KL in the reward).
+    for r in records[1:]:
+        assert r["clip_fraction"] == pytest.approx(r["clip_fraction_lower"] + r["clip_fraction_upper"])
+        assert r["kl_coef"] == 0.05
+        assert 1.0 <= r["response_length_mean"] <= 6.0
+        # Each epoch's update sees every response token once: the histogram counts them all, twice.
+        assert sum(r["policy_ratio_hist"]["counts"]) == round(2 * 64 * r["response_length_mean"])
+        assert 0.0 <= r["rollout_success_rate"] <= 1.0 - r["response_clip_ratio"] + 1e-9  # success needs an EOS
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["reward_std"] >= 0.0
+    # The first rollout's policy is the reference (the same start weights): no KL but float noise
+    # (the two passes batch differently); after updates, some.
+    assert abs(records[1]["kl_divergence"]) < 1e-6 and abs(records[1]["actor/kl_seq_sum"]) < 1e-6
+    assert all(abs(r["kl_divergence"]) > 1e-3 for r in records[2:])
+    # The summary is the metrics file's: the last evaluation, and the final window's means.
+    assert summary["final"] == {k: v for k, v in records[-1].items() if k.startswith("eval/")}
+    assert summary["initial"] == {k: v for k, v in records[0].items() if k.startswith("eval/")}
+    window = records[1:][-summary["final_window_steps"]:]
+    assert summary["final_window"]["reward_mean"] == pytest.approx(sum(r["reward_mean"] for r in window) / len(window))
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["versions"]["torch"] and prov["data_sha256"] and "sha" in prov["git"]
     assert {"actor", "critic", "reference"} <= set(prov["placement"]["memory_predicted"]["roles"])  # CPU: logged only
@@ -65,6 +84,10 @@ def test_same_seed_same_numbers_different_seed_different(seed0_run, tmp_path):
     assert a == comparable(read_metrics(tmp_path / "again" / "metrics.jsonl"))
     b = comparable(read_metrics(tmp_path / "seed1" / "metrics.jsonl"))
     assert [r.get("reward_mean") for r in a[1:]] != [r.get("reward_mean") for r in b[1:]]
+    # Beyond agreeing with itself: the seed reaches what it should and nothing else. Both runs start
+    # from the same warm start and evaluate it at step 0 greedily, where no seed enters: same numbers.
+    assert a[0]["eval/greedy_accuracy"] == b[0]["eval/greedy_accuracy"]
+    assert a[0]["eval/accuracy"] != b[0]["eval/accuracy"] or a[1]["reward_mean"] != b[1]["reward_mean"]
 
 
 def test_killed_run_resumes_to_identical_metrics(tmp_path):
@@ -110,6 +133,13 @@ def test_grpo_runs_without_a_critic(tmp_path):
                "-b", "ppo.kl_mode = 'loss'", "-b", "ppo.kl_estimator = 'k3'", "--quiet", "--out", tmp_path])
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert "critic/value_loss" not in records[1] and "actor/kl_loss" in records[1]
+    # The KL is in the loss, not the reward: the step's record still measures it (k3, never negative),
+    # zero on the first rollout (the policy is the reference), and the loss term sees it once the policy moves.
+    steps = records[1:]
+    assert abs(steps[0]["kl_divergence"]) < 1e-6 and all(r["kl_divergence"] > 1e-3 for r in steps[1:])
+    assert all(r["actor/kl_loss"] >= 0.0 for r in steps) and steps[0]["actor/kl_loss"] > 0.0
+    # Critic-free: no critic metrics at any step, and the token reward is the score alone.
+    assert not [k for r in steps for k in r if k.startswith("critic/") and k != "critic/token_reward_mean"]
     assert not (tmp_path / "checkpoints" / "step_3" / "critic.safetensors").exists()
 
 

@@ -5,12 +5,11 @@ type checker holds the calls to the protocols: the proxies are typed as them).""
 import ast
 import re
 import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import REPO
-from tests.import_graph import cycles, import_graph, imports, module_name
+from tests.import_graph import cycles, import_graph, imports, loaded_packages, module_name
 
 RLHF = REPO / "rlhf"
 
@@ -40,9 +39,12 @@ def test_no_library_module_imports_an_entry_point():
 
 @pytest.mark.parametrize("module", ["rlhf.rollout.vllm", "rlhf.rollout.hf", "rlhf.placement.ray_roles",
                                     "rlhf.placement.host", "rlhf.roles.actor", "rlhf.trainer"])
-def test_each_module_imports_on_its_own(module):
-    proc = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_each_module_imports_on_its_own_and_loads_no_optional_system(module):
+    """Each imports alone, and loads neither the manager, W&B nor DVC (the engine never imports
+    them), nor vLLM or Ray: those load when a run builds the vLLM backend or a Ray placement."""
+    loaded = loaded_packages(module)
+    assert "torch" in loaded and module.split(".")[0] in loaded  # the check sees what was loaded
+    assert loaded & {"experiments", "wandb", "dvc", "vllm", "ray"} == set()
 
 
 def test_every_role_is_one_class_and_its_proxy_comes_from_its_declarations():
