@@ -9,9 +9,12 @@ Why these choices (vLLM 0.24.0):
   vocabulary may be larger than its tokenizer's) and the Batch matches the HF backend's exactly.
 - Stopping follows the trainer's tokenizer: `ignore_eos` with `stop_token_ids=[eos]`, as HF
   generate is called, so the model config's own EOS ids do not end a response early.
-- Seeds: by default this process's CUDA generator, which the in-process engine samples with, is
-  seeded once per call from the call's seed (run seed, step, call): the same call gives the same
-  tokens. `per_request_seeds=True` gives each request its own seed (`derive_seed(seed, index)`);
+- Seeds: by default this process's generators, which the in-process engine samples with, are
+  seeded once per call from the call's seed (run seed, step, call): the CUDA generator (vLLM's
+  first model runner draws its noise from it) and numpy's global one (its second model runner
+  gives each unseeded request a seed from it); the same call gives the same tokens
+  (tests/rlhf/test_rollout_vllm_gpu.py, run by bench/gpu_tests.sh). `per_request_seeds=True`
+  gives each request its own seed (`derive_seed(seed, index)`);
   vLLM then draws each seeded request's noise in a Python loop (one kernel per request per
   token), a cost measured in bench/results/gpu_h200.md, and the tokens still depend on the batch in
   practice (bf16 kernels differ with the batch size).
@@ -34,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from rlhf.batch import Batch
@@ -229,10 +233,17 @@ class VLLMRollout:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         else:
             params = self._sampling_params(sampling, None)
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                # also seeds this process's CUDA generator, which the engine samples with
-                torch.manual_seed(calls[0][1])
-                outputs = self.llm.generate(requests, params, use_tqdm=False)
+            numpy_state = np.random.get_state()
+            try:
+                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                    # Both of the engine's samplers draw from this process's generators: the
+                    # first model runner samples with the CUDA generator, the second gives each
+                    # unseeded request a seed from numpy's global generator as it joins the batch.
+                    torch.manual_seed(calls[0][1])
+                    np.random.seed(calls[0][1] % 2**32)
+                    outputs = self.llm.generate(requests, params, use_tqdm=False)
+            finally:
+                np.random.set_state(numpy_state)
         batches, start = [], 0
         for prompt_ids, prompt_mask, reqs in encoded:
             completions = [out.outputs[0] for out in outputs[start:start + len(reqs)]]
