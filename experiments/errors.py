@@ -11,8 +11,16 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rlhf.atomic import is_disk_full, unwritten_path
-from rlhf.errors import EXIT_CONFIG, EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
+from rlhf.atomic import unwritten_path
+from rlhf.errors import (
+    EXIT_CONFIG,
+    EXIT_DISK_FULL,
+    EXIT_DIVERGED,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    is_disk_full,
+)
 
 __all__ = ["StudyError", "EXIT_OK", "EXIT_ERROR", "EXIT_CONFIG", "EXIT_DIVERGED", "EXIT_DISK_FULL", "EXIT_RUNS_FAILED",
            "EXIT_INTERRUPTED", "INTERRUPTED", "DETERMINISTIC_FAILURES", "unwritten_path", "name_unwritten_path",

@@ -38,7 +38,8 @@ from experiments.run_records import (
     write_record,
 )
 from experiments.study import Study
-from rlhf.atomic import is_disk_full, write_json
+from rlhf.atomic import write_json
+from rlhf.errors import is_disk_full
 from rlhf.run_dir import DirLock, LockBusy
 from rlhf.run_dir import is_locked as lock_is_held
 

@@ -70,7 +70,7 @@ def _make_dir(directory: Path, flag: str, given: Path) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        from rlhf.atomic import is_disk_full
+        from rlhf.errors import is_disk_full
         if is_disk_full(err):
             raise  # the command's full-disk line, exit 4
         raise StudyError(f"{flag} {str(given)!r}: cannot make {directory} ({err.strerror or type(err).__name__}); "

@@ -10,25 +10,12 @@ must not load the study machinery (or torch) use it too.
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import math
 import os
 from pathlib import Path
 from typing import Optional
-
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-"""The errnos of a full disk (or quota): the engine and the manager stop in one line, keeping what is written."""
-
-
-def is_disk_full(err: BaseException | None) -> bool:
-    """An OSError ENOSPC / EDQUOT, or safetensors' error for one (it reports I/O errors in its text)."""
-    if isinstance(err, OSError):
-        return err.errno in DISK_FULL
-    text = str(err)
-    return type(err).__name__ == "SafetensorError" and ("No space left on device" in text or "StorageFull" in text
-                                                        or "os error 28" in text)
 
 
 def write_atomic(path: str | Path, write) -> None:

@@ -29,7 +29,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, Optional
 
-from rlhf.atomic import is_disk_full, unwritten_path
+from rlhf.atomic import unwritten_path
+from rlhf.errors import is_disk_full
 
 if TYPE_CHECKING:  # annotations only
     import torch

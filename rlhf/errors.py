@@ -10,6 +10,7 @@ study and a run say a bad input the same way.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -27,6 +28,19 @@ EXIT_INTERRUPTED = 130
 """Ctrl-C (or SIGTERM): one line; what was written stays."""
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+"""The errnos of a full disk (or quota): the engine and the manager stop in one line, keeping what is written."""
+
+
+def is_disk_full(err: BaseException | None) -> bool:
+    """An OSError ENOSPC / EDQUOT, or safetensors' error for one (it reports I/O errors in its text)."""
+    if isinstance(err, OSError):
+        return err.errno in DISK_FULL
+    text = str(err)
+    return type(err).__name__ == "SafetensorError" and ("No space left on device" in text or "StorageFull" in text
+                                                        or "os error 28" in text)
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid. The message names the binding and what is allowed."""
 
@@ -41,7 +55,6 @@ def check_writable(out: Path, flag: str = "--out") -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as err:
-        from rlhf.atomic import is_disk_full
         if is_disk_full(err):
             probe.unlink(missing_ok=True)
             err.filename = err.filename or str(probe)  # the entry point's full-disk line names it (exit 4)

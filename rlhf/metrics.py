@@ -157,7 +157,7 @@ class JsonlSink:
         try:
             self.file.close()
         except OSError as err:  # a full disk: the write that failed has raised already
-            from rlhf.atomic import is_disk_full
+            from rlhf.errors import is_disk_full
             if not is_disk_full(err):
                 raise
 

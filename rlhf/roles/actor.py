@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from rlhf import algos, checkpoint
@@ -86,7 +87,9 @@ class Actor(TrainedRole):
         """`model` / `tokenizer`: already built (in one process); by default loaded from the directories.
         `model_dir`: the base model (default `start_dir`), which LoRA adapts and the reference is."""
         torch.manual_seed(ppo.seed)
-        random.seed(ppo.seed)  # checkpoints save Python's RNG state too: the same bits every run
+        # Checkpoints save Python's and numpy's global generators too: seeded, they are the same bits every run.
+        random.seed(ppo.seed)
+        np.random.seed(ppo.seed % 2**32)
         model_dir = model_dir or start_dir
         super().__init__(ctx, model if model is not None else build_policy(ppo, start_dir, model_dir, ctx.device),
                          ppo, total_updates)
