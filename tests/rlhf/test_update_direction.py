@@ -10,21 +10,13 @@ import pytest
 import torch
 
 from rlhf.batch import Batch
-from rlhf.config import PPOConfig, TinyModelConfig
+from rlhf.config import PPOConfig
 from rlhf.placement.context import DeviceContext
 from rlhf.roles.actor import Actor
-from rlhf.tiny import build_char_tokenizer, build_tiny_model
+from tests.rlhf.test_grad_accumulation import parts  # noqa: F401  (the tiny double-precision policy, a fixture)
 
 CPU = DeviceContext(torch.device("cpu"))
 N, P, R = 8, 4, 3
-
-
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    tok = build_char_tokenizer(tmp_path_factory.mktemp("tok"))
-    model = build_tiny_model(TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64),
-                             tok, seed=0).double()
-    return tok, model
 
 
 def actor(parts, **ppo) -> Actor:
