@@ -73,35 +73,48 @@ def recipe_text(recipe: str, inputs: dict, steps: int, prompts: int) -> str:
 SHAPES = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}
 
 
-def planned_by_phase(recipe_file_text: str, shape: str, available_gib: float, total_gib: float) -> dict:
-    """{phase: GiB} the memory plan of this code predicts torch holds at each phase's peak for the run's
-    recipe file on a GPU of `total_gib` (`available_gib` free at the start): resident roles, the engine
-    when awake and the phase's micro-batch (its reserve is headroom, not an allocation)."""
+def planned_by_phase(recipe_file_text: str, shape: str, available_gib: float, total_gib: float,
+                     bindings=()) -> tuple[dict, dict]:
+    """({phase: GiB} allocated, {phase: GiB} reserved): what the memory plan of this code predicts torch
+    holds at each phase's peak for the run's recipe file and bindings on a GPU of `total_gib`
+    (`available_gib` free at the start). Allocated: resident roles, the engine when awake and the
+    phase's micro-batch; reserved: that plus the allocator's share of the plan's reserve (not the CUDA
+    context's, which torch does not count)."""
     import tempfile
 
     from rlhf import configurable, memory
+    from rlhf.memory.plan import RESERVE_BYTES
     with tempfile.TemporaryDirectory() as tmp:
         recipe = Path(tmp) / "recipe.gin"
         recipe.write_text(recipe_file_text)
-        cfg, _ = configurable.resolve(recipe, [])
+        cfg, _ = configurable.resolve(recipe, list(bindings))
     plan = memory.predict(cfg, memory.KNOWN_SHAPES[SHAPES[shape]], available=int(available_gib * memory.GIB),
                           device_total=int(total_gib * memory.GIB))
-    return {p.name: round((p.resident + p.engine + p.transient) / memory.GIB, 2) for p in plan.phases}
+    return ({p.name: round((p.resident + p.engine + p.transient) / memory.GIB, 2) for p in plan.phases},
+            {p.name: round((p.total - RESERVE_BYTES) / memory.GIB, 2) for p in plan.phases})
 
 
-def memory_by_phase(planned: dict, measured: dict) -> dict:
-    return {name: {"planned_gb": planned.get(name), "measured_gb": measured.get(name),
-                   "planned_over_measured": (round(planned[name] / measured[name], 3)
-                                             if planned.get(name) and measured.get(name) else None)}
-            for name in sorted(set(planned) | set(measured))}
+def memory_by_phase(planned: tuple[dict, dict], measured: dict, reserved: dict | None = None) -> dict:
+    """Per phase: the plan's figures and the peaks torch held, allocated and reserved (GiB), and each
+    plan over its measurement (the goal: measured <= planned <= 1.10 x measured, for both)."""
+    allocated_plan, reserved_plan = planned
+    reserved = reserved or {}
+    def ratio(a, b):
+        return round(a / b, 3) if a and b else None
+    return {name: {"planned_gb": allocated_plan.get(name), "measured_gb": measured.get(name),
+                   "planned_over_measured": ratio(allocated_plan.get(name), measured.get(name)),
+                   "planned_reserved_gb": reserved_plan.get(name), "reserved_gb": reserved.get(name),
+                   "planned_over_reserved": ratio(reserved_plan.get(name), reserved.get(name))}
+            for name in sorted(set(allocated_plan) | set(measured) | set(reserved))}
 
 
 def replan(result: dict) -> dict:
     """The result with `memory_by_phase`'s predictions recomputed by this code (the measurements kept)."""
     measured = {k: v["measured_gb"] for k, v in result["memory_by_phase"].items() if v["measured_gb"] is not None}
+    reserved = {k: v["reserved_gb"] for k, v in result["memory_by_phase"].items() if v.get("reserved_gb") is not None}
     planned = planned_by_phase(result["recipe_file"], result["shape"], result["gpu_available_gib"],
-                               result["gpu_total_gib"])
-    return {**result, "memory_by_phase": memory_by_phase(planned, measured)}
+                               result["gpu_total_gib"], result.get("bindings", []))
+    return {**result, "memory_by_phase": memory_by_phase(planned, measured, reserved)}
 
 
 def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dict:
@@ -118,14 +131,16 @@ def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dic
     predicted = (provenance.get("placement") or {}).get("memory_predicted") or {}
     gpu = {"gpu_available_gib": predicted.get("available_gb"),
            "gpu_total_gib": (provenance.get("hardware") or {}).get("gpu_memory_gb")}
-    measured = {}
+    measured, reserved = {}, {}
     for r in records:
         for k, v in r.items():
-            if k.startswith("perf/memory_gb/"):
-                name = k[len("perf/memory_gb/"):]
-                measured[name] = round(max(measured.get(name, 0.0), v), 2)  # GiB, as the plan's
-    planned = planned_by_phase(recipe_file, extra["shape"], gpu["gpu_available_gib"], gpu["gpu_total_gib"]) \
-        if gpu["gpu_available_gib"] and gpu["gpu_total_gib"] else {}
+            for prefix, into in (("perf/memory_gb/", measured), ("perf/memory_reserved_gb/", reserved)):
+                if k.startswith(prefix):
+                    name = k[len(prefix):]
+                    into[name] = round(max(into.get(name, 0.0), v), 2)  # GiB, as the plan's
+    planned = planned_by_phase(recipe_file, extra["shape"], gpu["gpu_available_gib"], gpu["gpu_total_gib"],
+                               extra.get("bindings", ())) \
+        if gpu["gpu_available_gib"] and gpu["gpu_total_gib"] else ({}, {})
     tokens = [r["perf/tokens_per_s"] * r["timing_s/step"] for r in steady if "perf/tokens_per_s" in r]
     return {
         "command": command, "recipe_file": recipe_file,
@@ -137,7 +152,8 @@ def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dic
         "generated_tokens_per_s": med("perf/generated_tokens_per_s"),
         "gpu_utilization_median": med("perf/gpu_utilization"),
         "max_memory_allocated_gb": max((r.get("perf/max_memory_allocated_gb", 0) for r in records), default=None),
-        "memory_by_phase": memory_by_phase(planned, measured), "memory_plan_verdict": predicted.get("verdict"),
+        "memory_by_phase": memory_by_phase(planned, measured, reserved),
+        "memory_plan_verdict": predicted.get("verdict"),
         **gpu,
         "reward_mean": [r.get("reward_mean") for r in records],
         "kl_divergence": [r.get("kl_divergence") for r in records],
@@ -197,7 +213,7 @@ def main(argv=None) -> int:
     shown = ["python", "-m", "rlhf.train", recipe_file.name, "--out", out.name] + \
         [x for b in args.binding for x in ("-b", b)]
     result = summarize(out, shlex.join(shown), recipe_file.read_text(),
-                       {"exit_code": rc, "shape": args.shape, "recipe": args.recipe})
+                       {"exit_code": rc, "shape": args.shape, "recipe": args.recipe, "bindings": args.binding})
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("steps_completed", "iteration_s_median", "tokens_per_s",

@@ -19,10 +19,12 @@ from rlhf.errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_OUT_OF_MEMORY,
     is_disk_full,
 )
 
 __all__ = ["StudyError", "EXIT_OK", "EXIT_ERROR", "EXIT_CONFIG", "EXIT_DIVERGED", "EXIT_DISK_FULL", "EXIT_RUNS_FAILED",
+           "EXIT_OUT_OF_MEMORY",
            "EXIT_INTERRUPTED", "INTERRUPTED", "DETERMINISTIC_FAILURES", "unwritten_path", "name_unwritten_path",
            "disk_full_line", "RUN_REMEDY", "STAGE_REMEDY"]
 
@@ -35,8 +37,9 @@ EXIT_RUNS_FAILED = 1
 """A command's code beside the engine's: some runs failed (or nothing could be decided)."""
 INTERRUPTED = "interrupted: run the same command again to resume"
 """The line of a command stopped by Ctrl-C (or SIGTERM), with EXIT_INTERRUPTED."""
-DETERMINISTIC_FAILURES = (EXIT_CONFIG, EXIT_DIVERGED)
-"""A run's exit codes that a retry would only repeat: a bad configuration and a diverged loss."""
+DETERMINISTIC_FAILURES = (EXIT_CONFIG, EXIT_DIVERGED, EXIT_OUT_OF_MEMORY)
+"""A run's exit codes that a retry would only repeat: a bad configuration, a diverged loss and a phase
+that ran out of GPU memory (the same configuration asks for the same memory)."""
 
 
 def name_unwritten_path(err: BaseException) -> BaseException:

@@ -23,7 +23,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from experiments.errors import DETERMINISTIC_FAILURES, EXIT_CONFIG, EXIT_DIVERGED, name_unwritten_path
+from experiments.errors import (
+    DETERMINISTIC_FAILURES,
+    EXIT_CONFIG,
+    EXIT_DIVERGED,
+    EXIT_OUT_OF_MEMORY,
+    name_unwritten_path,
+)
 from experiments.results import RunStatus
 from experiments.run_records import read_json, read_record, write_record
 from experiments.storage import pull_run_dir, push_run_dir, with_sync
@@ -145,6 +151,8 @@ def describe_failure(exit_code: Optional[int], stderr_tail: str) -> str:
         return f"diverged (exit 3): {last}"
     if exit_code == EXIT_CONFIG:
         return f"configuration error (exit 2): {last}"
+    if exit_code == EXIT_OUT_OF_MEMORY:
+        return f"out of GPU memory (exit 5): {last}"
     if exit_code is not None and exit_code < 0:
         name = signal.Signals(-exit_code).name if -exit_code in signal.Signals._value2member_map_ else -exit_code
         hint = " (out of memory?)" if exit_code == -signal.SIGKILL else ""

@@ -116,7 +116,9 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if query.shape[0] != 1 or sum(lengths) != query.shape[2]:
+    # The shape check runs eagerly only: compiled (ppo.torch_compile), reading every length would make
+    # the layer's graph guard on them and recompile for each micro-batch.
+    if not torch.compiler.is_compiling() and (query.shape[0] != 1 or sum(lengths) != query.shape[2]):
         raise ValueError(f"a packed row is one row of sum(packed_lengths) tokens: got {tuple(query.shape)} "
                          f"for {len(lengths)} sequences of {sum(lengths)} tokens")
     if can_use_varlen(query):

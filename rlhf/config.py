@@ -142,6 +142,11 @@ class PPOConfig:
     the update and for every forward-only pass. Mini-batch boundaries and the shuffle do not change,
     so results depend on the budget only through floating-point summation order. 0: fixed
     micro_batch_size / forward_micro_batch_size counts of padded sequences."""
+    forward_max_tokens_per_micro_batch: int = 0
+    """Token budget of a packed micro-batch in the forward-only passes (reference and old log-probs,
+    values): they keep no activations for a backward, so they take larger rows than the update
+    (verl's `log_prob_max_token_len_per_gpu`); fewer, larger matmuls and launches. 0: the update's
+    `max_tokens_per_micro_batch`. Needs that budget set (packed micro-batches)."""
 
     # --- memory: adapters and activations ---
     lora_rank: int = 0
@@ -263,7 +268,7 @@ class PPOConfig:
                      "micro_batch_size", "kl_horizon", "eval_samples_per_prompt"):
             positive_int(s, name, getattr(self, name))
         for name in ("keep_checkpoints", "top_k", "lr_warmup_steps", "torch_threads", "forward_micro_batch_size",
-                     "max_tokens_per_micro_batch", "lora_rank"):
+                     "max_tokens_per_micro_batch", "forward_max_tokens_per_micro_batch", "lora_rank"):
             positive_int(s, name, getattr(self, name), minimum=0)
         number(s, "temperature", self.temperature, 0.0, 100.0, lo_open=True)
         number(s, "eval_temperature", self.eval_temperature, 0.0, 100.0)
@@ -352,6 +357,15 @@ class PPOConfig:
                   self.max_tokens_per_micro_batch,
                   f"must be 0 (off) or at least ppo.max_prompt_length + ppo.max_response_length = {longest} "
                   f"(every sequence must fit in one micro-batch)")
+        if self.forward_max_tokens_per_micro_batch:
+            check(bool(self.max_tokens_per_micro_batch), "ppo.forward_max_tokens_per_micro_batch",
+                  self.forward_max_tokens_per_micro_batch,
+                  "needs packed micro-batches: set ppo.max_tokens_per_micro_batch too (or use "
+                  "ppo.forward_micro_batch_size for padded ones)")
+            check(self.forward_max_tokens_per_micro_batch >= self.max_tokens_per_micro_batch,
+                  "ppo.forward_max_tokens_per_micro_batch", self.forward_max_tokens_per_micro_batch,
+                  f"must be 0 (the update's budget) or at least ppo.max_tokens_per_micro_batch = "
+                  f"{self.max_tokens_per_micro_batch} (a forward-only pass holds less than an update)")
         check(self.world_size == 1 or self.placement != "local", "ppo.placement", self.placement,
               f"must be 'colocated', 'split' or 'auto' when ppo.world_size = {self.world_size} "
               f"('local' runs every role in one process)")
@@ -380,6 +394,12 @@ class PPOConfig:
     def forward_batch_size(self) -> int:
         """Sequences per forward-only pass (`forward_micro_batch_size`, default micro_batch_size)."""
         return self.forward_micro_batch_size or self.micro_batch_size
+
+    @property
+    def forward_max_tokens(self) -> int:
+        """Token budget of a forward-only micro-batch (`forward_max_tokens_per_micro_batch`, default the
+        update's `max_tokens_per_micro_batch`; 0: padded micro-batches)."""
+        return self.forward_max_tokens_per_micro_batch or self.max_tokens_per_micro_batch
 
     @property
     def bf16_autocast(self) -> bool:

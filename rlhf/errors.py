@@ -24,6 +24,9 @@ EXIT_DIVERGED = 3
 """Training diverged (a non-finite loss): the run dir says so in its summary.json."""
 EXIT_DISK_FULL = 4
 """The disk filled: one line naming the file; nothing half-written is left, --resume continues."""
+EXIT_OUT_OF_MEMORY = 5
+"""A phase ran out of GPU memory: one line with the phase, its measured peak, the memory plan's figure
+for it and the binding to change; the checkpoints written so far stay, --resume continues."""
 EXIT_INTERRUPTED = 130
 """Ctrl-C (or SIGTERM): one line; what was written stays."""
 

@@ -8,8 +8,9 @@ with the same configuration does nothing.
 
 Exit codes: 0 done, 2 bad configuration or run dir (one line, before any compute; a Ray address
 where no cluster this process can join answers is one too), 3 training diverged, 4 disk full (one
-line; nothing half-written is left, --resume continues from the last checkpoint), 130 interrupted
-(Ctrl-C: one line), 1 any other error.
+line; nothing half-written is left, --resume continues from the last checkpoint), 5 out of GPU memory
+(one line: the phase, what torch held, the memory plan's figure and the binding to change; the
+checkpoints stay, --resume continues), 130 interrupted (Ctrl-C: one line), 1 any other error.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rlhf.errors import (
     EXIT_DIVERGED,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_OUT_OF_MEMORY,
     ConfigError,
     check_writable,
 )
@@ -58,6 +60,9 @@ def main(argv=None) -> int:
     except numerics.NumericsError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    # The CUDA allocator's settings, too, before CUDA starts (rlhf/allocator.py).
+    from rlhf import allocator
+    allocator.configure()
     # Heavy imports after argument parsing so `--help` is instant.
     from rlhf import configurable, run_dir
 
@@ -88,8 +93,16 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C, while joining Ray or training: what was written stays
         print(f"interrupted: --resume continues from the latest checkpoint in --out {str(out)!r}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except allocator.OutOfMemory as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
     except Exception as err:  # a full disk, anywhere in the run: one line, not a traceback
         from rlhf import checkpoint
+        if out_of_memory(err):  # outside a phase: building the roles, evaluating, saving
+            print(f"error: out of GPU memory outside the training phases ({str(err).splitlines()[0]}); "
+                  f"python -m rlhf.memory {args.recipe} shows the plan and the bindings that shrink it",
+                  file=sys.stderr)
+            return EXIT_OUT_OF_MEMORY
         message = checkpoint.disk_full_message(err, out)
         if message is None:
             raise
@@ -217,6 +230,12 @@ def resume_checkpoint(ckpt_root: Path):
     later retry resumes into them (`rlhf.checkpoint.resume_checkpoint`)."""
     from rlhf import checkpoint
     return checkpoint.resume_checkpoint(ckpt_root, log=lambda m: print(m, file=sys.stderr))
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """A CUDA out-of-memory error (torch's, or one a Ray rank raised)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(err, torch.OutOfMemoryError)
 
 
 def runs_on_gpu(cfg) -> bool:

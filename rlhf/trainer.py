@@ -1,13 +1,14 @@
 """The PPO loop: one iteration is a sequence of named, timed phases.
 
     generate -> reward -> reference logprobs -> old logprobs -> values -> advantages
-             -> update actor -> sync weights -> update critic -> log (-> evaluate, save)
+             -> update actor -> update critic -> sync weights -> log (-> evaluate, save)
 
 An on-policy update (`ppo.on_policy_update`: one epoch over one mini-batch, no KL in the reward)
 skips the old log-prob pass: the update's first forward is the policy that sampled.
 
-With `ppo.overlap_rollout` (a GPU with vLLM and a critic) the next iteration's generate runs
-beside this one's critic update: it needs only the actor's synced weights.
+With `ppo.overlap_rollout` (a GPU with vLLM and a critic) the weights are synced right after the
+actor's update and the next iteration's generate runs beside this one's critic update: it needs
+only the actor's synced weights.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import torch
 import transformers
 
 from rlhf import algos, checkpoint, memory
+from rlhf.allocator import OutOfMemory, oom_line
 from rlhf.atomic import write_json
 from rlhf.batch import Batch
 from rlhf.chat import PromptRenderer, check_rows, prompt_key
 from rlhf.config import RunConfig
 from rlhf.data import Example, PromptSampler, check_prompt_lengths, dataset_hash, load_task
+from rlhf.memory.formulas import GIB
 from rlhf.metrics import PERF_SUMMARY, MetricLogger, is_machine_metric, read_metrics, step_record, window_means
 from rlhf.models import check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles
@@ -62,27 +65,51 @@ def resolve_model_paths(cfg: RunConfig, log=print) -> tuple[Path, Path]:
 
 
 class PhaseTimer:
-    """Wall time of each phase and, for a GPU in this process, the most memory torch held allocated
-    during it (`torch.cuda.max_memory_allocated`, reset as each phase starts): what the memory plan's
-    phases predict (rlhf/memory/plan.py), recorded as `perf/memory_gb/<phase>`."""
+    """Wall time of each phase and, for a GPU in this process, the most memory torch held during it,
+    allocated (`torch.cuda.max_memory_allocated`) and reserved by its caching allocator
+    (`max_memory_reserved`), both reset as each phase starts: what the memory plan's phases predict
+    (rlhf/memory/plan.py), recorded as `perf/memory_gb/<phase>` and `perf/memory_reserved_gb/<phase>`,
+    less what a sleeping vLLM engine's pool keeps counted though its memory is released (`off_device`).
+    Each phase gives its cached blocks back as it ends (`torch.cuda.empty_cache`), so the next phase's
+    reserve is its own and the awake vLLM engine finds the memory it was promised. A phase that runs out
+    of GPU memory raises `OutOfMemory` with the line `out_of_memory(phase, allocated GiB, reserved GiB)` gives."""
 
-    def __init__(self, device: torch.device | None = None):
+    def __init__(self, device: torch.device | None = None, out_of_memory=None, off_device=None):
         self.times: Dict[str, float] = {}
         self.memory: Dict[str, float] = {}
+        self.reserved: Dict[str, float] = {}
         self.device = device if device is not None and device.type == "cuda" else None
+        self.out_of_memory = out_of_memory
+        self.off_device = off_device or (lambda: 0)
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        off = 0
         if self.device is not None:
             torch.cuda.reset_peak_memory_stats(self.device)
+            off = self.off_device()  # a sleeping engine's pool: counted by torch, not held
         start = time.perf_counter()
         try:
             yield
+        except torch.OutOfMemoryError as err:
+            if self.out_of_memory is None:
+                raise
+            allocated, reserved = self._peaks(off) if self.device is not None else (None, None)
+            raise OutOfMemory(self.out_of_memory(name, allocated, reserved)) from err
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
             if self.device is not None:
-                peak = torch.cuda.max_memory_allocated(self.device) / 2**30
-                self.memory[name] = max(self.memory.get(name, 0.0), peak)
+                # An engine asleep through the phase: its pool was off the device all along. One that
+                # woke (or went to sleep) in it held its memory at some point: nothing to take off.
+                allocated, reserved = self._peaks(min(off, self.off_device()) if off else 0)
+                self.memory[name] = max(self.memory.get(name, 0.0), allocated)
+                self.reserved[name] = max(self.reserved.get(name, 0.0), reserved)
+                torch.cuda.empty_cache()
+
+    def _peaks(self, off: int) -> tuple[float, float]:
+        """This phase's peak (allocated, reserved) GiB on the device, less `off` bytes counted but not held."""
+        return ((torch.cuda.max_memory_allocated(self.device) - off) / GIB,
+                (torch.cuda.max_memory_reserved(self.device) - off) / GIB)
 
 
 class PPOTrainer:
@@ -138,6 +165,9 @@ class PPOTrainer:
         self.sampling = SamplingParams.from_ppo(self.ppo)
         self.step = 0
         self.overlap = self._overlap_mode(log)
+        # Only a sleeping engine leaves memory counted that it does not hold; asking an awake one would
+        # wait behind a rollout running ahead (the proxy's calls run in turn).
+        self._engine_sleeps = bool((self.placement.get("memory") or {}).get("rollout_sleep"))
         self._ahead = None  # (prompts, calls, pending generation) of the next iteration, when it runs ahead
 
     def _check_prompts(self, log) -> Dict[str, float]:
@@ -274,7 +304,8 @@ class PPOTrainer:
         """One PPO iteration: its phases, each timed under its name, then the step's record
         (rlhf/metrics.py `step_record`)."""
         ppo, step = self.ppo, self.step
-        timer = PhaseTimer(self.device)
+        timer = PhaseTimer(self.device, out_of_memory=self.out_of_memory_line,
+                           off_device=self.actor.rollout_asleep_bytes if self._engine_sleeps else None)
         start = time.perf_counter()
         ahead_s = 0.0
         with timer("generate"):
@@ -315,25 +346,46 @@ class PPOTrainer:
         if on_policy:
             batch["old_logprobs"], entropy = actor_stats.pop("old_logprobs"), actor_stats.pop("entropy_old")
             advantage_stats.update(self.kl_metrics(batch))  # the same keys, from the log-probs the update computed
-        with timer("sync_weights"):
-            self.actor.sync_weights()
-        if self._may_run_ahead():
+        # The next rollout needs the new weights now when it runs ahead; otherwise they go to the engine
+        # after the critic's update, so a sleeping engine stays asleep through it (the memory plan's
+        # update_critic counts no engine then). The order changes no number.
+        ahead = self._may_run_ahead()
+        if ahead:
+            with timer("sync_weights"):
+                self.actor.sync_weights()
             self._start_next_rollout()
         critic_stats = {}
         if self.critic is not None:
             with timer("update_critic"):
                 critic_stats = self.critic.update(batch,
                                                   shuffle_seed=derive_seed(ppo.seed, step, SeedStream.CRITIC_SHUFFLE))
+        if not ahead:
+            with timer("sync_weights"):
+                self.actor.sync_weights()
         self.kl_ctl.update(advantage_stats["kl_divergence"], len(batch))
         record = step_record(batch, advantages=advantage_stats, critic=critic_stats, actor=actor_stats,
                              entropy_old=entropy, logprob_gap=rollout_logprob_gap(batch),
                              prompt_truncated_fraction=self._truncated_fraction(prompts),
                              phase_times=timer.times, phase_memory_gb=timer.memory,
+                             phase_reserved_gb=timer.reserved,
                              step_s=time.perf_counter() - start, generate_ahead_s=ahead_s,
                              max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                              device_report=self.roles.device_report())
         self._check_finite(record)
         return record
+
+    def out_of_memory_line(self, phase: str, allocated_gib: float | None, reserved_gib: float | None) -> str:
+        """The one line of a phase that ran out of GPU memory (rlhf/allocator.py `oom_line`): what
+        torch held, the plan's figure for the phase and the binding to change (`memory.relief`)."""
+        from rlhf.memory.plan import relief
+        planned = None
+        if self.memory_plan is not None:
+            planned = next((p.total / GIB for p in self.memory_plan.phases if p.name == phase), None)
+        total = (torch.cuda.get_device_properties(self.device).total_memory / GIB
+                 if self.device.type == "cuda" else float("nan"))
+        if allocated_gib is None or reserved_gib is None:  # the ranks measured it: their logs hold the figures
+            allocated_gib = reserved_gib = float("nan")
+        return oom_line(phase, allocated_gib, reserved_gib, total, planned, relief(self.cfg, phase))
 
     def _truncated_fraction(self, prompts: List[Example]) -> float | None:
         """The share of `prompts` that the rollout cut to ppo.max_prompt_length (None under 'error')."""

@@ -15,11 +15,12 @@ predicted activations must fit beside the awake rollout engine, or idle roles ar
 sleeps (`ppo.vllm_sleep = 'auto'`).
 
 Checked against the shipped recipes run through `python -m rlhf.train` on one H200 (bench/recipe_run.py;
-bench/results/lora7b_recipe_h200.json: the 7B shape under models/lora.gin, LoRA, checkpointing, packed;
-bench/results/instruct05b_recipe_h200.json: the 0.5B shape under models/instruct.gin, full fine-tuning,
-packed): in every phase the prediction of what torch holds (resident roles, the awake engine, the
-phase's micro-batch) is 0-9% above the measured peak (`perf/memory_gb/<phase>`), never below
-(tests/rlhf/test_memory_plan.py keeps both runs).
+docs/lora_memory.md has the tables): each phase's peak, allocated and reserved, beside the plan. On the
+recipes as shipped before (bench/results/lora7b_recipe_gc16k_h200.json: the 7B shape, LoRA with
+checkpointing; bench/results/instruct05b_recipe_eager_h200.json: the 0.5B shape, full fine-tuning,
+eager) the plan is 0-9% above every phase's measured allocation, never below
+(tests/rlhf/test_memory_plan.py keeps both runs). The torch allocator runs with expandable segments
+(rlhf/allocator.py), so a phase's reserve stays close to its allocation.
 """
 
 from __future__ import annotations

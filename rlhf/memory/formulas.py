@@ -18,15 +18,27 @@ from rlhf.memory.shapes import ModelShape, lora_targets
 
 GIB = 2 ** 30
 
-def layer_activation_bytes(shape: ModelShape, act: int, lora_rank: int = 0, lora: Sequence[str] = ()) -> int:
+def layer_activation_bytes(shape: ModelShape, act: int, lora_rank: int = 0, lora: Sequence[str] = (),
+                           frozen: bool = False) -> int:
     """Bytes one block keeps for its backward, per token: two RMSNorms' fp32 input and normalised
     output (16 h); under autocast each projection saves its own cast input (q/k/v: 3 h, gate/up:
     2 h); the q/k/v outputs, their rotary copies, the attention output and o_proj's input; the MLP's
     gate, up, SiLU and product (4 f). LoRA adds its own cast copy of o_proj's and down_proj's input
     and each adapter's rank-r intermediate. Flash/memory-efficient attention keeps no T x T scores
-    (the math kernel would). Checked against a measured peak (module docstring)."""
+    (the math kernel would). Checked against a measured peak (module docstring).
+
+    `frozen`: a LoRA run on a GPU, whose bf16 base does not train and whose adapters are added by one
+    matmul (rlhf/roles/compiled.py `fuse_lora`). Autograd then saves only what a gradient needs: each
+    norm's fp32 input (8 h for two; the frozen weight's product keeps nothing), the two inputs the
+    projections share once each (the adapters' A needs them: 2 h), the q/k/v copies the attention kernel
+    keeps (q + 2 kv), its output, which is o_proj's input (q), the MLP's four (4 f) and each adapter's
+    rank-r intermediate. Measured at the Qwen2.5-7B shape, 8192-token micro-batches without
+    checkpointing (bench/results/lora7b_recipe_h200.json): the actor's update held 53.6 GiB beside the
+    resident roles, this formula's plan 56.0."""
     h, f = shape.hidden_size, shape.intermediate_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    if frozen:
+        return 8 * h + act * (2 * h + (q + 2 * kv) + q + 4 * f + lora_rank * len(lora))
     per_token = 16 * h + act * (3 * h + (q + 2 * kv) + (q + kv) + 2 * q + 2 * h + 4 * f)
     if lora_rank:
         lin = shape.linears()
@@ -35,12 +47,12 @@ def layer_activation_bytes(shape: ModelShape, act: int, lora_rank: int = 0, lora
 
 
 def saved_activation_bytes(shape: ModelShape, tokens: int, act: int, checkpointing: bool, lora_rank: int = 0,
-                           lora: Sequence[str] = (), residual: int = 4) -> int:
+                           lora: Sequence[str] = (), residual: int = 4, frozen: bool = False) -> int:
     """Activations kept from the forward to the backward of one micro-batch. Without gradient
     checkpointing every block's (`layer_activation_bytes`) plus the final norm's; with it each
     block keeps only its input hidden state (`residual` bytes a value: the weights' dtype, 2 for a
     bf16 LoRA base) and one block at a time is recomputed in full during the backward."""
-    layer = layer_activation_bytes(shape, act, lora_rank, lora) * tokens
+    layer = layer_activation_bytes(shape, act, lora_rank, lora, frozen) * tokens
     if checkpointing:
         return shape.num_layers * residual * shape.hidden_size * tokens + layer
     return shape.num_layers * layer + 8 * shape.hidden_size * tokens
@@ -144,14 +156,16 @@ class RoleMemory:
 def micro_batches(ppo, prompt: int, response: int) -> dict:
     """Rows, tokens and LM-head positions of one update and one forward micro-batch on one rank.
     Padded: micro_batch_size (forward_batch_size) sequences of prompt + response tokens. Packed
-    (`max_tokens_per_micro_batch`): one row of the budget (at least one whole sequence); its
+    (`max_tokens_per_micro_batch`, `forward_max_tokens_per_micro_batch` for the forward-only passes):
+    one row of the budget (at least one whole sequence); its
     response positions are taken in proportion to max_response_length : max_prompt_length, which
     prompts shorter than their maximum exceed (the verdict names that risk)."""
     seq = prompt + response
     if ppo.max_tokens_per_micro_batch:
-        tokens = max(ppo.max_tokens_per_micro_batch, seq)
-        positions = min(tokens, math.ceil(tokens * (response + 1) / seq))
-        return {"train": (1, tokens, positions), "forward": (1, tokens, positions)}
+        def packed(budget: int) -> tuple:
+            tokens = max(budget, seq)
+            return 1, tokens, min(tokens, math.ceil(tokens * (response + 1) / seq))
+        return {"train": packed(ppo.max_tokens_per_micro_batch), "forward": packed(ppo.forward_max_tokens)}
     train = min(ppo.micro_batch_size, ppo.mini_batch_size // ppo.world_size)
     forward = min(ppo.forward_batch_size, shard(ppo.rollout_batch_size, ppo.world_size))
     return {"train": (train, train * seq, train * (response + 1)),
@@ -180,12 +194,13 @@ def trained_role(name: str, shape: ModelShape, ppo, rank: int, lm_head: bool, gp
     ckpt = ppo.gradient_checkpointing
     head = (lm_head_bytes(shape, positions, act, train=True) if lm_head
             else value_head_bytes(rows, tokens // rows, train=True))
-    saved = saved_activation_bytes(shape, tokens, act, ckpt, rank, targets, residual=base_bytes)
+    frozen = bool(rank) and gpu  # a frozen bf16 base with fused adapters: autograd keeps less
+    saved = saved_activation_bytes(shape, tokens, act, ckpt, rank, targets, residual=base_bytes, frozen=frozen)
     working = backward_working_bytes(shape, tokens, act)
     if ckpt:
         # The LM head's chunks run (and are recomputed) before the first block's recompute: the two
         # working sets follow one another above the checkpointed block inputs.
-        layer = layer_activation_bytes(shape, act, rank, targets) * tokens
+        layer = layer_activation_bytes(shape, act, rank, targets, frozen) * tokens
         activations = (saved - layer) + max(layer + working, head)
     else:
         activations = saved + working + head

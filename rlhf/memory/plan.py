@@ -240,7 +240,9 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
     def busiest(offload: bool, sleep: bool) -> List[Phase]:
         return max((phases_of(d, offload, sleep) for d in devices), key=lambda ps: max(p.total for p in ps))
 
-    fits_awake = available is None or max(p.total for p in busiest(False, False)) <= available
+    # 'auto' keeps the engine awake only where the whole plan then fits as `fits` counts fitting
+    # (within SAFETY_MARGIN): an engine left awake in a plan that the check then refuses helps no one.
+    fits_awake = available is None or max(p.total for p in busiest(False, False)) <= (1 - SAFETY_MARGIN) * available
     can_offload = gpu and ppo.resolved_placement == "colocated"
     offload, sleep = resolve_auto(ppo.offload_idle_models, ppo.vllm_sleep, fits_awake, can_offload)
     sleep = bool(engine) and sleep
@@ -258,16 +260,13 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
 # ====================================================================== predicted: suggestions and the check
 def _options(cfg: RunConfig) -> List[List[dict]]:
     """For each binding the suggestions may change, in the order they are tried, its values (each a
-    {field: value} of `ppo`), best first: LoRA (the critic follows), a packed token budget (the largest
-    that fits: no padding, no recompute), gradient checkpointing, a smaller micro-batch, more GPUs (FSDP2)."""
+    {field: value} of `ppo`), best first: a packed token budget (the largest that fits: no padding, no
+    recompute), gradient checkpointing, LoRA (the critic follows), a smaller micro-batch, more GPUs (FSDP2).
+    The first two change only how the same update is computed; LoRA changes what trains, so it comes
+    after them (alone or with them where nothing else fits)."""
     ppo = cfg.ppo
     seq = ppo.max_prompt_length + ppo.max_response_length
     options = []
-    if not ppo.lora_rank:
-        change = {"lora_rank": LORA_SUGGESTION}
-        if ppo.uses_critic and ppo.critic_lora_rank == 0:
-            change["critic_lora_rank"] = -1
-        options.append([change])
     rows = min(ppo.micro_batch_size, ppo.mini_batch_size // ppo.world_size)
     current = ppo.max_tokens_per_micro_batch or rows * seq
     budgets = sorted({2 ** k for k in range(10, 20) if seq <= 2 ** k < current} |
@@ -276,6 +275,11 @@ def _options(cfg: RunConfig) -> List[List[dict]]:
         options.append([{"max_tokens_per_micro_batch": b} for b in budgets])
     if not ppo.gradient_checkpointing:  # after a budget: recomputing every block costs a third more compute
         options.append([{"gradient_checkpointing": True}])
+    if not ppo.lora_rank:
+        change = {"lora_rank": LORA_SUGGESTION}
+        if ppo.uses_critic and ppo.critic_lora_rank == 0:
+            change["critic_lora_rank"] = -1
+        options.append([change])
     if not ppo.max_tokens_per_micro_batch:
         smaller = [d for d in range(ppo.micro_batch_size - 1, 0, -1) if ppo.mini_batch_size % d == 0]
         if smaller:
@@ -288,7 +292,10 @@ def _options(cfg: RunConfig) -> List[List[dict]]:
 
 
 def _bindings(change: dict) -> List[str]:
-    return [f"ppo.{k} = {v!r}" for k, v in change.items()]
+    """The change as bindings, LoRA's first: of a combination it is the change that matters most."""
+    first = ("lora_rank", "critic_lora_rank")
+    order = sorted(change, key=lambda k: (k not in first, first.index(k) if k in first else 0))
+    return [f"ppo.{k} = {change[k]!r}" for k in order]
 
 
 def suggest(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShape], *, available: int,
@@ -384,3 +391,39 @@ def preflight(cfg: RunConfig, model_dir: Optional[str | Path], device: Optional[
     plan = check(cfg, policy, reward_model, available=int(free), device_total=int(total))
     log(f"memory plan (predicted): the run {plan.verdict()}")
     return plan
+
+
+# ====================================================================== measured: a phase that ran out anyway
+UPDATE_PHASES = ("update_actor", "update_critic")
+FORWARD_PHASES = ("reference", "old_logprobs", "values", "reward_model")
+
+
+def relief(cfg: RunConfig, phase: str) -> str:
+    """The binding that most directly shrinks what `phase` holds, for the line of a phase that ran out
+    of GPU memory: a smaller micro-batch of that phase (its token budget halved while a whole sequence
+    still fits), gradient checkpointing for an update, or vLLM asleep for what the awake engine takes."""
+    ppo = cfg.ppo
+    seq = ppo.max_prompt_length + ppo.max_response_length
+    if phase == "reward_model":
+        return f"reward.micro_batch_size = {max(1, cfg.reward.micro_batch_size // 2)}"
+    if phase in UPDATE_PHASES:
+        if ppo.max_tokens_per_micro_batch and ppo.max_tokens_per_micro_batch // 2 >= seq:
+            return f"ppo.max_tokens_per_micro_batch = {ppo.max_tokens_per_micro_batch // 2}"
+        if not ppo.gradient_checkpointing:
+            return "ppo.gradient_checkpointing = True"
+        if not ppo.max_tokens_per_micro_batch and ppo.micro_batch_size > 1:
+            return f"ppo.micro_batch_size = {ppo.micro_batch_size // 2}"
+    if phase in FORWARD_PHASES:
+        budget = ppo.forward_max_tokens
+        if budget and budget // 2 >= max(seq, ppo.max_tokens_per_micro_batch):
+            return f"ppo.forward_max_tokens_per_micro_batch = {budget // 2}"
+        if budget and ppo.max_tokens_per_micro_batch // 2 >= seq:
+            return f"ppo.max_tokens_per_micro_batch = {ppo.max_tokens_per_micro_batch // 2}"
+        if not budget and ppo.forward_batch_size > 1:
+            return f"ppo.forward_micro_batch_size = {ppo.forward_batch_size // 2}"
+    if phase == "generate" and ppo.rollout_backend == "hf" and ppo.rollout_micro_batch_size > 1:
+        return (f"ppo.rollout_micro_batch_size = {ppo.rollout_micro_batch_size // 2} (and ppo.num_rollout_batches "
+                f"= {ppo.num_rollout_batches * 2} for the same prompts an iteration)")
+    if ppo.rollout_backend == "vllm" and ppo.vllm_sleep is not True:
+        return "ppo.vllm_sleep = True"
+    return "a smaller model, or ppo.world_size > 1 (the model sharded over more GPUs)"

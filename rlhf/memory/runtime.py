@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from rlhf.memory.formulas import GIB, engine_bytes
-from rlhf.memory.plan import resolve_auto
+from rlhf.memory.plan import SAFETY_MARGIN, resolve_auto
 
 if TYPE_CHECKING:
     from rlhf.memory.plan import MemoryPlan
@@ -63,7 +63,8 @@ def plan_memory(offload_mode, sleep_mode, role_bytes: Dict[str, int], available:
     need = sum(role_bytes.values())
     predicted = headroom is not None
     headroom = int(ACTIVATION_HEADROOM * total) if headroom is None else int(headroom)
-    fits = need + headroom <= available
+    # The predicted plan's margin (rlhf/memory/plan.py SAFETY_MARGIN), so that both decide alike.
+    fits = need + headroom <= available - SAFETY_MARGIN * total
     offload, sleep = resolve_auto(offload_mode, sleep_mode, fits, can_offload)
     reason = (f"the roles need {need / GIB:.2f} GiB resident + {headroom / GIB:.1f} GiB "
               f"{'predicted activations and reserve' if predicted else 'headroom'} of {available / GIB:.1f} GiB "

@@ -25,7 +25,7 @@ from rlhf.errors import ConfigError
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 # Environment the ranks need wherever they run (a joined cluster does not inherit this process's).
 FORWARDED_ENV = ("RLHF_CACHE", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "TRANSFORMERS_OFFLINE",
-                 "WANDB_MODE", *numerics.FORWARDED_ENV)
+                 "WANDB_MODE", "PYTORCH_CUDA_ALLOC_CONF", *numerics.FORWARDED_ENV)
 PLACEMENT_TIMEOUT_S = 300
 PROBE_TIMEOUT_S = 5.0
 """How long a cluster's address may take to accept a connection, and then to answer as a Ray cluster's

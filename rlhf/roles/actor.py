@@ -113,7 +113,7 @@ class Actor(TrainedRole):
 
     def _logprobs(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.model.eval()
-        max_tokens = self.cfg.max_tokens_per_micro_batch
+        max_tokens = self.cfg.forward_max_tokens
         logps, ents = [], []
         for micro in micro_batches(on_device(batch, self.device, max_tokens), self.cfg.forward_batch_size, max_tokens,
                                    self.ranks):
@@ -222,6 +222,12 @@ class Actor(TrainedRole):
     def release_memory(self) -> None:
         """Lets the backend free what it holds until the next sync (vLLM: sleep mode)."""
         self.rollout.release_memory()
+
+    @dispatch(ALL)
+    def rollout_asleep_bytes(self) -> int:
+        """What torch counts of the sleeping rollout engine but the device does not hold (`asleep_bytes`;
+        the first rank's, as the ranks of one GPU each are alike)."""
+        return self.rollout.asleep_bytes()
 
     @dispatch(ALL)
     def set_rollout_sleep(self, enabled: bool) -> None:

@@ -71,7 +71,7 @@ class Critic(TrainedRole):
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """V(prompt + response[:t]) for every response position t, [B, R]."""
         self.model.eval()
-        max_tokens = self.cfg.max_tokens_per_micro_batch
+        max_tokens = self.cfg.forward_max_tokens
         return torch.cat([response_values(self.model, m, self.device, self.autocast_dtype) for m in micro_batches(
             on_device(batch, self.device, max_tokens), self.cfg.forward_batch_size, max_tokens, self.ranks)]).cpu()
 

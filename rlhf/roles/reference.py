@@ -26,7 +26,7 @@ class Reference(Role):
         self.model = ctx.place(use_packed_attention(model)).eval().requires_grad_(False)
         self.temperature = ppo.temperature
         self.micro_batch_size = ppo.forward_batch_size
-        self.max_tokens = ppo.max_tokens_per_micro_batch
+        self.max_tokens = ppo.forward_max_tokens
         self.fused = ppo.torch_compile and self.device.type == "cuda"  # as the actor's forward
         if self.fused:
             compile_layers(self.model)

@@ -10,7 +10,7 @@ import torch
 from rlhf.attention import use_packed_attention
 from rlhf.config import PPOConfig
 from rlhf.models import enable_gradient_checkpointing, is_lora
-from rlhf.roles.compiled import compile_layers
+from rlhf.roles.compiled import compile_layers, fuse_lora
 from rlhf.roles.dispatch import ALL, dispatch
 from rlhf.roles.optimizer import build_optimizer, build_scheduler
 
@@ -52,6 +52,8 @@ class TrainedRole(Role):
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.model = ctx.place(use_packed_attention(model))
+        if self.lora and self.device.type == "cuda":
+            fuse_lora(self.model)
         self.fused = cfg.torch_compile and self.device.type == "cuda"
         if self.fused:
             compile_layers(self.model)

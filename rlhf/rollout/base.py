@@ -139,6 +139,11 @@ class RolloutBackend(Protocol):
     def set_sleep(self, enabled: bool) -> None:
         """Whether `release_memory` frees anything (a backend without a sleep mode ignores it)."""
 
+    def asleep_bytes(self) -> int:
+        """Bytes torch's memory statistics count for the backend that are not on the device while it
+        sleeps (vLLM's sleep-mode pool: its blocks stay allocated to torch, their memory released)."""
+        return 0
+
 
 def decode_responses(tokenizer, batch: Batch) -> List[str]:
     """Response text without the EOS and padding."""

@@ -38,6 +38,9 @@ class HFRollout:
     def set_sleep(self, enabled: bool) -> None:
         return None
 
+    def asleep_bytes(self) -> int:
+        return 0
+
     def generate_calls(self, requests: Sequence[tuple], sampling: SamplingParams) -> List[Batch]:
         """One `generate` per (prompts, seed), in turn."""
         return [self.generate(prompts, sampling, seed) for prompts, seed in requests]

@@ -167,6 +167,15 @@ class VLLMRollout:
             self.llm.sleep(level=1)
             self.asleep = True
 
+    def asleep_bytes(self) -> int:
+        """While asleep: the bytes of vLLM's sleep-mode pool, which torch's statistics still count as
+        allocated though their memory is released (its weights are on the host, its KV cache gone)."""
+        if not self.asleep:
+            return 0
+        import importlib
+        cumem: Any = importlib.import_module("vllm.device_allocator.cumem")  # vLLM's own sleep-mode pool
+        return int(cumem.CuMemAllocator.get_instance().get_current_usage())
+
     @torch.no_grad()
     def sync_weights(self, model) -> None:
         """Loads the trainer's HF-named weights into the running engine; no rebuild, no recompile.

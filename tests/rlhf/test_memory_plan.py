@@ -105,7 +105,7 @@ def test_full_fine_tuning_keeps_16_bytes_a_parameter_per_trained_role():
     assert plan.roles["reference"].resident == 4 * 494_032_768
 
 
-@pytest.mark.parametrize("result", ["lora7b_recipe_h200.json", "instruct05b_recipe_h200.json"])
+@pytest.mark.parametrize("result", ["lora7b_recipe_gc16k_h200.json", "instruct05b_recipe_eager_h200.json"])
 def test_the_plan_lands_within_10_percent_of_every_measured_phase(result):
     """The shipped recipes run through `python -m rlhf.train` on one H200 (bench/recipe_run.py): the 7B
     shape under recipes/models/lora.gin (LoRA 64, checkpointing, 16384-token packed micro-batches, vLLM
@@ -151,7 +151,8 @@ def test_gradient_checkpointing_reduces_activations():
 
 def test_a_token_budget_caps_micro_batch_activations():
     shape = SHAPES["qwen2.5-7b"]
-    padded = memory.predict(instruct("ppo.micro_batch_size = 8", "ppo.max_tokens_per_micro_batch = 0"), shape,
+    padded = memory.predict(instruct("ppo.micro_batch_size = 8", "ppo.max_tokens_per_micro_batch = 0",
+                                    "ppo.forward_max_tokens_per_micro_batch = 0"), shape,
                             available=H200)
     budget = memory.predict(instruct("ppo.micro_batch_size = 8", "ppo.max_tokens_per_micro_batch = 4096"), shape,
                             available=H200)
@@ -207,7 +208,7 @@ def test_7b_full_fine_tuning_does_not_fit_one_gpu_and_the_error_names_lora():
 
 def test_suggestions_combine_changes_when_no_single_one_fits():
     cfg, shape = (instruct("ppo.micro_batch_size = 16", "ppo.mini_batch_size = 16",
-                           "ppo.max_tokens_per_micro_batch = 0"),
+                           "ppo.max_tokens_per_micro_batch = 0", "ppo.forward_max_tokens_per_micro_batch = 0"),
                   SHAPES["qwen2.5-7b"])
     bindings, plan = memory.suggest(cfg, shape, None, available=int(60 * GIB))
     # No single change fits; of the pairs, LoRA with the largest token budget that fits comes first.
@@ -215,7 +216,7 @@ def test_suggestions_combine_changes_when_no_single_one_fits():
     assert not memory.predict(instruct("ppo.micro_batch_size = 16", "ppo.mini_batch_size = 16", "ppo.lora_rank = 64",
                                        "ppo.max_tokens_per_micro_batch = 4096"), shape, available=int(60 * GIB)).fits
     assert memory.suggest(cfg, shape, None, available=int(20 * GIB)) is None
-    with pytest.raises(ConfigError, match="no change of ppo.lora_rank, .* makes it fit"):
+    with pytest.raises(ConfigError, match="no change of .*ppo.lora_rank.* makes it fit"):
         memory.check(cfg, shape, available=int(20 * GIB))
 
 
@@ -272,7 +273,7 @@ def test_memory_command_exits_2_with_the_fix_on_a_config_json_only_model(tmp_pat
                            f"model.name_or_path = '{model}'", "--gpu-memory-gib", "139"],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert good.returncode == 0, good.stderr
-    assert "verdict: the run needs 89.7 GiB on a 139.0 GiB GPU: it fits" in good.stdout
+    assert "verdict: the run needs 93.5 GiB on a 139.0 GiB GPU: it fits" in good.stdout
     assert "reference" in good.stdout and "the actor's base, adapter off" in good.stdout
 
 
