@@ -1,11 +1,14 @@
 """Shared test set-up: runs are subprocesses of the real engine; the tiny default's SFT warm
 start is built once (cached under RLHF_CACHE) and reused by every test."""
 
+import contextlib
+import functools
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,13 +28,39 @@ from rlhf import numerics  # noqa: E402
 numerics.apply()
 
 
-def run_train(args, timeout=900, check=True, cwd=REPO):
+def run_train(args, timeout=900, check=True, cwd=REPO, env=None):
     """Runs `python -m rlhf.train ARGS` and returns the CompletedProcess."""
     proc = subprocess.run([sys.executable, "-m", "rlhf.train", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"rlhf.train failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
+
+
+def side_by_side(*calls):
+    """Calls each function (no arguments) at once, each in a thread; their results in order, the first
+    failure raised. For independent engine runs: the tiny default's engine computes on one thread
+    (ppo.torch_threads = 1), so runs one after another leave every other core idle."""
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]
+
+
+def run_trains(*arg_lists, **kw):
+    """`run_train` of several independent runs at once (`side_by_side`); their CompletedProcesses in order."""
+    return side_by_side(*(functools.partial(run_train, args, **kw) for args in arg_lists))
+
+
+@contextlib.contextmanager
+def meanwhile(*arg_lists, **kw):
+    """`run_train` of each ARGS in the background while the with-block runs (a reference run beside the
+    run the block interrupts or damages, say), on the cores the block leaves idle; the block's end waits
+    for them and raises their failure. Yields their futures (`.result()`: the CompletedProcess)."""
+    with ThreadPoolExecutor(max_workers=len(arg_lists)) as pool:
+        futures = [pool.submit(run_train, args, **kw) for args in arg_lists]
+        yield futures
+        for future in futures:
+            future.result()
 
 
 @pytest.fixture(scope="session")

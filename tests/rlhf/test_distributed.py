@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rlhf.metrics import read_metrics
-from tests.conftest import REPO, assert_same_metrics, run_train
+from tests.conftest import REPO, assert_same_metrics, run_train, side_by_side
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -51,17 +51,23 @@ def assert_same_checkpoint(a, b):
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ws1")
-    train([], out, cwd=out)
-    return out
+def runs(cluster, tmp_path_factory):
+    """The run in one process and the same run as two ranks on the cluster, side by side: their run dirs."""
+    single, two_ranks = tmp_path_factory.mktemp("ws1"), tmp_path_factory.mktemp("ws2")
+    side_by_side(lambda: train([], single, cwd=single),
+                 lambda: train(["-b", "ppo.world_size = 2", "--ray-address", cluster.address], two_ranks,
+                               cwd=two_ranks))
+    return single, two_ranks
 
 
 @pytest.fixture(scope="module")
-def two_ranks(cluster, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ws2")
-    train(["-b", "ppo.world_size = 2", "--ray-address", cluster.address], out, cwd=out)
-    return out
+def single(runs):
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(runs):
+    return runs[1]
 
 
 def test_world_size_2_on_two_nodes_equals_world_size_1(single, two_ranks):
@@ -104,13 +110,14 @@ def test_distributed_checkpoint_starts_a_single_process_run(two_ranks, tmp_path)
 
 
 def test_placement_that_cannot_fit_fails_before_compute(cluster, tmp_path):
-    proc = train(["-b", "ppo.world_size = 2", "-b", "ppo.cpus_per_rank = 4", "--ray-address", cluster.address],
-                 tmp_path / "run", cwd=tmp_path, check=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "ppo.world_size = 2" in proc.stderr and "8 CPU (the cluster has 2)" in proc.stderr
-    proc = train(["-b", "ppo.world_size = 2", "-b", "ppo.placement = 'local'"], tmp_path / "run2", cwd=tmp_path,
-                 check=False)
-    assert proc.returncode == 2 and "ppo.placement = 'local' is invalid" in proc.stderr
+    big, local = side_by_side(
+        lambda: train(["-b", "ppo.world_size = 2", "-b", "ppo.cpus_per_rank = 4", "--ray-address", cluster.address],
+                      tmp_path / "run", cwd=tmp_path, check=False),
+        lambda: train(["-b", "ppo.world_size = 2", "-b", "ppo.placement = 'local'"], tmp_path / "run2", cwd=tmp_path,
+                      check=False))
+    assert big.returncode == 2, big.stderr[-2000:]
+    assert "ppo.world_size = 2" in big.stderr and "8 CPU (the cluster has 2)" in big.stderr
+    assert local.returncode == 2 and "ppo.placement = 'local' is invalid" in local.stderr
 
 
 LORA = ["-b", "ppo.lora_rank = 8", "-b", "ppo.actor_learning_rate = 1e-3", "-b", "ppo.critic_learning_rate = 3e-3"]
@@ -130,12 +137,13 @@ def test_lora_on_ray_equals_one_process(cluster, tmp_path_factory, placement):
     """LoRA in every placement: two FSDP2 ranks over gloo (frozen base and adapters sharded), or
     each role in processes of its own; the reference is the actor's base with the adapter off."""
     single = tmp_path_factory.getbasetemp() / "lora-ws1"
-    if not (single / "summary.json").is_file():
-        train(LORA, single, cwd=tmp_path_factory.getbasetemp())
     out = tmp_path_factory.mktemp(f"lora-{placement}")
     where = (["-b", "ppo.world_size = 2"] if placement == "world_size_2" else
              ["-b", "ppo.placement = 'split'", "-b", "ppo.cpus_per_rank = 0.5"])
-    train([*LORA, *where, "--ray-address", cluster.address], out, cwd=out)
+    runs = [lambda: train([*LORA, *where, "--ray-address", cluster.address], out, cwd=out)]
+    if not (single / "summary.json").is_file():  # the one-process run, beside the first placement's
+        runs.append(lambda: train(LORA, single, cwd=tmp_path_factory.getbasetemp()))
+    side_by_side(*runs)
     assert_same_metrics(read_metrics(single / "metrics.jsonl"), read_metrics(out / "metrics.jsonl"))
     assert_same_adapters(single / "checkpoints" / "step_3", out / "checkpoints" / "step_3")
     roles = json.loads((out / "provenance.json").read_text())["placement"]["roles"]

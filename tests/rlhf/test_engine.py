@@ -6,7 +6,7 @@ import pytest
 
 from rlhf.metrics import read_metrics
 from rlhf.provenance import hash_directory
-from tests.conftest import kill_when, run_train
+from tests.conftest import kill_when, meanwhile, run_train, run_trains
 
 SHORT = ["-b", "ppo.total_steps = 6", "-b", "ppo.eval_every = 3", "-b", "ppo.save_every = 3",
          "-b", "task.eval_size = 32", "--quiet"]
@@ -78,8 +78,8 @@ def test_checkpoints_hold_no_pickle(seed0_run):
 
 
 def test_same_seed_same_numbers_different_seed_different(seed0_run, tmp_path):
-    run_train(["recipes/tiny.gin", *SHORT, "--out", tmp_path / "again"])
-    run_train(["recipes/tiny.gin", *SHORT, "-b", "ppo.seed = 1", "--out", tmp_path / "seed1"])
+    run_trains(["recipes/tiny.gin", *SHORT, "--out", tmp_path / "again"],
+               ["recipes/tiny.gin", *SHORT, "-b", "ppo.seed = 1", "--out", tmp_path / "seed1"])
     a = comparable(read_metrics(seed0_run / "metrics.jsonl"))
     assert a == comparable(read_metrics(tmp_path / "again" / "metrics.jsonl"))
     b = comparable(read_metrics(tmp_path / "seed1" / "metrics.jsonl"))
@@ -93,12 +93,12 @@ def test_same_seed_same_numbers_different_seed_different(seed0_run, tmp_path):
 def test_killed_run_resumes_to_identical_metrics(tmp_path):
     args = ["recipes/tiny.gin", "-b", "ppo.total_steps = 12", "-b", "ppo.eval_every = 4", "-b", "ppo.save_every = 4",
             "-b", "task.eval_size = 32", "--quiet"]
-    run_train([*args, "--out", tmp_path / "whole"])
     out = tmp_path / "killed"
-    kill_when(args, out, "step_4")
-    assert not (out / "checkpoints" / "step_12").exists(), "the run finished before it could be killed"
-    assert not (out / "summary.json").exists()
-    run_train([*args, "--out", out, "--resume"])
+    with meanwhile([*args, "--out", tmp_path / "whole"]):  # the uninterrupted run, beside the killed one
+        kill_when(args, out, "step_4")
+        assert not (out / "checkpoints" / "step_12").exists(), "the run finished before it could be killed"
+        assert not (out / "summary.json").exists()
+        run_train([*args, "--out", out, "--resume"])
     assert (comparable(read_metrics(out / "metrics.jsonl"))
             == comparable(read_metrics(tmp_path / "whole" / "metrics.jsonl")))
     whole = json.loads((tmp_path / "whole" / "summary.json").read_text())

@@ -18,7 +18,7 @@ from rlhf.roles.actor import Actor
 from rlhf.roles.critic import Critic
 from rlhf.roles.reference import Reference
 from rlhf.tiny import build_char_tokenizer, build_tiny_model
-from tests.conftest import REPO, VOLATILE, kill_when, run_train
+from tests.conftest import REPO, VOLATILE, kill_when, meanwhile, run_train, run_trains
 from tests.rlhf.test_grad_accumulation import make_batch
 
 CPU = DeviceContext(torch.device("cpu"))
@@ -155,13 +155,14 @@ def test_checkpoint_holds_peft_adapters_that_peft_loads(lora_run, tmp_path):
 
 def test_init_from_a_lora_checkpoint_continues_its_adapters(lora_run, tmp_path):
     ckpt = lora_run / "checkpoints" / "step_6"
-    run_train(["recipes/tiny.gin", *LORA, "-b", "ppo.total_steps = 1", "-b", "task.eval_size = 32", "--quiet",
-               "-b", f"ppo.init_from = '{ckpt}'", "--out", tmp_path / "next"])
+    # LoRA from a LoRA checkpoint continues its adapters; full fine-tuning from it starts from the merged
+    # policy (the two runs side by side).
+    run_trains(["recipes/tiny.gin", *LORA, "-b", "ppo.total_steps = 1", "-b", "task.eval_size = 32", "--quiet",
+                "-b", f"ppo.init_from = '{ckpt}'", "--out", tmp_path / "next"],
+               ["recipes/tiny.gin", "-b", "ppo.total_steps = 1", "-b", "task.eval_size = 32", "--quiet",
+                "-b", f"ppo.init_from = '{ckpt}'", "--out", tmp_path / "full"])
     first = read_metrics(tmp_path / "next" / "metrics.jsonl")[0]
     assert first["eval/greedy_accuracy"] == read_metrics(lora_run / "metrics.jsonl")[-1]["eval/greedy_accuracy"]
-    # Full fine-tuning from a LoRA checkpoint starts from the merged policy.
-    run_train(["recipes/tiny.gin", "-b", "ppo.total_steps = 1", "-b", "task.eval_size = 32", "--quiet",
-               "-b", f"ppo.init_from = '{ckpt}'", "--out", tmp_path / "full"])
     first = read_metrics(tmp_path / "full" / "metrics.jsonl")[0]
     assert first["eval/greedy_accuracy"] == read_metrics(lora_run / "metrics.jsonl")[-1]["eval/greedy_accuracy"]
     proc = run_train(["recipes/tiny.gin", "-b", "ppo.lora_rank = 4", "-b", "ppo.total_steps = 1", "--quiet",
@@ -172,11 +173,11 @@ def test_init_from_a_lora_checkpoint_continues_its_adapters(lora_run, tmp_path):
 def test_killed_lora_run_resumes_to_identical_metrics(tmp_path):
     args = ["recipes/tiny.gin", *LORA, "-b", "ppo.total_steps = 8", "-b", "ppo.eval_every = 4",
             "-b", "ppo.save_every = 4", "-b", "task.eval_size = 32", "--quiet"]
-    run_train([*args, "--out", tmp_path / "whole"])
     out = tmp_path / "killed"
-    kill_when(args, out, "step_4")
-    assert not (out / "checkpoints" / "step_8").exists(), "the run finished before it could be killed"
-    run_train([*args, "--out", out, "--resume"])
+    with meanwhile([*args, "--out", tmp_path / "whole"]):  # the uninterrupted run, beside the killed one
+        kill_when(args, out, "step_4")
+        assert not (out / "checkpoints" / "step_8").exists(), "the run finished before it could be killed"
+        run_train([*args, "--out", out, "--resume"])
     assert (comparable(read_metrics(out / "metrics.jsonl"))
             == comparable(read_metrics(tmp_path / "whole" / "metrics.jsonl")))
     for name in ("actor/adapter_model.safetensors", "critic/adapter_model.safetensors", "actor_optim.safetensors"):
@@ -188,8 +189,8 @@ def test_killed_lora_run_resumes_to_identical_metrics(tmp_path):
 def test_gradient_checkpointing_gives_the_same_metrics(tmp_path, lora):
     args = ["recipes/tiny.gin", *(LORA if lora else []), "-b", "ppo.total_steps = 3", "-b", "ppo.eval_every = 3",
             "-b", "task.eval_size = 32", "--quiet"]
-    run_train([*args, "--out", tmp_path / "plain"])
-    run_train([*args, "-b", "ppo.gradient_checkpointing = True", "--out", tmp_path / "ckpt"])
+    run_trains([*args, "--out", tmp_path / "plain"],
+               [*args, "-b", "ppo.gradient_checkpointing = True", "--out", tmp_path / "ckpt"])
     a, b = (comparable(read_metrics(d / "metrics.jsonl")) for d in (tmp_path / "plain", tmp_path / "ckpt"))
     assert a == b
 

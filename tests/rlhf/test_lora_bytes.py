@@ -4,6 +4,8 @@ adapter_config.json and manifest.json files until the list was sorted. And a LoR
 its adapter only at the rank and lora_alpha it was trained with."""
 
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 from tests.conftest import run_train
 
@@ -13,14 +15,15 @@ FILES = ("actor/adapter_config.json", "critic/adapter_config.json", "actor/adapt
          "critic/adapter_model.safetensors", "manifest.json")
 
 
-def test_two_lora_runs_write_the_same_bytes_and_an_adapter_restarts_at_its_own_alpha(tmp_path, monkeypatch):
-    runs = []
-    for hash_seed in ("1", "2"):  # two processes whose set orders differ
-        monkeypatch.setenv("PYTHONHASHSEED", hash_seed)
+def test_two_lora_runs_write_the_same_bytes_and_an_adapter_restarts_at_its_own_alpha(tmp_path):
+    def run(hash_seed):
         out = tmp_path / f"run{hash_seed}"
         run_train(["recipes/tiny.gin", *LORA, "-b", "ppo.lora_target_modules = ['v_proj', 'q_proj', 'o_proj']",
-                   "--out", out])
-        runs.append(out / "checkpoints" / "step_2")
+                   "--out", out], env=dict(os.environ, PYTHONHASHSEED=hash_seed))
+        return out / "checkpoints" / "step_2"
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two processes whose set orders differ, side by side
+        runs = list(pool.map(run, ("1", "2")))
     for name in FILES:
         assert (runs[0] / name).read_bytes() == (runs[1] / name).read_bytes(), name
     config = json.loads((runs[0] / "actor" / "adapter_config.json").read_text())

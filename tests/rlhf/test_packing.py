@@ -24,7 +24,7 @@ from rlhf.roles.critic import Critic
 from rlhf.roles.forward import response_logprobs
 from rlhf.roles.reference import Reference
 from rlhf.tiny import build_char_tokenizer, build_tiny_model
-from tests.conftest import REPO, assert_same_metrics, run_train
+from tests.conftest import REPO, assert_same_metrics, run_train, side_by_side
 
 CPU = DeviceContext(torch.device("cpu"))
 P, R = 30, 40  # prompt and response widths of the uneven batch
@@ -335,17 +335,22 @@ SHORT = ["-b", "ppo.total_steps = 3", "-b", "ppo.eval_every = 3", "-b", "ppo.sav
          "-b", "task.eval_size = 32", "--quiet"]
 BUDGET = ["-b", "ppo.max_tokens_per_micro_batch = 40"]  # the tiny recipe: 14 tokens at most a sequence
 @pytest.fixture(scope="module")
-def padded_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("padded")
-    run_train([REPO / "recipes" / "tiny.gin", *SHORT, "--out", out], cwd=out)
-    return out
+def engine_runs(tmp_path_factory):
+    """The short run without a budget and with one, side by side: their run dirs."""
+    padded, budget = tmp_path_factory.mktemp("padded"), tmp_path_factory.mktemp("budget")
+    side_by_side(lambda: run_train([REPO / "recipes" / "tiny.gin", *SHORT, "--out", padded], cwd=padded),
+                 lambda: run_train([REPO / "recipes" / "tiny.gin", *SHORT, *BUDGET, "--out", budget], cwd=budget))
+    return padded, budget
 
 
 @pytest.fixture(scope="module")
-def budget_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("budget")
-    run_train([REPO / "recipes" / "tiny.gin", *SHORT, *BUDGET, "--out", out], cwd=out)
-    return out
+def padded_run(engine_runs):
+    return engine_runs[0]
+
+
+@pytest.fixture(scope="module")
+def budget_run(engine_runs):
+    return engine_runs[1]
 
 
 def test_engine_with_a_budget_matches_the_engine_without(padded_run, budget_run):

@@ -15,7 +15,7 @@ import pytest
 
 from rlhf.metrics import read_metrics
 from rlhf.run_dir import RUN_LOCK, DirLock, LockBusy, is_locked
-from tests.conftest import REPO, run_train
+from tests.conftest import REPO, run_train, run_trains
 from tests.rlhf.test_faults import one_error_line
 
 ARGS = ["recipes/tiny.gin", "-b", "ppo.total_steps = 3", "-b", "ppo.eval_every = 3", "-b", "ppo.save_every = 1",
@@ -154,8 +154,7 @@ def test_two_runs_of_one_config_write_the_same_bytes_outside_the_machine_records
     from rlhf.run_dir import MACHINE_RECORDS
 
     outs = [tmp_path / "a", tmp_path / "b"]
-    for out in outs:
-        run_train([*ARGS, "-b", "ppo.save_every = 3", "--out", out])
+    run_trains(*([*ARGS, "-b", "ppo.save_every = 3", "--out", out] for out in outs))  # side by side
     files = [{k: v[0] for k, v in snapshot(out).items() if Path(k).name not in MACHINE_RECORDS} for out in outs]
     assert files[0].keys() == files[1].keys() and "checkpoints/step_3/state.json" in files[0]
     assert [k for k in files[0] if files[0][k] != files[1][k]] == []

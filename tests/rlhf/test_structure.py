@@ -3,12 +3,13 @@ roles' own dispatch declarations, and every method called on a role declared on 
 type checker holds the calls to the protocols: the proxies are typed as them)."""
 
 import ast
+import functools
 import re
 import subprocess
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, side_by_side
 from tests.import_graph import cycles, import_graph, imports, loaded_packages, module_name
 
 RLHF = REPO / "rlhf"
@@ -37,12 +38,30 @@ def test_no_library_module_imports_an_entry_point():
     assert "rlhf.errors" in graph["rlhf.train"] and graph["rlhf.errors"] == set()
 
 
-@pytest.mark.parametrize("module", ["rlhf.rollout.vllm", "rlhf.rollout.hf", "rlhf.placement.ray_roles",
-                                    "rlhf.placement.host", "rlhf.roles.actor", "rlhf.trainer"])
-def test_each_module_imports_on_its_own_and_loads_no_optional_system(module):
+ALONE = ["rlhf.rollout.vllm", "rlhf.rollout.hf", "rlhf.placement.ray_roles", "rlhf.placement.host", "rlhf.roles.actor",
+         "rlhf.trainer"]
+
+
+def _loaded_or_error(module):
+    try:
+        return loaded_packages(module)
+    except AssertionError as err:  # the import failed: that module's test fails with it
+        return err
+
+
+@pytest.fixture(scope="module")
+def loaded_alone():
+    """`loaded_packages` of each module of ALONE, their fresh interpreters side by side."""
+    return dict(zip(ALONE, side_by_side(*(functools.partial(_loaded_or_error, m) for m in ALONE))))
+
+
+@pytest.mark.parametrize("module", ALONE)
+def test_each_module_imports_on_its_own_and_loads_no_optional_system(module, loaded_alone):
     """Each imports alone, and loads neither the manager, W&B nor DVC (the engine never imports
     them), nor vLLM or Ray: those load when a run builds the vLLM backend or a Ray placement."""
-    loaded = loaded_packages(module)
+    loaded = loaded_alone[module]
+    if isinstance(loaded, Exception):
+        raise loaded
     assert "torch" in loaded and module.split(".")[0] in loaded  # the check sees what was loaded
     assert loaded & {"experiments", "wandb", "dvc", "vllm", "ray"} == set()
 
