@@ -317,3 +317,12 @@ def test_a_refused_run_names_a_binding_that_fits_and_keeps_the_fast_path():
         memory.check(run_config(max_response_length=2048, micro_batch_size=32), shape, available=H200)
     found = memory.suggest(instruct("ppo.gradient_checkpointing = False"), SHAPES["qwen2.5-7b"], None, available=H200)
     assert found is not None and found[0] == ["ppo.lora_rank = 64", "ppo.max_tokens_per_micro_batch = 8192"]
+
+
+@pytest.mark.parametrize("recipe, shape", [("lora.gin", "qwen2.5-7b"), ("multi_gpu.gin", "qwen2.5-7b"),
+                                           ("instruct.gin", "qwen2.5-0.5b")])
+def test_each_shipped_model_recipe_fits_its_shape_on_an_h200(recipe, shape):
+    """A shipped recipe at the shape its header names is not refused by its own plan (139 GiB GPUs)."""
+    cfg, _ = configurable.resolve(REPO / "recipes" / "models" / recipe, ["model.name_or_path = '/models/policy'"])
+    plan = memory.check(cfg, SHAPES[shape], available=H200)
+    assert plan.fits and not plan.slim, plan.verdict()
