@@ -25,7 +25,9 @@ finishes over several. The JSON (rewritten at the end of every call) holds the c
 completed, the median iteration and per-phase times over the iterations after the first, tokens/s
 (prompt + response tokens of an iteration over its wall time), and for each phase the memory plan's
 prediction (`python -m rlhf.memory`: resident roles + awake engine + the phase's micro-batch) beside
-the peak torch measured (`perf/memory_gb/<phase>`).
+the peaks torch measured, allocated (`perf/memory_gb/<phase>`) and reserved (`perf/memory_reserved_gb/<phase>`),
+beside the plan's figures for each (`planned_gb`, `planned_reserved_gb`). `bindings` (-b) are recorded, and
+`--replan` uses them: a result stays the plan of the configuration it measured when the recipe changes.
 """
 
 from __future__ import annotations
