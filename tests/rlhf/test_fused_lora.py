@@ -11,16 +11,22 @@ from rlhf.models import add_lora
 from rlhf.roles.compiled import fuse_lora
 
 
-def test_fused_adapters_compute_what_peft_computes():
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+def peft_and_fused(seed: int, hidden: int, layers: int, b_std: float):
+    """A tiny Qwen2 with peft LoRA adapters (B drawn, not peft's zeros) and its copy with `fuse_lora`."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2)
     peft_model = add_lora(Qwen2ForCausalLM(config), 8, 16.0, 0.0, "all-linear")
     for name, p in peft_model.named_parameters():
         if "lora_B" in name:  # peft starts B at zero: give the adapters something to add
-            torch.nn.init.normal_(p)
+            torch.nn.init.normal_(p, std=b_std)
     fused = copy.deepcopy(peft_model)
-    assert fuse_lora(fused) == 2 * 7  # every adapted projection of both blocks
+    return peft_model, fused, fuse_lora(fused)
+
+
+def test_fused_adapters_compute_what_peft_computes():
+    peft_model, fused, count = peft_and_fused(0, 32, 2, 1.0)
+    assert count == 2 * 7  # every adapted projection of both blocks
     ids = torch.randint(0, 64, (2, 10))
     a, b = peft_model(ids).logits, fused(ids).logits
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
@@ -38,15 +44,7 @@ def test_fused_adapters_compute_what_peft_computes():
 
 
 def test_fused_adapters_under_bf16_autocast_stay_within_bf16_rounding():
-    torch.manual_seed(1)
-    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2)
-    peft_model = add_lora(Qwen2ForCausalLM(config), 8, 16.0, 0.0, "all-linear")
-    for name, p in peft_model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.1)
-    fused = copy.deepcopy(peft_model)
-    fuse_lora(fused)
+    peft_model, fused, _ = peft_and_fused(1, 64, 1, 0.1)
     ids = torch.randint(0, 64, (2, 12))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         a, b = peft_model(ids).logits.float(), fused(ids).logits.float()
