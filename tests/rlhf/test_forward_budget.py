@@ -1,5 +1,5 @@
 """The forward-only passes' own token budget (`ppo.forward_max_tokens_per_micro_batch`): what it
-accepts, what the memory plan makes of it, and that the roles' forward passes use it."""
+accepts and what the memory plan makes of it."""
 
 import pytest
 
@@ -34,12 +34,3 @@ def test_the_plan_sizes_the_forward_passes_by_their_budget_and_the_update_by_its
     assert larger.settings["forward_tokens_per_micro_batch"] == 32768
     assert larger.settings["tokens_per_micro_batch"] == 8192
 
-
-def test_the_roles_forward_passes_read_the_forward_budget():
-    """The actor's log-prob pass, the reference's and the critic's values cut micro-batches by it."""
-    import inspect
-
-    from rlhf.roles import actor, critic, reference
-    for module in (actor, critic, reference):
-        source = inspect.getsource(module)
-        assert "forward_max_tokens" in source, module.__name__
