@@ -10,7 +10,7 @@ the rollout itself: `VLLMRollout.generate` on 256 prompts x 256 prompt tokens x 
 
 - `off`: deterministic algorithms off (how the engine generated before overlap);
 - `on_fill`: on, with torch's NaN fill of every new tensor (torch's default under the flag);
-- `on`: on, without the fill (`rlhf.placement.context.deterministic_algorithms` on a GPU);
+- `on`: on, without the fill (`rlhf.determinism.deterministic_algorithms` on a GPU);
 
 and whether each mode gives the same tokens as `off`. Best of `--repeats` per mode.
 """

@@ -225,6 +225,13 @@ class PPOConfig:
     torch_compile: bool = False
     """GPU: compile the models' training and scoring forwards and the log-prob/entropy math with
     torch.compile (fuses the many small kernels of narrow models; the first steps compile)."""
+    deterministic: bool = True
+    """GPU: the updates' backward passes run torch's deterministic algorithms strictly, flash
+    attention's among them (its backward otherwise adds query gradients with atomics, so two runs
+    of one seed drift apart in the last bits from the first update). The same seed, config and
+    code then give the same numbers run after run (bench/results/determinism_h200.md). An op with
+    no deterministic kernel stops the run with one line naming it. False: flash attention's atomic
+    backward (the speed it costs is in the same file). CPU runs are deterministic either way."""
     torch_threads: int = 0
     """CPU threads for torch; on Ray, the threads of each rank. 0: one thread on a CPU run (the
     pinned numerics, rlhf/numerics.py), `GPU_TORCH_THREADS` (4) for a one-process GPU run, whose
@@ -317,7 +324,7 @@ class PPOConfig:
               "ppo.lora_target_modules", targets,
               "must be 'all-linear' or a non-empty list of module names such as ['q_proj', 'v_proj']")
         for name in ("adaptive_kl", "whiten_advantages", "grpo_normalize_std", "rollout_logprobs",
-                     "vllm_per_request_seeds", "torch_compile", "gradient_checkpointing"):
+                     "vllm_per_request_seeds", "torch_compile", "gradient_checkpointing", "deterministic"):
             check(isinstance(getattr(self, name), bool), f"ppo.{name}", getattr(self, name),
                   "must be True or False")
         check(isinstance(self.init_from, str), "ppo.init_from", self.init_from, "must be a path string")

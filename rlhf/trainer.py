@@ -30,11 +30,11 @@ from rlhf.batch import Batch
 from rlhf.chat import PromptRenderer, check_rows, prompt_key
 from rlhf.config import RunConfig
 from rlhf.data import Example, PromptSampler, check_prompt_lengths, dataset_hash, load_task
+from rlhf.determinism import deterministic_algorithms
 from rlhf.memory.formulas import GIB
 from rlhf.metrics import PERF_SUMMARY, MetricLogger, is_machine_metric, read_metrics, step_record, window_means
 from rlhf.models import check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles
-from rlhf.placement.context import deterministic_algorithms
 from rlhf.placement.proxy import submit
 from rlhf.rollout import SamplingParams, SeedStream, decode_responses, derive_seed, rollout_logprob_gap
 from rlhf.tiny import prepare_tiny

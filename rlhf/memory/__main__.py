@@ -97,8 +97,10 @@ def render(plan, cfg, policy, recipe: str, where: str) -> str:
     for p in plan.phases:
         lines.append(f"{p.name:<18}{_gib(p.resident):>10}{_gib(p.engine):>8}{_gib(p.transient):>13}"
                      f"{_gib(p.reserve):>9}{_gib(p.total):>8}" + ("  <- peak" if p is plan.peak else ""))
-    lines += ["", f"offload idle models: {'on' if plan.offload else 'off'}; vLLM sleep: "
-                  f"{'on' if plan.sleep else 'off'} ('auto' decided as the runtime decides)"]
+    def how(setting) -> str:
+        return "'auto', decided as the runtime decides" if setting == "auto" else f"set to {setting!r}"
+    lines += ["", f"offload idle models: {'on' if plan.offload else 'off'} ({how(ppo.offload_idle_models)}); "
+                  f"vLLM sleep: {'on' if plan.sleep else 'off'} ({how(ppo.vllm_sleep)})"]
     return "\n".join(lines)
 
 

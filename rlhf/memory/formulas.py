@@ -19,7 +19,7 @@ from rlhf.memory.shapes import ModelShape, lora_targets
 GIB = 2 ** 30
 
 def layer_activation_bytes(shape: ModelShape, act: int, lora_rank: int = 0, lora: Sequence[str] = (),
-                           frozen: bool = False) -> int:
+                           frozen: bool = False, compiled: bool = False) -> int:
     """Bytes one block keeps for its backward, per token: two RMSNorms' fp32 input and normalised
     output (16 h); under autocast each projection saves its own cast input (q/k/v: 3 h, gate/up:
     2 h); the q/k/v outputs, their rotary copies, the attention output and o_proj's input; the MLP's
@@ -33,12 +33,22 @@ def layer_activation_bytes(shape: ModelShape, act: int, lora_rank: int = 0, lora
     projections share once each (the adapters' A needs them: 2 h), the q/k/v copies the attention kernel
     keeps (q + 2 kv), its output, which is o_proj's input (q), the MLP's four (4 f) and each adapter's
     rank-r intermediate. Measured at the Qwen2.5-7B shape, 8192-token micro-batches without
-    checkpointing (bench/results/lora7b_recipe_h200.json): the actor's update held 53.6 GiB beside the
-    resident roles, this formula's plan 56.0."""
+    checkpointing (bench/results/lora7b_recipe_eager_h200.json): the actor's update held 53.6 GiB beside the
+    resident roles, this formula's plan 56.0 (compiled layers: 51.3).
+
+    `compiled` (`ppo.torch_compile` on a GPU), a trained base: torch.compile's partitioner saves what
+    the backward cannot cheaply recompute and recomputes the elementwise rest (the norms' outputs,
+    rotary, SiLU): each norm's fp32 input (8 h for two), the two shared projection inputs (2 h), the
+    attention kernel's q/k/v and output (2 q + 2 kv), the MLP's gate, up and product (3 f), and each
+    adapter's rank-r intermediate. Measured at the Qwen2.5-0.5B shape, 16384-token micro-batches
+    (bench/results/instruct05b_recipe_h200.json): the actor's update held 19.4 GiB beside the
+    resident roles, the plan 21.2 (the eager formula's: 36.0)."""
     h, f = shape.hidden_size, shape.intermediate_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     if frozen:
         return 8 * h + act * (2 * h + (q + 2 * kv) + q + 4 * f + lora_rank * len(lora))
+    if compiled:
+        return 8 * h + act * (2 * h + 2 * q + 2 * kv + 3 * f + lora_rank * len(lora))
     per_token = 16 * h + act * (3 * h + (q + 2 * kv) + (q + kv) + 2 * q + 2 * h + 4 * f)
     if lora_rank:
         lin = shape.linears()
@@ -47,39 +57,57 @@ def layer_activation_bytes(shape: ModelShape, act: int, lora_rank: int = 0, lora
 
 
 def saved_activation_bytes(shape: ModelShape, tokens: int, act: int, checkpointing: bool, lora_rank: int = 0,
-                           lora: Sequence[str] = (), residual: int = 4, frozen: bool = False) -> int:
+                           lora: Sequence[str] = (), residual: int = 4, frozen: bool = False,
+                           compiled: bool = False) -> int:
     """Activations kept from the forward to the backward of one micro-batch. Without gradient
     checkpointing every block's (`layer_activation_bytes`) plus the final norm's; with it each
     block keeps only its input hidden state (`residual` bytes a value: the weights' dtype, 2 for a
     bf16 LoRA base) and one block at a time is recomputed in full during the backward."""
-    layer = layer_activation_bytes(shape, act, lora_rank, lora, frozen) * tokens
+    layer = layer_activation_bytes(shape, act, lora_rank, lora, frozen, compiled) * tokens
     if checkpointing:
         return shape.num_layers * residual * shape.hidden_size * tokens + layer
     return shape.num_layers * layer + 8 * shape.hidden_size * tokens
 
 
-def backward_working_bytes(shape: ModelShape, tokens: int, act: int) -> int:
+def backward_working_bytes(shape: ModelShape, tokens: int, act: int, compiled: bool = False) -> int:
     """The backward's own temporaries: the gradients of one block's activations (about what that block
     saved) and the residual stream's gradient in and out (fp32)."""
-    return layer_activation_bytes(shape, act) * tokens + 2 * 4 * shape.hidden_size * tokens
+    return layer_activation_bytes(shape, act, compiled=compiled) * tokens + 2 * 4 * shape.hidden_size * tokens
 
 
 def forward_working_bytes(shape: ModelShape, tokens: int, act: int) -> int:
-    """A forward-only pass (no grad) keeps nothing for a backward: at most one block's tensors are
-    alive at once (bounded by what that block would save), plus the residual stream in and out."""
-    return layer_activation_bytes(shape, act) * tokens + 2 * 4 * shape.hidden_size * tokens
+    """A forward-only pass (no grad) keeps nothing for a backward; one block's tensors are alive at a
+    time, the most in its MLP: three [T, f] tensors (the gate's SiLU, up, their product) beside the
+    block's input and its normed copy (2 h), and 16 h for the norms' fp32 temporaries and the residual
+    sum. Measured at the Qwen2.5-7B shape, 32768-token passes (bench/results/lora7b_recipe_h200.json):
+    the values pass held 4.5 GiB beside the resident roles, this formula 5.7 (eager and compiled alike)."""
+    h, f = shape.hidden_size, shape.intermediate_size
+    return tokens * (act * (3 * f + 2 * h) + 16 * h)
 
 
-def lm_head_bytes(shape: ModelShape, positions: int, act: int, train: bool, entropy: bool = True) -> int:
+def forward_peak_bytes(shape: ModelShape, tokens: int, act: int, head: int) -> int:
+    """A forward-only pass's peak: its blocks' working set or, after the last block, the head's (`head`:
+    `lm_head_bytes` or `value_head_bytes`) beside the final hidden states, whichever is larger."""
+    return max(forward_working_bytes(shape, tokens, act), head + act * shape.hidden_size * tokens)
+
+
+def lm_head_bytes(shape: ModelShape, positions: int, act: int, train: bool, entropy: bool = True,
+                  fused: bool = False) -> int:
     """The LM head runs on response positions only (R + 1 a sequence, `logits_to_keep`), LM_HEAD_CHUNK
     of them at a time (rlhf/roles/forward.py `response_logprobs`): one chunk's logits [chunk, V] in the
     compute dtype, their fp32 copy and the log-softmax / entropy temporaries (fp32). Forward-only with
     entropy a + 16 bytes an element, without entropy (the reference) a + 8; for a backward the chunk
     is recomputed and its logits' gradient (fp32 and the compute dtype) is live beside it (2a + 24).
+    `fused` (`ppo.torch_compile` on a GPU: one compiled kernel pair over the vocabulary): the logits and
+    one fp32 buffer (a + 4); with a backward 2a + 16, measured: the compiled 7B LoRA update held 2.0 GiB
+    less than the eager one at 8192 tokens (bench/results/lora7b_recipe_h200.json, *_eager_h200.json).
     Each position keeps its log-prob and entropy (and their gradients) whole."""
     from rlhf.roles.forward import LM_HEAD_CHUNK
     chunk = min(positions, LM_HEAD_CHUNK)
-    per = 2 * act + 24 if train else act + (16 if entropy else 8)
+    if fused:
+        per = 2 * act + 16 if train else act + 4
+    else:
+        per = 2 * act + 24 if train else act + (16 if entropy else 8)
     return chunk * shape.vocab_size * per + positions * 4 * 8
 
 
@@ -192,22 +220,24 @@ def trained_role(name: str, shape: ModelShape, ppo, rank: int, lm_head: bool, gp
     copies = autocast_copy_bytes(shape, lm_head) if (gpu and act == 2 and not rank) else 0
     rows, tokens, positions = batches["train"]
     ckpt = ppo.gradient_checkpointing
-    head = (lm_head_bytes(shape, positions, act, train=True) if lm_head
+    fused = bool(ppo.torch_compile) and gpu  # compiled layers and the fused log-prob/entropy
+    head = (lm_head_bytes(shape, positions, act, train=True, fused=fused) if lm_head
             else value_head_bytes(rows, tokens // rows, train=True))
     frozen = bool(rank) and gpu  # a frozen bf16 base with fused adapters: autograd keeps less
-    saved = saved_activation_bytes(shape, tokens, act, ckpt, rank, targets, residual=base_bytes, frozen=frozen)
-    working = backward_working_bytes(shape, tokens, act)
+    saved = saved_activation_bytes(shape, tokens, act, ckpt, rank, targets, residual=base_bytes, frozen=frozen,
+                                   compiled=fused)
+    working = backward_working_bytes(shape, tokens, act, compiled=fused)
     if ckpt:
         # The LM head's chunks run (and are recomputed) before the first block's recompute: the two
         # working sets follow one another above the checkpointed block inputs.
-        layer = layer_activation_bytes(shape, act, rank, targets, frozen) * tokens
+        layer = layer_activation_bytes(shape, act, rank, targets, frozen, fused) * tokens
         activations = (saved - layer) + max(layer + working, head)
     else:
         activations = saved + working + head
     role.train = activations + copies + fsdp_gather_bytes(shape, base_bytes, n, train=not rank, lm_head=lm_head)
     rows, tokens, positions = batches["forward"]
-    head_fwd = (lm_head_bytes(shape, positions, act, train=False) if lm_head
+    head_fwd = (lm_head_bytes(shape, positions, act, train=False, fused=fused) if lm_head
                 else value_head_bytes(rows, tokens // rows, train=False))
-    role.forward = (forward_working_bytes(shape, tokens, act) + head_fwd + copies
+    role.forward = (forward_peak_bytes(shape, tokens, act, head_fwd) + copies
                     + fsdp_gather_bytes(shape, base_bytes, n, train=False, lm_head=lm_head))
     return role

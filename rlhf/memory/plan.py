@@ -24,7 +24,7 @@ from rlhf.memory.formulas import (
     GIB,
     RoleMemory,
     engine_bytes,
-    forward_working_bytes,
+    forward_peak_bytes,
     fsdp_gather_bytes,
     hf_generate_bytes,
     lm_head_bytes,
@@ -40,6 +40,10 @@ RESERVE_BYTES = 1 * GIB
 """Kept free on every GPU for what torch does not count: the CUDA context, cuBLAS and NCCL workspaces."""
 FRAGMENTATION = 0.05
 """Share of a phase's torch memory added for the caching allocator's fragmentation."""
+ENGINE_FRAGMENTATION = 0.01
+"""Share of an awake vLLM engine's memory added for what torch reserves beyond it (its sleep-mode pool
+and sampling buffers). Measured at the Qwen2.5-7B shape (bench/results/lora7b_recipe_h200.json): while
+generating, torch reserved 1.8 GiB above what it allocated, 1.6 of which the roles' 5% covers."""
 SAFETY_MARGIN = 0.05
 """Share of the GPU a run must leave spare to count as fitting: whole steps can take more than the
 per-phase estimate, and a run predicted with less spare ran out of memory (bench/results/gpu_h200.md),
@@ -62,7 +66,8 @@ def resolve_auto(offload_mode, sleep_mode, fits: bool, can_offload: bool) -> tup
 @dataclasses.dataclass
 class Phase:
     """One phase of a PPO step on one GPU: the roles resident, the vLLM engine when awake, what the
-    phase's micro-batch adds, and the reserve (RESERVE_BYTES + FRAGMENTATION of torch's share)."""
+    phase's micro-batch adds, and the reserve (RESERVE_BYTES + FRAGMENTATION of torch's share +
+    ENGINE_FRAGMENTATION of an awake engine)."""
 
     name: str
     role: str
@@ -182,13 +187,14 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
         actor.replica = policy.parameter_count() * 4
     roles["actor"] = actor
     rows, tokens, positions = batches["forward"]
+    ref_head = lm_head_bytes(policy, positions, act, False, False, fused=bool(ppo.torch_compile) and gpu)
     if ppo.lora_rank:  # the actor's base with its adapter off: no weights of its own
         ref = RoleMemory("reference", note="the actor's base, adapter off")
-        ref.forward = (forward_working_bytes(policy, tokens, act) + lm_head_bytes(policy, positions, act, False, False)
+        ref.forward = (forward_peak_bytes(policy, tokens, act, ref_head)
                        + fsdp_gather_bytes(policy, 2 if gpu else 4, n, False, True))
     else:
         ref = RoleMemory("reference", weights=shard(policy.parameter_count() * 4, n), note="frozen fp32 policy")
-        ref.forward = (forward_working_bytes(policy, tokens, act) + lm_head_bytes(policy, positions, act, False, False)
+        ref.forward = (forward_peak_bytes(policy, tokens, act, ref_head)
                        + fsdp_gather_bytes(policy, 4, n, False, True))
     roles["reference"] = ref
     if ppo.uses_critic:
@@ -199,8 +205,8 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
         rm_rows = cfg.reward.micro_batch_size
         rm = RoleMemory("reward_model", weights=shard((reward_model.parameter_count(False) + reward_model.hidden_size)
                                                        * rm_bytes, n), note="forward only")
-        rm.forward = (forward_working_bytes(reward_model, rm_rows * (prompt + response), act)
-                      + value_head_bytes(rm_rows, prompt + response, False)
+        rm.forward = (forward_peak_bytes(reward_model, rm_rows * (prompt + response), act,
+                                         value_head_bytes(rm_rows, prompt + response, False))
                       + fsdp_gather_bytes(reward_model, rm_bytes, n, False, False))
         roles["reward_model"] = rm
 
@@ -233,7 +239,8 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
             on = (role,) if offload else device
             resident = sum(roles[r].resident for r in on)
             awake = engine if "actor" in device and (name in ("generate", "sync_weights") or not sleep) else 0
-            reserve = int(RESERVE_BYTES + FRAGMENTATION * (resident + transient[name])) if gpu else 0
+            reserve = int(RESERVE_BYTES + FRAGMENTATION * (resident + transient[name])
+                          + ENGINE_FRAGMENTATION * awake) if gpu else 0
             out.append(Phase(name, role, on, resident, awake, transient[name], reserve))
         return out
 
@@ -300,23 +307,27 @@ def _bindings(change: dict) -> List[str]:
 
 def suggest(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShape], *, available: int,
             device_total: Optional[int] = None):
-    """(bindings, plan) of the first change that fits: each candidate binding alone, in `_options`'
-    order, then pairs, triples... of them; None when nothing tried fits."""
+    """(bindings, plan) of the first change that fits: each candidate binding alone, in `_options'
+    order, then pairs, triples... of them, first on the run's GPUs and only then with more of them
+    (`ppo.world_size`); None when nothing tried fits."""
     options = _options(cfg)
-    for size in range(1, len(options) + 1):
-        for group in itertools.combinations(options, size):
-            kinds = {next(iter(g[0])) for g in group}
-            if {"max_tokens_per_micro_batch", "micro_batch_size"} <= kinds:
-                continue  # a token budget replaces the fixed micro-batch
-            for values in itertools.product(*group):
-                change = {k: v for value in values for k, v in value.items()}
-                try:
-                    candidate = dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, **change))
-                except ConfigError:
-                    continue
-                plan = predict(candidate, policy, reward_model, available=available, device_total=device_total)
-                if plan.fits:
-                    return _bindings(change), plan
+    same_gpus = [o for o in options if "world_size" not in o[0]]
+    groups = [g for size in range(1, len(same_gpus) + 1) for g in itertools.combinations(same_gpus, size)]
+    groups += [g for size in range(1, len(options) + 1) for g in itertools.combinations(options, size)
+               if any("world_size" in o[0] for o in g)]
+    for group in groups:
+        kinds = {next(iter(g[0])) for g in group}
+        if {"max_tokens_per_micro_batch", "micro_batch_size"} <= kinds:
+            continue  # a token budget replaces the fixed micro-batch
+        for values in itertools.product(*group):
+            change = {k: v for value in values for k, v in value.items()}
+            try:
+                candidate = dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, **change))
+            except ConfigError:
+                continue
+            plan = predict(candidate, policy, reward_model, available=available, device_total=device_total)
+            if plan.fits:
+                return _bindings(change), plan
     return None
 
 

@@ -21,16 +21,6 @@ from rlhf.batch import Batch
 from rlhf.roles.dispatch import even_shares
 
 
-def deterministic_algorithms(device_type: str) -> None:
-    """Deterministic algorithms (warn only) for a process that computes on `device_type`, as every
-    engine process asks (the trainer's, each Ray rank's). On a GPU without deterministic mode's NaN
-    fill of every new tensor: the fill exposes reads of uninitialised memory, which no op of the
-    engine or of vLLM makes, and vLLM allocates anew every decoding step, so there it is a memset
-    per allocation for nothing. The CPU path keeps torch's default."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    if device_type == "cuda":
-        torch.utils.deterministic.fill_uninitialized_memory = False  # pyright: ignore[reportAttributeAccessIssue]
-
 class SingleRank:
     """The ranks a role shares each mini-batch with, when there is only itself."""
 

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from rlhf import memory
-from rlhf.placement.context import ProcessGroupRanks, context_for, deterministic_algorithms
+from rlhf.determinism import deterministic_algorithms
+from rlhf.placement.context import ProcessGroupRanks, context_for
 from rlhf.roles import PlacedRole
 
 

@@ -185,7 +185,7 @@ class Actor(TrainedRole):
                     kl = algos.kl_penalty(logprobs, micro.tensors["ref_logprobs"].to(self.device), cfg.kl_estimator)
                     loss = loss + kl_coef * algos.aggregate(kl, mask, cfg.loss_aggregation, normalizer)
                     pg_stats["kl_loss"] = algos.masked_mean(kl.detach(), mask)
-                loss.backward()
+                self.backward(loss)
                 with torch.no_grad():
                     ratio = torch.exp(logprobs.detach() - old_logprobs)
                     pg_stats["entropy"] = algos.masked_mean(entropy.detach(), mask)

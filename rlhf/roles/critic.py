@@ -107,7 +107,7 @@ class Critic(TrainedRole):
                 values = response_values(self.model, micro, self.device, self.autocast_dtype)
                 loss, vstats = algos.value_loss(values, micro.tensors["values"].to(self.device), returns, mask,
                                                 cfg.value_clip_range, cfg.loss_aggregation, mini.loss_normalizer)
-                loss.backward()
+                self.backward(loss)
                 vstats["value_loss"] = algos.masked_mean(0.5 * (values.detach() - returns).square(), mask)
                 stats.add(vstats, mask.sum())
             grad_norms.append(clip_grad(self.model.parameters(), cfg.max_grad_norm))

@@ -9,6 +9,7 @@ import torch
 
 from rlhf.attention import use_packed_attention
 from rlhf.config import PPOConfig
+from rlhf.determinism import deterministic_backward
 from rlhf.models import enable_gradient_checkpointing, is_lora
 from rlhf.roles.compiled import compile_layers, fuse_lora
 from rlhf.roles.dispatch import ALL, dispatch
@@ -63,6 +64,11 @@ class TrainedRole(Role):
 
     def device_state(self) -> tuple[list, list]:
         return [self.model], [self.optimizer]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, on a GPU with `ppo.deterministic` under strict deterministic algorithms."""
+        with deterministic_backward(self.cfg.deterministic and self.device.type == "cuda"):
+            loss.backward()
 
     # ------------------------------------------------ checkpoint state (every rank calls these)
     @dispatch(ALL)

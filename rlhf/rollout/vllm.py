@@ -235,7 +235,7 @@ class VLLMRollout:
         # rollout may run beside the critic's update (ppo.overlap_rollout), whose compiled layers
         # guard on it. Nothing vLLM runs per step depends on it (its model runs the graphs compiled
         # at start-up; sampling is elementwise maths and argmax); its cost was the NaN fill of every
-        # new tensor, which every engine process turns off on a GPU (`placement.context.deterministic_algorithms`).
+        # new tensor, which every engine process turns off on a GPU (`rlhf.determinism.deterministic_algorithms`).
         if self.per_request_seeds and not sampling.greedy:
             params = [self._sampling_params(sampling, derive_seed(seed, i))
                       for (_, seed), (_, _, reqs) in zip(calls, encoded) for i in range(len(reqs))]

@@ -37,3 +37,36 @@ def test_varlen_packed_row_matches_padded_rows_forward_and_backward():
     torch.testing.assert_close(lp_b, lp_a, rtol=0, atol=0.05)
     torch.testing.assert_close(ent_b, ent_a, rtol=0, atol=0.05)
     assert torch.nn.functional.cosine_similarity(g_a, g_b, dim=0) > 0.999
+
+
+def _attention_gradients(strict: bool, repeats: int = 4) -> list:
+    """The query/key/value gradients of the packed flash kernel at the Qwen2.5-7B attention shape (28
+    query heads, 4 key/value heads, head dim 128) over uneven sequences, `repeats` times."""
+    from rlhf.attention import varlen_attention
+    from rlhf.determinism import deterministic_backward
+
+    device = torch.device("cuda")
+    lengths = [700, 512, 1024, 300, 768]
+    total = sum(lengths)
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, 28, total, 128, device=device, dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, 4, total, 128, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    grad_out = torch.randn(1, total, 28, 128, device=device, dtype=torch.bfloat16, generator=gen)
+    grads = []
+    for _ in range(repeats):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = varlen_attention(*leaves, cu, max(lengths), None)
+        with deterministic_backward(strict):
+            out.backward(grad_out)
+        grads.append(torch.cat([t.grad.flatten() for t in leaves]))
+    return grads
+
+
+def test_deterministic_backward_makes_flash_attention_gradients_repeat_bit_for_bit():
+    """`ppo.deterministic` (the default): flash attention's backward without atomic adds, so the same
+    inputs give the same gradient bytes every time. Under the engine's warn-only mode alone (False)
+    torch keeps the atomic kernel; how far its repeats drift is in bench/results/determinism_h200.md."""
+    torch.use_deterministic_algorithms(True, warn_only=True)  # what every engine process sets
+    first, *rest = _attention_gradients(strict=True)
+    assert all(torch.equal(first, g) for g in rest)
