@@ -259,8 +259,8 @@ class Scorer:
         import transformers
 
         from rlhf import numerics
+        from rlhf.determinism import deterministic_algorithms
         from rlhf.models import load_tokenizer
-        from rlhf.placement.context import deterministic_algorithms
         from rlhf.roles.actor import build_policy
         from rlhf.rollout import SeedStream
         from rlhf.trainer import resolve_model_paths
