@@ -18,6 +18,9 @@ path; `-b 'ppo.torch_compile = False'` for eager).
   every linear layer of the blocks, no dropout) on a frozen bf16 base, the reference being that
   base with the adapter off, gradient checkpointing on, eager (`ppo.torch_compile = False`, as TRL
   runs); vLLM gets the merged weights every iteration.
+--recipe models/lora.gin: the work on a shipped model recipe as a user runs it: the recipe sets how it
+  is computed (its LoRA, packed token budgets, checkpointing, compiled layers, vLLM sleep); the work's
+  bindings above set what is computed (and `--lora-rank`, when given, the adapters' rank and alpha).
 --placement local: every role in this process; colocated: Ray ranks (world size 1)
 sharing one GPU bundle (`ppo.offload_idle_models = 'auto'`, the default: every model fits here, so
 none is offloaded; `-b 'ppo.offload_idle_models = True'` forces offloading). Each iteration's
@@ -36,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from common import REPO  # noqa: E402
 
 WORK = {
     "grpo": dict(prompts_per_step=32, samples_per_prompt=8, prompt_tokens=256, max_new_tokens=256,
@@ -46,14 +50,20 @@ WORK = {
 }
 
 
-def lora_bindings(rank: int, alpha: float) -> list[str]:
-    return [f"ppo.lora_rank = {rank}", f"ppo.lora_alpha = {float(alpha)}", "ppo.lora_dropout = 0.0",
-            "ppo.lora_target_modules = 'all-linear'", "ppo.critic_lora_rank = -1",
-            "ppo.gradient_checkpointing = True", "ppo.torch_compile = False"]
+def lora_bindings(rank: int, alpha: float, speed: bool = True) -> list[str]:
+    """What the adapters train (rank, alpha, every linear layer, no dropout) and, with `speed`, how: TRL's
+    way (gradient checkpointing, eager)."""
+    what = [f"ppo.lora_rank = {rank}", f"ppo.lora_alpha = {float(alpha)}", "ppo.lora_dropout = 0.0",
+            "ppo.lora_target_modules = 'all-linear'", "ppo.critic_lora_rank = -1"]
+    return what + (["ppo.gradient_checkpointing = True", "ppo.torch_compile = False"] if speed else [])
+
+
+SPEED = ("ppo.torch_compile",)
+"""The base bindings that say how the work is computed: a recipe (`--recipe`) sets them itself."""
 
 
 def bindings(inputs: dict, algo: str, placement: str, tiny: bool = False, lora_rank: int = 0,
-             lora_alpha: float = 0.0) -> list[str]:
+             lora_alpha: float = 0.0, recipe: str | None = None) -> list[str]:
     b = [
         f"model.name_or_path = '{inputs['model_dir']}'", f"model.tokenizer_path = '{inputs['tokenizer_dir']}'",
         "task.name = 'file'", f"task.train_path = '{inputs['prompts_jsonl']}'", "task.reward_fn = 'exact_match'",
@@ -78,8 +88,10 @@ def bindings(inputs: dict, algo: str, placement: str, tiny: bool = False, lora_r
               "ppo.actor_learning_rate = 1e-6", "ppo.critic_learning_rate = 5e-6",
               "ppo.clip_range = 0.2", "ppo.value_clip_range = 0.5", "ppo.loss_aggregation = 'token_mean'"]
     b += [f"ppo.placement = '{placement}'", "ppo.world_size = 1"]
+    if recipe:
+        b = [x for x in b if x.split("=")[0].strip() not in SPEED]
     if lora_rank:
-        b += lora_bindings(lora_rank, lora_alpha or 2 * lora_rank)
+        b += lora_bindings(lora_rank, lora_alpha or 2 * lora_rank, speed=not recipe)
     if tiny:
         b += ["ppo.device = 'cpu'", "ppo.dtype = 'float32'", "ppo.rollout_backend = 'hf'", "ppo.torch_compile = False",
               "ppo.max_prompt_length = 16", "ppo.max_response_length = 8", "task.eval_size = 8"]
@@ -104,6 +116,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=("0.5b", "7b"), default="0.5b", help="model shape of the shared inputs")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank of the actor (and critic); 0: full fine-tuning")
     p.add_argument("--lora-alpha", type=float, default=0.0, help="LoRA alpha (default: twice the rank)")
+    p.add_argument("--recipe", default=None, help="a shipped model recipe under recipes/ (e.g. models/lora.gin) that "
+                   "sets how the work is computed")
     p.add_argument("--tiny", action="store_true", help="tiny shape on the CPU, HF generate (smoke test)")
     p.add_argument("--config-only", action="store_true", help="resolve and validate the bindings, then exit")
     args = p.parse_args(argv)
@@ -114,12 +128,15 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     inputs = common.build_inputs(args.assets, tiny=args.tiny, shape=args.shape)
     common.check_assets(inputs)
-    all_bindings = (bindings(inputs, args.algo, args.placement, args.tiny, args.lora_rank, args.lora_alpha)
-                    + args.binding)
+    all_bindings = (bindings(inputs, args.algo, args.placement, args.tiny, args.lora_rank, args.lora_alpha,
+                             args.recipe) + args.binding)
 
     from rlhf import configurable
 
-    cfg, _ = configurable.resolve(None, all_bindings + [f"ppo.total_steps = {args.warmup + args.steps}"])
+    recipe = REPO / "recipes" / args.recipe if args.recipe else None
+    if recipe is not None and not recipe.is_file():
+        p.error(f"--recipe {args.recipe}: no such recipe under recipes/")
+    cfg, _ = configurable.resolve(recipe, all_bindings + [f"ppo.total_steps = {args.warmup + args.steps}"])
     print(f"engine {args.algo} {args.placement}: rollout buffer {cfg.ppo.rollout_batch_size}, mini-batch "
           f"{cfg.ppo.mini_batch_size}, micro-batch {cfg.ppo.micro_batch_size}, placement {cfg.ppo.resolved_placement}, "
           f"critic {'yes' if cfg.ppo.uses_critic else 'no'}, shape {inputs['shape']}, lora rank "
@@ -139,8 +156,9 @@ def main(argv=None) -> int:
         "placement": args.placement, "command": common.command_line(argv),
         "work": dict(WORK[args.algo], tiny=args.tiny, shape=inputs["shape"], lora_rank=cfg.ppo.lora_rank,
                      lora_alpha=cfg.ppo.lora_alpha if cfg.ppo.lora_rank else None,
-                     gradient_checkpointing=cfg.ppo.gradient_checkpointing),
-        "recipe": "",  # the engine defaults (rlhf/config.py) and the bindings
+                     gradient_checkpointing=cfg.ppo.gradient_checkpointing, torch_compile=cfg.ppo.torch_compile,
+                     max_tokens_per_micro_batch=cfg.ppo.max_tokens_per_micro_batch),
+        "recipe": args.recipe or "",  # else the engine defaults (rlhf/config.py) and the bindings
         "bindings": [b.replace(root, "$ASSETS") for b in all_bindings],
         "versions": common.versions("gin-config"),
         "steps": [],

@@ -130,7 +130,8 @@ case "$MODE" in
     ;;
   lora7b)
     # The engine first (its LoRA path is the newer code), then TRL; each loads the 15 GB base and starts vLLM.
-    part engine_grpo_lora7b 280 -- python3 bench/peers/engine.py --assets "$ASSETS" --shape 7b --algo grpo --placement local --lora-rank "$LORA_RANK" --json "$R/engine_grpo_lora7b.json" --steps "${PEERS_STEPS_7B:-2}"
+    # The engine computes the work as the shipped 7B recipe does (models/lora.gin); TRL as it runs LoRA.
+    part engine_grpo_lora7b 280 -- python3 bench/peers/engine.py --assets "$ASSETS" --shape 7b --algo grpo --placement local --recipe models/lora.gin --lora-rank "$LORA_RANK" --json "$R/engine_grpo_lora7b.json" --steps "${PEERS_STEPS_7B:-2}"
     part trl_grpo_lora7b 280 -- python3 bench/peers/trl_grpo.py --assets "$ASSETS" --shape 7b --lora-rank "$LORA_RANK" --json "$R/trl_grpo_lora7b.json" --steps "${PEERS_TRL_STEPS_7B:-2}"
     ;;
   *) echo "unknown part $MODE"; exit 2 ;;

@@ -116,6 +116,26 @@ def test_peer_lora_bindings_validate():
     assert (lora.r, lora.lora_alpha, lora.target_modules, lora.lora_dropout) == (64, 128, "all-linear", 0.0)
 
 
+def test_peer_work_on_the_shipped_lora_recipe():
+    """`bench/peers/engine.py --recipe models/lora.gin`: TRL's GRPO work computed as the shipped 7B recipe
+    computes (no checkpointing, packed budgets, compiled, vLLM asleep), and the plan fits it on an H200."""
+    import engine
+
+    from rlhf import configurable, memory
+    inputs = {"model_dir": "/nonexistent/model", "tokenizer_dir": "/nonexistent/tok", "prompts_jsonl": "/nonexistent/p"}
+    b = engine.bindings(inputs, "grpo", "local", lora_rank=64, recipe="models/lora.gin")
+    cfg, _ = configurable.resolve(REPO / "recipes" / "models" / "lora.gin", b + ["ppo.total_steps = 3"])
+    ppo = cfg.ppo
+    assert (ppo.lora_rank, ppo.lora_alpha, ppo.gradient_checkpointing, ppo.torch_compile, ppo.vllm_sleep) == \
+        (64, 128.0, False, True, True)
+    assert ppo.max_tokens_per_micro_batch == 8192 and ppo.forward_max_tokens == 32768
+    assert (ppo.adv_estimator, ppo.kl_mode, ppo.kl_coef, ppo.actor_learning_rate, ppo.max_response_length,
+            ppo.rollout_batch_size) == ("grpo", "loss", 0.04, 1e-6, 256, 256)
+    plan = memory.predict(cfg, memory.KNOWN_SHAPES["qwen2.5-7b"], available=int(139 * memory.GIB),
+                          device_total=int(139 * memory.GIB))
+    assert plan.fits
+
+
 def test_recipe_run_times_a_shipped_recipe_through_the_users_command(tmp_path):
     """bench/recipe_run.py on the CPU (the tiny shape, HF rollouts): the recipe file a user writes, run by
     `python -m rlhf.train`, resumed on a second call, summarised with the plan beside each phase."""
