@@ -27,10 +27,11 @@ from tests.experiments.test_ray_cluster import RayNode, clean_env, free_port, ra
 
 SMOKE = "recipes/studies/smoke.gin"
 BINDINGS = ["ppo.total_steps = 3", "ppo.eval_every = 3", "ppo.save_every = 1", "ppo.final_window = 2",
-            "task.eval_size = 16", "study.variants = {'longer': 'ppo.total_steps = 15'}", "study.seeds = 1",
+            "task.eval_size = 16", "study.variants = {'longer': 'ppo.total_steps = 40'}", "study.seeds = 1",
             "study.cpus_per_run = 1"]
-"""A run of three steps and one of fifteen, a checkpoint each step; one CPU on the cluster runs them one
-after the other, and the longer one is far from its end when its first checkpoint reaches the location."""
+"""A run of three steps and one of forty, a checkpoint each step; one CPU on the cluster runs them one
+after the other, and the longer one is far from its end when its first checkpoint reaches the location
+(with fifteen steps, a loaded machine's `ray job stop` could land after it had finished)."""
 
 
 class JobCluster:
