@@ -5,7 +5,7 @@ machine), prints how many are equal and the largest difference of each that is n
 
     python bench/same_seed.py RUN_A RUN_B [--json OUT.json]
 
-Exit 0 when every compared metric is equal, 1 otherwise."""
+Exit 0 when every compared metric is equal, 1 otherwise, 2 for a run that has no metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -16,10 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhf.metrics import read_metrics  # noqa: E402
-
-MACHINE = ("timing_s/", "perf/")
-"""Metrics of the machine rather than of the run's numbers."""
+from rlhf.metrics import is_machine_metric, read_metrics  # noqa: E402
 
 
 def compare(a: list, b: list) -> dict:
@@ -33,7 +30,7 @@ def compare(a: list, b: list) -> dict:
         steps.append(ra["step"])
         for key in sorted(set(ra) & set(rb)):
             va, vb = ra[key], rb[key]
-            if key == "step" or key.startswith(MACHINE) or isinstance(va, bool) or \
+            if key == "step" or is_machine_metric(key) or isinstance(va, bool) or \
                     not isinstance(va, (int, float)) or not isinstance(vb, (int, float)):
                 continue
             compared += 1
@@ -46,11 +43,10 @@ def compare(a: list, b: list) -> dict:
     return {"steps": steps, "compared": compared, "equal": equal, "differing": differing}
 
 
-def metrics_of(path: Path) -> list:
+def metrics_file(path: Path) -> Path | None:
+    """A run dir's metrics.jsonl, or the file itself; None where there is none."""
     path = path / "metrics.jsonl" if path.is_dir() else path
-    if not path.is_file():
-        raise SystemExit(f"error: {path}: no metrics.jsonl there")
-    return read_metrics(path)
+    return path if path.is_file() else None
 
 
 def main(argv=None) -> int:
@@ -59,7 +55,11 @@ def main(argv=None) -> int:
     p.add_argument("run_b", type=Path)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    result = compare(metrics_of(args.run_a), metrics_of(args.run_b))
+    files = [metrics_file(run) for run in (args.run_a, args.run_b)]
+    for run, found in zip((args.run_a, args.run_b), files):
+        if found is None:
+            p.error(f"{run}: neither a run dir holding metrics.jsonl nor a metrics.jsonl file")
+    result = compare(*(read_metrics(f) for f in files if f is not None))
     print(f"steps {result['steps']}: {result['equal']} of {result['compared']} metrics equal")
     for key, d in result["differing"].items():
         print(f"  {key}: differs at steps {d['steps']}, by up to {d['max_abs']:.3g}")

@@ -58,10 +58,6 @@ def lora_bindings(rank: int, alpha: float, speed: bool = True) -> list[str]:
     return what + (["ppo.gradient_checkpointing = True", "ppo.torch_compile = False"] if speed else [])
 
 
-SPEED = ("ppo.torch_compile",)
-"""The base bindings that say how the work is computed: a recipe (`--recipe`) sets them itself."""
-
-
 def bindings(inputs: dict, algo: str, placement: str, tiny: bool = False, lora_rank: int = 0,
              lora_alpha: float = 0.0, recipe: str | None = None) -> list[str]:
     b = [
@@ -69,7 +65,7 @@ def bindings(inputs: dict, algo: str, placement: str, tiny: bool = False, lora_r
         "task.name = 'file'", f"task.train_path = '{inputs['prompts_jsonl']}'", "task.reward_fn = 'exact_match'",
         "task.eval_size = 64", "task.eval_fraction = 0.1",
         "ppo.device = 'cuda'", "ppo.dtype = 'bfloat16'", "ppo.rollout_backend = 'vllm'",
-        "ppo.vllm_gpu_memory_utilization = 0.3", "ppo.torch_compile = True",
+        "ppo.vllm_gpu_memory_utilization = 0.3",
         "ppo.max_prompt_length = 256", "ppo.max_response_length = 256", "ppo.temperature = 1.0",
         "ppo.num_rollout_batches = 1", "ppo.ppo_epochs = 1",
         "ppo.eval_every = 100000", "ppo.save_every = 100000", "ppo.seed = 0",
@@ -88,8 +84,8 @@ def bindings(inputs: dict, algo: str, placement: str, tiny: bool = False, lora_r
               "ppo.actor_learning_rate = 1e-6", "ppo.critic_learning_rate = 5e-6",
               "ppo.clip_range = 0.2", "ppo.value_clip_range = 0.5", "ppo.loss_aggregation = 'token_mean'"]
     b += [f"ppo.placement = '{placement}'", "ppo.world_size = 1"]
-    if recipe:
-        b = [x for x in b if x.split("=")[0].strip() not in SPEED]
+    if not recipe:  # a recipe says how the work is computed itself
+        b.append("ppo.torch_compile = True")
     if lora_rank:
         b += lora_bindings(lora_rank, lora_alpha or 2 * lora_rank, speed=not recipe)
     if tiny:

@@ -200,6 +200,12 @@ def micro_batches(ppo, prompt: int, response: int) -> dict:
             "forward": (forward, forward * seq, forward * (response + 1))}
 
 
+def compiled(ppo, gpu: bool) -> bool:
+    """Compiled layers and the fused log-prob/entropy (`ppo.torch_compile`), which only a GPU run uses
+    (rlhf/roles/role.py `TrainedRole.fused`)."""
+    return bool(ppo.torch_compile) and gpu
+
+
 def trained_role(name: str, shape: ModelShape, ppo, rank: int, lm_head: bool, gpu: bool, act: int,
                   batches: dict, head_params: int = 0) -> RoleMemory:
     """The actor (lm_head) or the critic (backbone + value head): weights, gradients and AdamW's two
@@ -220,7 +226,7 @@ def trained_role(name: str, shape: ModelShape, ppo, rank: int, lm_head: bool, gp
     copies = autocast_copy_bytes(shape, lm_head) if (gpu and act == 2 and not rank) else 0
     rows, tokens, positions = batches["train"]
     ckpt = ppo.gradient_checkpointing
-    fused = bool(ppo.torch_compile) and gpu  # compiled layers and the fused log-prob/entropy
+    fused = compiled(ppo, gpu)
     head = (lm_head_bytes(shape, positions, act, train=True, fused=fused) if lm_head
             else value_head_bytes(rows, tokens // rows, train=True))
     frozen = bool(rank) and gpu  # a frozen bf16 base with fused adapters: autograd keeps less

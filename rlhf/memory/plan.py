@@ -23,6 +23,7 @@ from rlhf.errors import ConfigError
 from rlhf.memory.formulas import (
     GIB,
     RoleMemory,
+    compiled,
     engine_bytes,
     forward_peak_bytes,
     fsdp_gather_bytes,
@@ -187,7 +188,7 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
         actor.replica = policy.parameter_count() * 4
     roles["actor"] = actor
     rows, tokens, positions = batches["forward"]
-    ref_head = lm_head_bytes(policy, positions, act, False, False, fused=bool(ppo.torch_compile) and gpu)
+    ref_head = lm_head_bytes(policy, positions, act, False, False, fused=compiled(ppo, gpu))
     if ppo.lora_rank:  # the actor's base with its adapter off: no weights of its own
         ref = RoleMemory("reference", note="the actor's base, adapter off")
         ref.forward = (forward_peak_bytes(policy, tokens, act, ref_head)

@@ -39,3 +39,11 @@ def test_one_changed_metric_is_named_with_its_step_and_size(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "98 of 99 metrics equal" in out and "kl_divergence: differs at steps [2], by up to 1e-09" in out
     assert "timing_s" not in out
+
+
+def test_a_run_without_metrics_is_one_line_and_exit_2(tmp_path, capsys):
+    import pytest
+    with pytest.raises(SystemExit) as stopped:
+        same_seed.main([str(tmp_path), str(RUNS / "lora7b_run1.metrics.jsonl")])
+    assert stopped.value.code == 2
+    assert f"{tmp_path}: neither a run dir holding metrics.jsonl nor a metrics.jsonl file" in capsys.readouterr().err
