@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, Mapping, Tuple, cast
+from typing import TYPE_CHECKING, Dict, Iterable, Iterator, Mapping, Tuple, cast
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+# transformers' model classes are imported where a model or tokenizer is built: importing them costs
+# seconds, and a study's planning (the shape and config checks here) needs only transformers' configs.
 
 
 def adamw(params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> torch.optim.AdamW:
@@ -133,6 +137,7 @@ def read_tokenizer(path: str | Path, binding: str, fix: str = "") -> PreTrainedT
             from transformers import PreTrainedTokenizerFast
             tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
         else:
+            from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (ValueError, OSError, KeyError, TypeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -276,6 +281,7 @@ def _check_run_lora(transformers_config, ppo, where: str) -> None:
     critic_rank = ppo.resolved_critic_lora_rank if ppo.uses_critic else 0
     if not policy_rank and not critic_rank:
         return
+    from transformers import AutoModelForCausalLM
     try:
         with torch.device("meta"):  # the modules and their shapes, no memory
             lm = AutoModelForCausalLM.from_config(transformers_config)
@@ -366,6 +372,7 @@ def check_lora_targets(model: nn.Module, role: str, rank: int, rank_binding: str
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> nn.Module:
     """`device`: a GPU to load the weights straight onto (a frozen 7B base: no pass through host memory)."""
+    from transformers import AutoModelForCausalLM
     check_policy_dir(path)
     on_gpu = device is not None and torch.device(device).type == "cuda"
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
@@ -379,6 +386,7 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     """transformers' own gradient checkpointing on the (first) HF model inside `model` (a policy, a
     PeftModel around one, or the critic's backbone): each decoder layer's activations are recomputed
     in the backward pass. Non-reentrant, so frozen inputs (a LoRA base) need no grad hooks."""
+    from transformers import PreTrainedModel
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
             if not module.supports_gradient_checkpointing:
@@ -520,6 +528,7 @@ class ValueModel(nn.Module):
         """`dtype`: the backbone's; the value head is fp32 under LoRA (it trains), else `dtype` too.
         `lora`: keyword arguments of `add_lora` (rank, alpha, dropout, target_modules). `device`: where
         to load the checkpoint's weights (a GPU: straight there)."""
+        from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             if random_init:

@@ -13,13 +13,12 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Sequence, cast
+from typing import TYPE_CHECKING, Sequence, cast
 
 import numpy as np
 import torch
 from filelock import FileLock
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rlhf import numerics
 from rlhf.config import SFTConfig, TaskConfig, TinyModelConfig
@@ -27,6 +26,11 @@ from rlhf.data import Example, load_task
 from rlhf.lr_schedule import lr_schedule
 from rlhf.models import adamw
 from rlhf.start_checks import TINY_MAX_POSITIONS
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+# transformers' model classes are imported where the tokenizer and model are built: the vocabulary
+# below is what a study's planning reads (rlhf/memory/shapes.py), without seconds of transformers.
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARACTERS = list("0123456789+-=*/ .,#?:()\n") + [chr(c) for c in range(ord("a"), ord("z") + 1)] \
@@ -36,6 +40,7 @@ FORMAT_VERSION = 2  # bump when the tokenizer, model or SFT recipe below changes
 
 def build_char_tokenizer(out_dir: str | Path) -> PreTrainedTokenizerFast:
     """A character-level tokenizer, saved so `AutoTokenizer.from_pretrained(out_dir)` loads it."""
+    from transformers import PreTrainedTokenizerFast
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARACTERS)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -48,6 +53,7 @@ def build_char_tokenizer(out_dir: str | Path) -> PreTrainedTokenizerFast:
 
 def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int,
                      max_positions: int = TINY_MAX_POSITIONS) -> LlamaForCausalLM:
+    from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
