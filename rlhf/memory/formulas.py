@@ -27,8 +27,8 @@ def layer_activation_bytes(shape: ModelShape, act: int, lora_rank: int = 0, lora
     and each adapter's rank-r intermediate. Flash/memory-efficient attention keeps no T x T scores
     (the math kernel would). Checked against a measured peak (module docstring).
 
-    `frozen`: a LoRA run on a GPU, whose bf16 base does not train and whose adapters are added by one
-    matmul (rlhf/roles/compiled.py `fuse_lora`). Autograd then saves only what a gradient needs: each
+    `frozen`: a LoRA run on a GPU, whose bf16 base does not train and whose adapters are computed by
+    `fuse_lora` (rlhf/roles/compiled.py). Autograd then saves only what a gradient needs: each
     norm's fp32 input (8 h for two; the frozen weight's product keeps nothing), the two inputs the
     projections share once each (the adapters' A needs them: 2 h), the q/k/v copies the attention kernel
     keeps (q + 2 kv), its output, which is o_proj's input (q), the MLP's four (4 f) and each adapter's
@@ -185,15 +185,18 @@ def micro_batches(ppo, prompt: int, response: int) -> dict:
     """Rows, tokens and LM-head positions of one update and one forward micro-batch on one rank.
     Padded: micro_batch_size (forward_batch_size) sequences of prompt + response tokens. Packed
     (`max_tokens_per_micro_batch`, `forward_max_tokens_per_micro_batch` for the forward-only passes):
-    one row of the budget (at least one whole sequence); its
-    response positions are taken in proportion to max_response_length : max_prompt_length, which
-    prompts shorter than their maximum exceed (the verdict names that risk)."""
+    one row of the budget (at least one whole sequence), but never more than the sequences it is cut
+    from hold: an update's micro-batches are cut from a mini-batch (its share on this rank), a forward
+    pass's from the rank's share of the rollout. Its response positions are taken in proportion to
+    max_response_length : max_prompt_length, which prompts shorter than their maximum exceed (the
+    verdict names that risk)."""
     seq = prompt + response
     if ppo.max_tokens_per_micro_batch:
-        def packed(budget: int) -> tuple:
-            tokens = max(budget, seq)
+        def packed(budget: int, rows: int) -> tuple:
+            tokens = max(min(budget, rows * seq), seq)
             return 1, tokens, min(tokens, math.ceil(tokens * (response + 1) / seq))
-        return {"train": packed(ppo.max_tokens_per_micro_batch), "forward": packed(ppo.forward_max_tokens)}
+        return {"train": packed(ppo.max_tokens_per_micro_batch, ppo.mini_batch_size // ppo.world_size),
+                "forward": packed(ppo.forward_max_tokens, shard(ppo.rollout_batch_size, ppo.world_size))}
     train = min(ppo.micro_batch_size, ppo.mini_batch_size // ppo.world_size)
     forward = min(ppo.forward_batch_size, shard(ppo.rollout_batch_size, ppo.world_size))
     return {"train": (train, train * seq, train * (response + 1)),

@@ -1,6 +1,6 @@
 """GPU speed-ups that leave the computed function unchanged: compiled decoder layers and a
 fused log-prob/entropy over the vocabulary (`ppo.torch_compile`), and LoRA adapters added by one
-matmul into their base layer's output (`fuse_lora`, every LoRA run on a GPU).
+matmul by their merged weight (`fuse_lora`, every LoRA run on a GPU).
 
 Why: a narrow model (hidden 896) spends much of a step in small elementwise kernels (RMSNorm,
 rotary, SiLU-gate, residuals) and in passes over [B, R, V] logits (V ~ 152k); torch.compile
@@ -75,28 +75,52 @@ def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature
     return logprobs, (algos.entropy_from_logits(logits) if with_entropy else None)
 
 
-def fuse_lora(model: torch.nn.Module) -> int:
-    """Each peft LoRA linear of `model` adds its adapter with one matmul into the base layer's output,
-    `addmm(base(x), A(x), B^T, alpha=scaling)`, instead of peft's `base(x) + B(A(x)) * scaling`; returns how
-    many. The maths is the same (one rounding of the sum instead of three under bf16 autocast). peft's
-    way costs, at every adapted layer, a copy of the input in the adapters' fp32 and, over the output
-    ([tokens, out_features]), B's own result, the scaled copy and the sum: at 7B with 'all-linear'
-    adapters about a quarter of a forward pass (bench/results/gpu_h200.md). A layer with its adapter
-    switched off (the reference pass), merged, with a DoRA-style variant or a LoRA bias runs peft's own
-    forward. Used on a GPU only: CPU runs keep peft's arithmetic bit for bit."""
+LORA_FORWARDS = ("merged", "addmm")
+"""How `fuse_lora` adds an adapter: "merged" (the default) multiplies by the merged weight W + s B A
+(`_MergedLoRA`), "addmm" adds x A^T B^T into the base layer's output with one matmul."""
+
+
+def fuse_lora(model: torch.nn.Module, mode: str = "merged") -> int:
+    """Each peft LoRA linear of `model` runs one of the `LORA_FORWARDS` instead of peft's
+    `base(x) + B(A(x)) * scaling`; returns how many. The maths is peft's function; only the roundings
+    differ. peft's way costs, at every adapted layer, a copy of the input in the adapters' fp32 and,
+    over the output ([tokens, out_features]), B's own result, the scaled copy and the sum: at 7B with
+    'all-linear' adapters about a quarter of a forward pass (bench/results/gpu_h200.md).
+
+    - "merged": y = x (W + s B A)^T + bias, one matmul at the base layer's cost. The merged weight
+      ([out, in], built by one rank-r addmm) is a temporary of one layer at a time, rebuilt in the
+      backward rather than kept; the adapters' gradients come from x A^T and dy B ([tokens, r]).
+      Nothing of size [tokens, out] or [tokens, in] is added to the base layer's own work.
+    - "addmm": `addmm(base(x), A(x), B^T, alpha=scaling)`: the base matmul, then a pass over the
+      output to add the adapter, and in the backward a second [tokens, in] gradient summed into x's.
+
+    A layer with its adapter switched off (the reference pass), merged, with a DoRA-style variant,
+    a LoRA bias or dropout (merged mode) runs peft's own forward. Used on a GPU only: CPU runs keep
+    peft's arithmetic bit for bit."""
+    if mode not in LORA_FORWARDS:
+        raise ValueError(f"LoRA forward {mode!r}: one of {LORA_FORWARDS}")
     from peft.tuners.lora.layer import Linear as LoraLinear
+    forward = _merged_lora_forward if mode == "merged" else _addmm_lora_forward
     count = 0
     for module in model.modules():
         if isinstance(module, LoraLinear):
-            module.forward = functools.partial(_fused_lora_forward, module)  # pyright: ignore[reportAttributeAccessIssue]
+            module.forward = functools.partial(forward, module)  # pyright: ignore[reportAttributeAccessIssue]
             count += 1
     return count
 
 
-def _fused_lora_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def _fused_adapters(layer, kwargs) -> list | None:
+    """The active adapters a fused forward may compute, or None where peft's own forward must run."""
     adapters = [name for name in layer.active_adapters if name in layer.lora_A]
     if (layer.disable_adapters or layer.merged or kwargs.get("adapter_names") is not None or not adapters
             or any(name in layer.lora_variant or layer.lora_bias.get(name, False) for name in adapters)):
+        return None
+    return adapters
+
+
+def _addmm_lora_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    adapters = _fused_adapters(layer, kwargs)
+    if adapters is None:
         return type(layer).forward(layer, x, *args, **kwargs)
     result = layer.base_layer(x, *args, **kwargs)
     shape = result.shape
@@ -106,3 +130,56 @@ def _fused_lora_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor
         result = torch.addmm(result.reshape(-1, shape[-1]), xa.reshape(-1, xa.shape[-1]), b.t(),
                              alpha=layer.scaling[name]).view(shape)
     return result
+
+
+def _merged_lora_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    adapters = _fused_adapters(layer, kwargs)
+    base = layer.base_layer
+    if (adapters is None or len(adapters) != 1 or args or kwargs or type(base) is not torch.nn.Linear
+            or not isinstance(layer.lora_dropout[adapters[0]], torch.nn.Identity)):
+        return type(layer).forward(layer, x, *args, **kwargs)
+    name = adapters[0]
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    weight, a, b = base.weight, layer.lora_A[name].weight, layer.lora_B[name].weight
+    bias = base.bias if base.bias is None else base.bias.to(dtype)
+    scaling = float(layer.scaling[name])
+    if not (torch.is_grad_enabled() and (x.requires_grad or a.requires_grad or b.requires_grad)):
+        return torch.nn.functional.linear(x.to(dtype), _merged_weight(weight, a, b, scaling, dtype), bias)
+    return _MergedLoRA.apply(x.to(dtype), weight, bias, a, b, scaling)
+
+
+def _merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """W + scaling B A in `dtype` ([out, in]; the rank-r product accumulates in fp32)."""
+    return torch.addmm(weight.to(dtype), b.to(dtype), a.to(dtype), alpha=scaling)
+
+
+class _MergedLoRA(torch.autograd.Function):
+    """y = x (W + s B A)^T + bias for a frozen W and bias; gradients for x, A and B:
+    dx = dy (W + s B A), dA = s (dy B)^T x, dB = s dy^T (x A^T). Saves x and x A^T (what peft's own
+    adapter saves) and rebuilds the merged weight in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a, b, scaling):
+        flat = x.reshape(-1, x.shape[-1])
+        dtype = x.dtype
+        xa = flat @ a.to(dtype).t() if b.requires_grad else None
+        out = torch.nn.functional.linear(flat, _merged_weight(weight, a, b, scaling, dtype), bias)
+        ctx.save_for_backward(flat if a.requires_grad else None, xa, weight, a, b)
+        ctx.scaling, ctx.shape = scaling, x.shape
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):  # pyright: ignore[reportIncompatibleMethodOverride]
+        flat, xa, weight, a, b = ctx.saved_tensors
+        scaling = ctx.scaling
+        dy = grad.reshape(-1, grad.shape[-1])
+        dtype = dy.dtype
+        dx = da = db = None
+        if ctx.needs_input_grad[0]:
+            dx = (dy @ _merged_weight(weight, a, b, scaling, dtype)).view(ctx.shape)
+        if ctx.needs_input_grad[3]:
+            da = torch.mm((dy @ b.to(dtype)).t(), flat).mul_(scaling).to(a.dtype)
+        if ctx.needs_input_grad[4]:
+            db = torch.mm(dy.t(), xa).mul_(scaling).to(b.dtype)
+        return dx, None, None, da, db, None

@@ -1,31 +1,33 @@
-"""LoRA adapters added by one matmul into their base layer's output (rlhf/roles/compiled.py
-`fuse_lora`, every LoRA run on a GPU): the same outputs and gradients as peft's own forward, the
-adapter switched off and on as peft switches it."""
+"""LoRA adapters computed by `fuse_lora` (rlhf/roles/compiled.py, every LoRA run on a GPU), in each of
+its modes (the merged weight, or one addmm into the base layer's output): the same outputs and
+gradients as peft's own forward, the adapter switched off and on as peft switches it."""
 
 import copy
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlhf.models import add_lora
-from rlhf.roles.compiled import fuse_lora
+from rlhf.roles.compiled import LORA_FORWARDS, fuse_lora
 
 
-def peft_and_fused(seed: int, hidden: int, layers: int, b_std: float):
+def peft_and_fused(seed: int, hidden: int, layers: int, b_std: float, mode: str = "merged", dropout: float = 0.0):
     """A tiny Qwen2 with peft LoRA adapters (B drawn, not peft's zeros) and its copy with `fuse_lora`."""
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2)
-    peft_model = add_lora(Qwen2ForCausalLM(config), 8, 16.0, 0.0, "all-linear")
+    peft_model = add_lora(Qwen2ForCausalLM(config), 8, 16.0, dropout, "all-linear")
     for name, p in peft_model.named_parameters():
         if "lora_B" in name:  # peft starts B at zero: give the adapters something to add
             torch.nn.init.normal_(p, std=b_std)
     fused = copy.deepcopy(peft_model)
-    return peft_model, fused, fuse_lora(fused)
+    return peft_model, fused, fuse_lora(fused, mode)
 
 
-def test_fused_adapters_compute_what_peft_computes():
-    peft_model, fused, count = peft_and_fused(0, 32, 2, 1.0)
+@pytest.mark.parametrize("mode", LORA_FORWARDS)
+def test_fused_adapters_compute_what_peft_computes(mode):
+    peft_model, fused, count = peft_and_fused(0, 32, 2, 1.0, mode)
     assert count == 2 * 7  # every adapted projection of both blocks
     ids = torch.randint(0, 64, (2, 10))
     a, b = peft_model(ids).logits, fused(ids).logits
@@ -35,18 +37,40 @@ def test_fused_adapters_compute_what_peft_computes():
     grads = {n: p.grad for n, p in peft_model.named_parameters() if p.grad is not None}
     fused_grads = {n: p.grad for n, p in fused.named_parameters() if p.grad is not None}
     assert set(grads) == set(fused_grads) and len(grads) == 2 * 2 * 7  # A and B of each adapter
-    for name in grads:
-        torch.testing.assert_close(grads[name], fused_grads[name], rtol=1e-5, atol=1e-6)
+    for name in grads:  # fp32 roundings in another order: the merged weight sums W and s B A first
+        scale = float(grads[name].abs().max())
+        torch.testing.assert_close(grads[name], fused_grads[name], rtol=1e-5, atol=3e-5 * scale)
     with peft_model.disable_adapter(), fused.disable_adapter():  # the reference pass: the base alone
         off_a, off_b = peft_model(ids).logits, fused(ids).logits
     torch.testing.assert_close(off_a, off_b, rtol=0, atol=0)
     assert (off_b - b).abs().max() > 1e-3  # the adapters did add something
+    with torch.no_grad():  # the forward-only passes (old log-probs, values) compute the same
+        torch.testing.assert_close(fused(ids).logits, b, rtol=1e-6, atol=1e-6)
 
 
-def test_fused_adapters_under_bf16_autocast_stay_within_bf16_rounding():
-    peft_model, fused, _ = peft_and_fused(1, 64, 1, 0.1)
+@pytest.mark.parametrize("mode", LORA_FORWARDS)
+def test_fused_adapters_under_bf16_autocast_stay_within_bf16_rounding(mode):
+    peft_model, fused, _ = peft_and_fused(1, 64, 1, 0.1, mode)
     ids = torch.randint(0, 64, (2, 12))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         a, b = peft_model(ids).logits.float(), fused(ids).logits.float()
     exact = peft_model(ids).logits
     assert (b - exact).abs().max() <= 2 * (a - exact).abs().max() + 1e-2  # one rounding, not three
+
+
+def test_merged_adapters_with_dropout_run_peft_s_own_forward():
+    """Dropout drops the adapter's input, not the base layer's: no merged weight computes that, so
+    a layer with dropout runs peft's forward (the same dropout masks from the same generator)."""
+    peft_model, fused, _ = peft_and_fused(2, 32, 1, 1.0, "merged", dropout=0.5)
+    peft_model.train(), fused.train()
+    ids = torch.randint(0, 64, (2, 10))
+    torch.manual_seed(3)
+    a = peft_model(ids).logits
+    torch.manual_seed(3)
+    b = fused(ids).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="one of"):
+        fuse_lora(torch.nn.Linear(2, 2), "fast")

@@ -12,6 +12,7 @@ import pytest
 from rlhf import configurable, memory
 from rlhf.config import ModelConfig, PPOConfig, RunConfig, SFTConfig, TaskConfig, TinyModelConfig
 from rlhf.errors import ConfigError
+from rlhf.memory.formulas import fsdp_gather_bytes
 from tests.conftest import REPO
 
 GIB = memory.GIB
@@ -106,16 +107,18 @@ def test_full_fine_tuning_keeps_16_bytes_a_parameter_per_trained_role():
 
 
 @pytest.mark.parametrize("result", ["lora7b_recipe_h200.json", "instruct05b_recipe_h200.json",
-                                    "lora7b_recipe_gc16k_h200.json", "instruct05b_recipe_eager_h200.json"])
+                                    "lora7b_recipe_gc16k_h200.json", "instruct05b_recipe_eager_h200.json",
+                                    "instruct05b_recipe_overlap_h200.json"])
 def test_the_plan_lands_within_10_percent_of_every_measured_phase(result):
     """The shipped recipes run through `python -m rlhf.train` on one H200 (bench/recipe_run.py): the 7B
     shape under recipes/models/lora.gin (LoRA 64, compiled layers, no checkpointing, 8192-token packed
     update micro-batches, vLLM asleep between rollouts) and the 0.5B shape under recipes/models/instruct.gin
     (full fine-tuning, critic and fp32 reference, compiled, packed, vLLM awake), as shipped now and as
-    shipped before (eager; at 7B with checkpointing, 16384 tokens and vLLM awake: the JSON's bindings pin
-    what changed since). Each phase's peak against this code's prediction for the same recipe file, bindings
-    and GPU, never below it and at most 10% above: what torch reserved against the plan with its reserve
-    where the run measured it (the allocator's own share counted), else what torch allocated."""
+    shipped before (eager, or with the next rollout beside the critic's update; at 7B with checkpointing,
+    16384 tokens and vLLM awake: the JSON's bindings pin what changed since). Each phase's peak against
+    this code's prediction for the same recipe file, bindings and GPU, never below it and at most 10%
+    above: what torch reserved against the plan with its reserve where the run measured it (the
+    allocator's own share counted), else what torch allocated."""
     sys.path.insert(0, str(REPO / "bench"))
     try:
         import recipe_run
@@ -183,7 +186,26 @@ def test_world_size_divides_the_sharded_state():
         for part in ("weights", "grads", "optimizer"):
             assert getattr(four.roles[role], part) == -(-getattr(one.roles[role], part) // 4)
     assert four.gpus == 4 and four.engine == one.engine  # one vLLM engine on each GPU of the actor
-    assert four.roles["actor"].train > one.roles["actor"].train - 1  # activations are per rank, not sharded
+    # Activations are per rank, not sharded: a rank's micro-batch is its share of a mini-batch (8 of 32
+    # sequences of 1024 + 512 tokens), under the 16384-token budget, and holds what one GPU's would.
+    assert four.settings["tokens_per_micro_batch"] == 8 * 1536 < one.settings["tokens_per_micro_batch"]
+    same = memory.predict(instruct(f"ppo.max_tokens_per_micro_batch = {8 * 1536}"), shape, available=H200)
+    gathered = fsdp_gather_bytes(shape, 4, 4, train=True, lm_head=True)  # FSDP's all-gathered layers on top
+    assert four.roles["actor"].train == same.roles["actor"].train + gathered
+
+
+def test_a_packed_micro_batch_holds_at_most_the_sequences_it_is_cut_from():
+    """An update's micro-batches are cut from one mini-batch, a forward pass's from the rollout: a budget
+    above what they hold at the longest prompts and responses plans what they hold."""
+    shape = SHAPES["qwen2.5-0.5b"]
+    mini = 32 * 1536
+    capped = memory.predict(instruct(f"ppo.max_tokens_per_micro_batch = {2 * mini}",
+                                     f"ppo.forward_max_tokens_per_micro_batch = {2 * mini}"), shape, available=H200)
+    exact = memory.predict(instruct(f"ppo.max_tokens_per_micro_batch = {mini}"), shape, available=H200)
+    assert capped.settings["tokens_per_micro_batch"] == mini
+    assert capped.roles["actor"].train == exact.roles["actor"].train
+    forward = memory.predict(instruct("ppo.forward_max_tokens_per_micro_batch = 10000000"), shape, available=H200)
+    assert forward.settings["forward_tokens_per_micro_batch"] == 128 * 1536  # the whole rollout (16 x 8 prompts)
 
 
 # ---------------------------------------------------------------- verdicts
