@@ -9,6 +9,7 @@ engine; adapters are saved in peft's own format (`PeftModel.from_pretrained` loa
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Iterable, Iterator, Mapping, Tuple, cast
 
@@ -434,6 +435,8 @@ def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target_m
 
 
 def is_lora(model: nn.Module) -> bool:
+    if "peft" not in sys.modules:  # no model is a PeftModel before peft is imported (importing it costs a second)
+        return False
     from peft import PeftModel
     return any(isinstance(m, PeftModel) for m in model.modules())
 

@@ -56,10 +56,10 @@ def build_policy(ppo: PPOConfig, start_dir: str, model_dir: str, device: torch.d
     """The policy to train: the start checkpoint as it is (full fine-tuning), or with `ppo.lora_rank`
     the base `model_dir` in `frozen_base_dtype` wrapped with fresh adapters, or with the adapters of a
     LoRA start checkpoint (`ppo.init_from`). A LoRA start under full fine-tuning is merged into its base."""
-    from peft import PeftModel
     start_is_adapter = (Path(start_dir) / ADAPTER_CONFIG).is_file()
     if not ppo.lora_rank:
         if start_is_adapter:
+            from peft import PeftModel
             return PeftModel.from_pretrained(load_policy(model_dir), start_dir).merge_and_unload().requires_grad_(True)
         return load_policy(start_dir)
     model = add_lora(load_policy(model_dir, frozen_base_dtype(device), device), ppo.lora_rank, ppo.lora_alpha,
