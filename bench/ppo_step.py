@@ -13,9 +13,9 @@ than S seconds after start-up began (at least one timed iteration runs).
 process's torch allocator, and the device's peak memory in use (every allocator and process,
 sampled every 0.1 s), per iteration and as the maximum over the timed ones.
 `--profile DIR` (one process): one more iteration after the timed ones, under torch.profiler
-(host and GPU), each phase a named range; writes DIR/trace.json.gz and the per-phase summary of
-`bench/profile_phases.py` (GPU busy and idle time, idle gaps, host waits, kernel time by kind)
-into DIR/profile.json and the result's `profile`. Its timings are not among the timed ones.
+(host and GPU), each phase a named range; writes DIR/step_N.trace.json.gz and the per-phase summary of
+`rlhf.profiling` (GPU busy and idle time, idle gaps, host waits, kernel time by kind)
+into DIR/step_N.json and the result's `profile`. Its timings are not among the timed ones.
 `--reward-model` trains against a reward model (reward.kind = 'model'): a checkpoint dir, or
 'random', a one-output classifier with the policy's own architecture, shape and tokenizer and
 random weights (built locally); its phase is `reward_model`, with its tokens/s.
@@ -172,48 +172,12 @@ class PhaseMemory:
 
 
 def profiled_step(trainer, out_dir: Path) -> dict:
-    """One iteration under torch.profiler with every phase as a named range (and the whole as
-    'iteration'); the trace goes to out_dir/trace.json.gz, its summary to out_dir/profile.json."""
-    import contextlib
-    import gzip
-    import shutil
-
-    import profile_phases
-    import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    import rlhf.trainer as trainer_module
-
-    orig = trainer_module.PhaseTimer.__call__
-
-    @contextlib.contextmanager
-    def named(timer, name):
-        with orig(timer, name), record_function(name):
-            yield
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    trainer_module.PhaseTimer.__call__ = named
-    try:
-        with profile(activities=activities) as prof:
-            trainer.step += 1
-            with record_function("iteration"):
-                record = trainer.train_step()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-    finally:
-        trainer_module.PhaseTimer.__call__ = orig
-    raw = out_dir / "trace.json"
-    prof.export_chrome_trace(str(raw))
-    phases = [k.split("/", 1)[1] for k in record if k.startswith("timing_s/") and k != "timing_s/step"]
-    summary = profile_phases.summarize(profile_phases.load_trace(raw), phases)
-    with open(raw, "rb") as src, gzip.open(out_dir / "trace.json.gz", "wb", compresslevel=6) as dst:
-        shutil.copyfileobj(src, dst)
-    raw.unlink()
+    """One more iteration under torch.profiler with every phase as a named range (and the whole as
+    'iteration'; `PPOTrainer.profiled_train_step`): its trace and summary go to out_dir/step_N.*."""
+    trainer.step += 1
+    record, summary = trainer.profiled_train_step(out_dir)
     summary["step_timings_s"] = {k.split("/", 1)[1]: v for k, v in record.items() if k.startswith("timing_s/")}
     summary["placement"] = trainer.placement.get("placement")
-    (out_dir / "profile.json").write_text(json.dumps(summary, indent=1))
-    print(profile_phases.format_table(summary), file=sys.stderr)
     return summary
 
 

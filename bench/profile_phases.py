@@ -2,186 +2,27 @@
 
     python bench/profile_phases.py TRACE.json[.gz] [--json OUT.json]
 
-`bench/ppo_step.py --profile DIR` runs one extra iteration under `torch.profiler` (host and GPU
-activity) with each trainer phase as a named range, writes the Chrome trace and this summary.
-For every phase (the trainer's own names: generate, reference, old_logprobs, values,
-update_critic, update_actor, ...) it reports, on the one clock the trace shares:
-
-- `wall_s`: the phase's host range;
-- `gpu_busy_s`: the union of the GPU's kernel and copy intervals inside that range (two kernels
-  running at once count once), and `gpu_idle_s` = wall - busy: the time the GPU had nothing to do;
-- `idle_gaps`: the GPU's idle stretches inside the phase by length (< 0.1 ms, 0.1-1 ms, 1-10 ms,
-  >= 10 ms): many short gaps are launch overhead, a few long ones the host at work;
-- `kernel_s` by kind (matmul, attention, fused = Triton/compiled, copy, other elementwise);
-- `host_waits`: the CUDA runtime calls that block the host until the GPU catches up
-  (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, cudaMemcpy without
-  Async) with their count and total host time;
-- `top_kernels`: the ten kernels with the most GPU time.
-
-The whole iteration's figures are under `iteration`. Everything is computed from the trace's
-events alone, so the summary of a trace written on the GPU machine can be recomputed here.
+Prints the per-phase table of `rlhf.profiling.summarize` (GPU busy and idle time, idle gaps, host
+waits, kernel time by kind; the module says what each figure is) for a trace written by
+`python -m rlhf.train ... --profile STEP` or `bench/ppo_step.py --profile DIR`, on any machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import re
 import sys
 from pathlib import Path
-from typing import Dict, Iterable, List, Sequence, Tuple
 
-GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
-GAP_EDGES_US = (100.0, 1_000.0, 10_000.0)
-GAP_LABELS = ("<0.1ms", "0.1-1ms", "1-10ms", ">=10ms")
-KINDS = (
-    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|mha", re.I)),
-    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d+_.*(tn|nt|nn|tt)|matmul|wgmma", re.I)),
-    ("fused", re.compile(r"^triton|triton_", re.I)),
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def kernel_kind(name: str, category: str) -> str:
-    if category != "kernel":
-        return "copy"
-    for kind, pattern in KINDS:
-        if pattern.search(name):
-            return kind
-    return "other"
-
-
-def union_length(intervals: Iterable[Tuple[float, float]]) -> Tuple[float, List[Tuple[float, float]]]:
-    """Total length of the union of [start, end) intervals and the merged intervals, in order."""
-    merged: List[List[float]] = []
-    for start, end in sorted(intervals):
-        if end <= start:
-            continue
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return sum(e - s for s, e in merged), [(s, e) for s, e in merged]
-
-
-def clip(intervals: Iterable[Tuple[float, float]], lo: float, hi: float) -> List[Tuple[float, float]]:
-    return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
-
-
-def gap_histogram(busy: Sequence[Tuple[float, float]], lo: float, hi: float) -> Dict[str, dict]:
-    """The idle stretches of [lo, hi) between the merged busy intervals, binned by length (us)."""
-    gaps, cursor = [], lo
-    for s, e in busy:
-        if s > cursor:
-            gaps.append(s - cursor)
-        cursor = max(cursor, e)
-    if hi > cursor:
-        gaps.append(hi - cursor)
-    out = {label: {"count": 0, "total_s": 0.0} for label in GAP_LABELS}
-    for g in gaps:
-        i = sum(g >= edge for edge in GAP_EDGES_US)
-        out[GAP_LABELS[i]]["count"] += 1
-        out[GAP_LABELS[i]]["total_s"] += g / 1e6
-    return out
-
-
-def load_trace(path: str | Path) -> List[dict]:
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
-
-
-def summarize_window(events: Sequence[dict], lo: float, hi: float) -> dict:
-    """The GPU and host-wait figures of the time window [lo, hi) (microseconds)."""
-    gpu = [(e["ts"], e["ts"] + e.get("dur", 0), e) for e in events
-           if e.get("cat") in GPU_CATEGORIES and e["ts"] < hi and e["ts"] + e.get("dur", 0) > lo]
-    busy_us, merged = union_length(clip([(s, t) for s, t, _ in gpu], lo, hi))
-    kinds: Dict[str, float] = {}
-    kernels: Dict[str, List[float]] = {}
-    for s, t, e in gpu:
-        d = min(t, hi) - max(s, lo)
-        kind = kernel_kind(e.get("name", ""), e.get("cat", ""))
-        kinds[kind] = kinds.get(kind, 0.0) + d / 1e6
-        entry = kernels.setdefault(e.get("name", "?")[:120], [0, 0.0])
-        entry[0] += 1
-        entry[1] += d / 1e6
-    waits = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in HOST_WAITS
-             and lo <= e["ts"] < hi]
-    wall_us = hi - lo
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:10]
-    return {
-        "wall_s": wall_us / 1e6,
-        "gpu_busy_s": busy_us / 1e6,
-        "gpu_idle_s": (wall_us - busy_us) / 1e6,
-        "gpu_busy_fraction": busy_us / wall_us if wall_us > 0 else 0.0,
-        "gpu_events": len(gpu),
-        "kernel_s": {k: round(v, 6) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-        "idle_gaps": gap_histogram(merged, lo, hi),
-        "host_waits": {"count": len(waits), "total_s": sum(e.get("dur", 0) for e in waits) / 1e6,
-                       "by_call": {name: sum(1 for e in waits if e["name"] == name)
-                                   for name in HOST_WAITS if any(e["name"] == name for e in waits)}},
-        "top_kernels": [{"name": n, "count": c, "s": round(s, 6)} for n, (c, s) in top],
-    }
-
-
-def summarize(events: Sequence[dict], phases: Sequence[str], iteration: str = "iteration") -> dict:
-    """Per-phase figures for the ranges named `phases` (user annotations; a name seen several
-    times in the trace is summed), and the whole `iteration` range if the trace has one."""
-    ranges: Dict[str, List[Tuple[float, float]]] = {}
-    for e in events:
-        if e.get("cat") == "user_annotation" and e.get("ph") == "X" and \
-                (e.get("name") in phases or e.get("name") == iteration):
-            ranges.setdefault(e["name"], []).append((e["ts"], e["ts"] + e.get("dur", 0)))
-    out: Dict[str, dict] = {}
-    for name, spans in ranges.items():
-        parts = [summarize_window(events, lo, hi) for lo, hi in spans]
-        out[name] = parts[0] if len(parts) == 1 else merge_summaries(parts)
-    result = {"phases": {n: out[n] for n in phases if n in out}}
-    if iteration in out:
-        result["iteration"] = out[iteration]
-        result["iteration"]["unattributed_s"] = out[iteration]["wall_s"] - sum(
-            v["wall_s"] for v in result["phases"].values())
-    return result
-
-
-def merge_summaries(parts: Sequence[dict]) -> dict:
-    total = {k: sum(p[k] for p in parts) for k in ("wall_s", "gpu_busy_s", "gpu_idle_s", "gpu_events")}
-    total["gpu_busy_fraction"] = total["gpu_busy_s"] / total["wall_s"] if total["wall_s"] else 0.0
-    total["kernel_s"] = {}
-    for p in parts:
-        for k, v in p["kernel_s"].items():
-            total["kernel_s"][k] = total["kernel_s"].get(k, 0.0) + v
-    total["idle_gaps"] = {label: {"count": sum(p["idle_gaps"][label]["count"] for p in parts),
-                                  "total_s": sum(p["idle_gaps"][label]["total_s"] for p in parts)}
-                          for label in GAP_LABELS}
-    total["host_waits"] = {"count": sum(p["host_waits"]["count"] for p in parts),
-                           "total_s": sum(p["host_waits"]["total_s"] for p in parts)}
-    total["top_kernels"] = parts[0]["top_kernels"]
-    return total
-
-
-def format_table(summary: dict) -> str:
-    rows = [("phase", "wall s", "GPU busy s", "busy", "idle s", "host waits", "matmul s", "attn s", "fused s",
-             "other s", "copy s")]
-    items = list(summary["phases"].items()) + ([("iteration", summary["iteration"])] if "iteration" in summary else [])
-    for name, s in items:
-        k = s["kernel_s"]
-        rows.append((name, f"{s['wall_s']:.3f}", f"{s['gpu_busy_s']:.3f}", f"{s['gpu_busy_fraction']:.0%}",
-                     f"{s['gpu_idle_s']:.3f}", str(s["host_waits"]["count"]),
-                     *(f"{k.get(kind, 0.0):.3f}" for kind in ("matmul", "attention", "fused", "other", "copy"))))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                     for r in rows)
+from rlhf.profiling import PHASES, format_table, load_trace, summarize  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("trace")
-    p.add_argument("--phases", default="generate,rollout_release,reward_model,reward,reference,old_logprobs,values,"
-                                        "advantages,update_critic,update_actor,sync_weights")
+    p.add_argument("--phases", default=",".join(PHASES))
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     summary = summarize(load_trace(args.trace), args.phases.split(","))

@@ -2,7 +2,7 @@
 shipped model recipe and the verl GSM8K task, as a user writes it (not a test).
 
     python bench/recipe_run.py --recipe models/lora.gin --shape 7b --assets DIR --out RUN_DIR \
-        --json OUT.json [--steps 10] [--prompts 256] [--time-budget S] [-b BINDING]...
+        --json OUT.json [--steps 10] [--prompts 256] [--time-budget S] [--profile STEP] [-b BINDING]...
 
 Inputs (`bench/peers/common.py`, built once per DIR): the Qwen2.5 shape with random bf16 weights and
 the full-vocabulary tokenizer saved beside them (the user's instruct-model directory), and GSM8K-
@@ -47,6 +47,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE / "peers"))
+
+from rlhf.profiling import PROFILE_DIR  # noqa: E402
 
 
 def build(assets: Path, shape: str, tiny: bool) -> dict:
@@ -123,7 +125,8 @@ def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dic
     from rlhf.metrics import read_metrics
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("step", 0) > 0] \
         if (run_dir / "metrics.jsonl").is_file() else []
-    steady = records[1:] or records
+    # The first iteration compiles; a profiled one carries the profiler's cost (`--profile`).
+    steady = [r for r in records[1:] if not r.get("perf/profiled")] or records
     def med(key):
         return (round(statistics.median([r[key] for r in steady if key in r]), 3)
                 if any(key in r for r in steady) else None)
@@ -177,6 +180,9 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="the tiny shape (CPU rehearsal)")
     p.add_argument("-b", "--binding", action="append", default=[])
     p.add_argument("--replan", action="store_true", help="only recompute the JSON's predictions with this code")
+    p.add_argument("--profile", type=int, default=0, metavar="STEP",
+                   help="rlhf.train --profile STEP: that iteration under torch.profiler (left out of the medians; "
+                        "its summary by phase in the JSON's `profile`)")
     args = p.parse_args(argv)
     if args.replan and not Path(args.json).is_file():
         p.error(f"--json {args.json}: no such result file to replan")
@@ -198,6 +204,8 @@ def main(argv=None) -> int:
     cmd = [sys.executable, "-m", "rlhf.train", str(recipe_file), "--out", str(out), "--quiet"]
     for b in args.binding:
         cmd += ["-b", b]
+    if args.profile:
+        cmd += ["--profile", str(args.profile)]
     if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
         cmd.append("--resume")
     print(f"[recipe_run] assets in {time.time() - t0:.0f} s; {shlex.join(cmd)}", flush=True)
@@ -213,9 +221,12 @@ def main(argv=None) -> int:
             rc = proc.wait()
         print(f"[recipe_run] stopped after --time-budget {args.time_budget:.0f} s; rerun to resume", flush=True)
     shown = ["python", "-m", "rlhf.train", recipe_file.name, "--out", out.name] + \
-        [x for b in args.binding for x in ("-b", b)]
-    result = summarize(out, shlex.join(shown), recipe_file.read_text(),
-                       {"exit_code": rc, "shape": args.shape, "recipe": args.recipe, "bindings": args.binding})
+        [x for b in args.binding for x in ("-b", b)] + (["--profile", str(args.profile)] if args.profile else [])
+    extra = {"exit_code": rc, "shape": args.shape, "recipe": args.recipe, "bindings": args.binding}
+    profiled = out / PROFILE_DIR / f"step_{args.profile}.json"
+    if args.profile and profiled.is_file():
+        extra["profile"] = json.loads(profiled.read_text())
+    result = summarize(out, shlex.join(shown), recipe_file.read_text(), extra)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("steps_completed", "iteration_s_median", "tokens_per_s",

@@ -57,7 +57,7 @@ collect() {  # this call's JSON/markdown files and one archive of its logs into 
     find "$WORK/$m" -maxdepth 2 -type f \( -name '*.json' -o -name '*.md' \) -exec cp {} "$OUT/" \;
   done
   for m in "${dirs[@]}"; do  # profiler traces, one file each (named by their variant's folder)
-    for t in "$WORK/$m"/profile_*/trace.json.gz; do [ -f "$t" ] && cp "$t" "$OUT/$(basename "$(dirname "$t")").trace.json.gz"; done
+    for t in "$WORK/$m"/profile_*/step_*.trace.json.gz; do [ -f "$t" ] && cp "$t" "$OUT/$(basename "$(dirname "$t")").trace.json.gz"; done
   done
   (cd "$WORK" && find "${dirs[@]}" -maxdepth 2 -type f \( -name '*.log' -o -name '*.txt' \) -print0 \
      | tar --null -czf "$OUT/logs-$(IFS=_; echo "${dirs[*]}").tar.gz" -T -) 2>/dev/null

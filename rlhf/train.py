@@ -1,10 +1,13 @@
 """One PPO run from a gin recipe.
 
     python -m rlhf.train RECIPE.gin [-b 'BINDING']... --out DIR [--resume | --overwrite] [--ray-address ADDR]
+                         [--profile STEP]
 
 One process writes a run dir at a time (a lock, `rlhf/run_dir.py`). A run dir that holds an earlier
 run is refused unless --resume continues it or --overwrite replaces it; rerunning a completed run
-with the same configuration does nothing.
+with the same configuration does nothing. `--profile STEP` runs that iteration under torch.profiler
+(one process, `ppo.placement = 'local'`) and writes its trace and where its time went, by phase, into
+DIR/profile/ (rlhf/profiling.py); the step's record says `perf/profiled`.
 
 Exit codes: 0 done, 2 bad configuration or run dir (one line, before any compute; a Ray address
 where no cluster this process can join answers is one too), 3 training diverged, 4 disk full (one
@@ -47,7 +50,23 @@ def parse_args(argv):
     p.add_argument("--ray-address", default=None,
                    help="join this Ray cluster, HOST:PORT as `ray start --head` printed it (default: RAY_ADDRESS, "
                         "else a local instance) when ppo.world_size > 1 or ppo.placement is 'colocated' or 'split'")
+    p.add_argument("--profile", type=int, default=0, metavar="STEP",
+                   help="profile iteration STEP (torch.profiler, host and GPU): its trace and a summary by phase "
+                        "into DIR/profile/; one-process runs (ppo.placement = 'local')")
     return p.parse_args(argv)
+
+
+def check_profile(step: int, cfg) -> None:
+    """`--profile STEP`: an iteration of this run, in this process."""
+    if not step:
+        return
+    if not 1 <= step <= cfg.ppo.total_steps:
+        raise ConfigError(f"--profile {step} is invalid: must be an iteration of this run, 1 to ppo.total_steps = "
+                          f"{cfg.ppo.total_steps}")
+    if cfg.ppo.resolved_placement != "local":
+        raise ConfigError(f"--profile {step} profiles this process, but the roles run in Ray actors (ppo.placement "
+                          f"resolves to {cfg.ppo.resolved_placement!r}); add -b \"ppo.placement = 'local'\" (one "
+                          f"process, ppo.world_size = 1)")
 
 
 def main(argv=None) -> int:
@@ -74,6 +93,7 @@ def main(argv=None) -> int:
         from rlhf.placement.cluster import check_address, given_address
         given_address(args.ray_address)  # the address's form, whatever the placement: Ray's error is a traceback
         cfg, operative = configurable.resolve(args.recipe, args.binding)
+        check_profile(args.profile, cfg)
         if cfg.ppo.resolved_placement != "local":  # a dead cluster fails now, not after minutes of retries
             check_address(args.ray_address)
         else:  # this process computes: what the recipe needs of this machine, before any model loads
@@ -164,7 +184,7 @@ def train(args, argv, cfg, operative: str, out: Path) -> int:
     logger = MetricLogger(sinks)
     ended = False
     try:
-        summary = trainer.run(logger, resume_from=resume_from)
+        summary = trainer.run(logger, resume_from=resume_from, profile_step=args.profile)
         ended = True
     except TrainingDiverged as err:
         ended = True

@@ -36,6 +36,7 @@ from rlhf.metrics import PERF_SUMMARY, MetricLogger, is_machine_metric, read_met
 from rlhf.models import check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles
 from rlhf.placement.proxy import submit
+from rlhf.profiling import PROFILE_DIR
 from rlhf.rollout import SamplingParams, SeedStream, decode_responses, derive_seed, rollout_logprob_gap
 from rlhf.tiny import prepare_tiny
 
@@ -74,6 +75,10 @@ class PhaseTimer:
     reserve is its own and the awake vLLM engine finds the memory it was promised. A phase that runs out
     of GPU memory raises `OutOfMemory` with the line `out_of_memory(phase, allocated GiB, reserved GiB)` gives."""
 
+    annotate = False
+    """Each phase also a named range of torch.profiler (`rlhf/profiling.py`): set while one iteration
+    is profiled."""
+
     def __init__(self, device: torch.device | None = None, out_of_memory=None, off_device=None):
         self.times: Dict[str, float] = {}
         self.memory: Dict[str, float] = {}
@@ -90,7 +95,11 @@ class PhaseTimer:
             off = self.off_device()  # a sleeping engine's pool: counted by torch, not held
         start = time.perf_counter()
         try:
-            yield
+            if self.annotate:
+                with torch.profiler.record_function(name):
+                    yield
+            else:
+                yield
         except torch.OutOfMemoryError as err:
             if self.out_of_memory is None:
                 raise
@@ -440,8 +449,24 @@ class PPOTrainer:
         self.step = checkpoint.load_state(ckpt)["step"]
         self.actor.sync_weights()
 
+    def profiled_train_step(self, out_dir: Path) -> tuple[Dict, dict]:
+        """`train_step` under torch.profiler, each phase a named range: (the step's record with
+        `perf/profiled` = 1, the trace's summary by phase). The trace and the summary are written under
+        `out_dir` (rlhf/profiling.py `profiled_iteration`)."""
+        from rlhf.profiling import profiled_iteration
+        PhaseTimer.annotate = True
+        try:
+            with profiled_iteration(out_dir, self.step, log=self.log) as profiled:
+                profiled["record"] = self.train_step()
+        finally:
+            PhaseTimer.annotate = False
+        # The profiler's own cost is in this step's timings: tools that take medians leave it out.
+        return {**profiled["record"], "perf/profiled": 1.0}, profiled["summary"]
+
     # ----------------------------------------------------------------- run
-    def run(self, logger: MetricLogger, resume_from: Path | None = None) -> Dict:
+    def run(self, logger: MetricLogger, resume_from: Path | None = None, profile_step: int = 0) -> Dict:
+        """The run to `ppo.total_steps`, from `resume_from` if given; `profile_step` > 0 profiles that
+        iteration (`profiled_train_step`, into `<out>/profile/`)."""
         ppo = self.ppo
         started = time.time()
         if resume_from is not None:
@@ -455,7 +480,10 @@ class PPOTrainer:
         self.roles.device_report()  # the first step's window starts here, not at start-up
         while self.step < ppo.total_steps:
             self.step += 1
-            record = {"step": self.step, **self.train_step()}
+            if self.step == profile_step:
+                record = {"step": self.step, **self.profiled_train_step(self.out / PROFILE_DIR)[0]}
+            else:
+                record = {"step": self.step, **self.train_step()}
             if self.step % ppo.eval_every == 0 or self.step == ppo.total_steps:
                 t = time.perf_counter()
                 final = self.evaluate()

@@ -138,11 +138,13 @@ def test_peer_work_on_the_shipped_lora_recipe():
 
 def test_recipe_run_times_a_shipped_recipe_through_the_users_command(tmp_path):
     """bench/recipe_run.py on the CPU (the tiny shape, HF rollouts): the recipe file a user writes, run by
-    `python -m rlhf.train`, resumed on a second call, summarised with the plan beside each phase."""
+    `python -m rlhf.train`, resumed on a second call, summarised with the plan beside each phase; the
+    profiled iteration (`--profile`) is in the JSON and not in the medians."""
     import subprocess
     script = REPO / "bench" / "recipe_run.py"
     args = [sys.executable, str(script), "--tiny", "--shape", "0.5b", "--assets", str(tmp_path / "assets"),
-            "--out", str(tmp_path / "run"), "--json", str(tmp_path / "run.json"), "--steps", "2", "--prompts", "32",
+            "--out", str(tmp_path / "run"), "--json", str(tmp_path / "run.json"), "--steps", "3", "--prompts", "32",
+            "--profile", "3",
             "-b", "ppo.device = 'cpu'", "-b", "ppo.rollout_backend = 'hf'", "-b", "ppo.max_response_length = 8",
             "-b", "task.eval_size = 8", "-b", "ppo.save_every = 1",
             # the tiny shape's key/value projections are 32 wide: the recipe's rank 64 is refused there
@@ -150,9 +152,14 @@ def test_recipe_run_times_a_shipped_recipe_through_the_users_command(tmp_path):
     first = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=900)
     assert first.returncode == 0, first.stderr[-2000:]
     result = json.loads((tmp_path / "run.json").read_text())
-    assert result["steps_completed"] == 2 and result["exit_code"] == 0
+    assert result["steps_completed"] == 3 and result["exit_code"] == 0
+    assert result["profile"]["step"] == 3 and result["profile"]["phases"]["update_actor"]["wall_s"] > 0
+    # the median leaves out the first iteration and the profiled one
+    assert result["iteration_s_median"] == round(result["steps"][1]["timing_s/step"], 3)
+    assert result["steps"][2]["perf/profiled"] == 1.0
     assert "include 'models/lora.gin'" in result["recipe_file"] and "task.train_path" in result["recipe_file"]
     assert result["command"].startswith("python -m rlhf.train run.gin --out run")
+    assert "--profile 3" in result["command"]
     assert set(result["phase_s_median"]) >= {"generate", "reference", "old_logprobs", "update_actor"}
     assert result["tokens_per_s"] > 0 and result["iteration_s_median"] > 0
     again = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=900)

@@ -1,4 +1,5 @@
-"""bench/profile_phases.py: where a phase's time goes, from a profiler trace's events."""
+"""Where a phase's time goes, from a profiler trace's events (rlhf/profiling.py), and the iterations
+that write the traces: `python -m rlhf.train --profile STEP` and `bench/ppo_step.py --profile DIR`."""
 
 import gzip
 import json
@@ -8,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
+from rlhf import profiling
+from rlhf.metrics import read_metrics
 
-import profile_phases  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def annotation(name, ts, dur):
@@ -34,7 +35,7 @@ def test_busy_time_is_the_union_of_kernels_inside_the_phase():
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 1_600, "dur": 1_900},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 100, "dur": 5},
     ]
-    s = profile_phases.summarize(events, ["update_actor", "generate"])
+    s = profiling.summarize(events, ["update_actor", "generate"])
     actor, gen = s["phases"]["update_actor"], s["phases"]["generate"]
     assert actor["gpu_busy_s"] == pytest.approx(0.0019)  # 1.4 ms of kernels + 0.5 ms of the copy
     assert actor["gpu_idle_s"] == pytest.approx(0.0021)
@@ -47,7 +48,7 @@ def test_busy_time_is_the_union_of_kernels_inside_the_phase():
     assert gen["idle_gaps"][">=10ms"]["count"] == 0
     assert s["iteration"]["gpu_busy_s"] == pytest.approx(0.00245)
     assert s["iteration"]["unattributed_s"] == pytest.approx(0.0)
-    assert "update_actor" in profile_phases.format_table(s)
+    assert "update_actor" in profiling.format_table(s)
 
 
 def test_cpu_profile_of_real_iterations(tmp_path):
@@ -56,12 +57,69 @@ def test_cpu_profile_of_real_iterations(tmp_path):
     subprocess.run([sys.executable, str(REPO / "bench" / "ppo_step.py"), "--recipe", str(REPO / "recipes" / "tiny.gin"),
                     "--steps", "1", "--no-eval", "--json", str(tmp_path / "r.json"), "--profile", str(out),
                     "-b", "task.eval_size = 16"], check=True, cwd=REPO, capture_output=True, timeout=600)
-    summary = json.loads((out / "profile.json").read_text())
+    summary = json.loads((out / "step_3.json").read_text())  # after a warm-up and one timed step
     for phase in ("generate", "reference", "old_logprobs", "values", "update_critic", "update_actor"):
         assert summary["phases"][phase]["wall_s"] > 0
     assert summary["iteration"]["wall_s"] >= sum(p["wall_s"] for p in summary["phases"].values()) * 0.99
-    with gzip.open(out / "trace.json.gz", "rt") as f:
+    with gzip.open(out / "step_3.trace.json.gz", "rt") as f:
         assert any(e.get("name") == "update_actor" for e in json.load(f)["traceEvents"])
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["profile"]["phases"].keys() == summary["phases"].keys()
     assert result["step_results"][0]["step"] == 2 and "reward_mean" in result["step_results"][0]
+
+
+def test_the_trace_summarises_anywhere_with_the_bench_command(tmp_path):
+    """bench/profile_phases.py prints the same summary for a trace file."""
+    trace = tmp_path / "t.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": [annotation("iteration", 0, 2_000), annotation("reward", 0, 1_000),
+                                   kernel("sm90_xmma_gemm_bf16", 100, 500)]}, f)
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "profile_phases.py"), str(trace), "--json",
+                           str(tmp_path / "s.json")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["phases"]["reward"]["kernel_s"]["matmul"] == pytest.approx(5e-4)
+    assert "reward" in done.stdout
+
+
+def test_train_profile_writes_the_step_s_trace_and_summary_and_marks_its_record(tmp_path):
+    """`python -m rlhf.train --profile 2` on the tiny default: iteration 2 runs under the profiler, its
+    trace and summary land in the run's profile/ folder, every phase named, and only its record says so."""
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "rlhf.train", "recipes/tiny.gin", "--out", str(out), "--quiet",
+                           "--profile", "2", "-b", "ppo.total_steps = 2", "-b", "task.eval_size = 16"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((out / "profile" / "step_2.json").read_text())
+    assert summary["step"] == 2
+    for phase in ("generate", "reward", "reference", "old_logprobs", "values", "advantages", "update_critic",
+                  "update_actor"):
+        assert summary["phases"][phase]["wall_s"] > 0, phase
+    assert summary["iteration"]["wall_s"] >= sum(p["wall_s"] for p in summary["phases"].values()) * 0.99
+    with gzip.open(out / "profile" / "step_2.trace.json.gz", "rt") as f:
+        assert any(e.get("name") == "update_actor" for e in json.load(f)["traceEvents"])
+    assert "profile of step 2" in done.stderr and "update_actor" in done.stderr  # the table, as it ends
+    records = read_metrics(out)  # the step's machine record (perf.jsonl) joined to its metrics
+    assert [r.get("perf/profiled") for r in records if r["step"] > 0] == [None, 1.0]
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("3", "--profile 3 is invalid: must be an iteration of this run, 1 to ppo.total_steps = 2"),
+    ("-1", "--profile -1 is invalid"),
+])
+def test_train_profile_outside_the_run_is_exit_2_before_compute(tmp_path, flag, message):
+    done = subprocess.run([sys.executable, "-m", "rlhf.train", "recipes/tiny.gin", "--out", str(tmp_path / "run"),
+                           "--profile", flag, "-b", "ppo.total_steps = 2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_train_profile_of_a_ray_placement_names_the_binding():
+    from rlhf import configurable
+    from rlhf.errors import ConfigError
+    from rlhf.train import check_profile
+    cfg, _ = configurable.resolve(REPO / "recipes" / "tiny.gin", ["ppo.placement = 'colocated'"])
+    with pytest.raises(ConfigError, match="ppo.placement = 'local'"):
+        check_profile(1, cfg)
+    check_profile(0, cfg)  # not asked: nothing to check

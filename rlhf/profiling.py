@@ -1,0 +1,228 @@
+"""Where an iteration's time goes: one iteration of a run under torch.profiler, and the summary of
+its trace by phase (`python -m rlhf.train ... --profile STEP`; `bench/profile_phases.py` summarises a
+trace written elsewhere).
+
+`profiled_iteration` runs one iteration under `torch.profiler` (host activity, and the GPU's where
+there is one) with each trainer phase as a named range (`PhaseTimer.annotate`) and the whole as
+'iteration', then writes the Chrome trace (`step_N.trace.json.gz`) and its summary (`step_N.json`).
+For every phase (the trainer's own names: generate, reference, old_logprobs, values, update_critic,
+update_actor, ...) the summary reports, on the one clock the trace shares:
+
+- `wall_s`: the phase's host range;
+- `gpu_busy_s`: the union of the GPU's kernel and copy intervals inside that range (two kernels
+  running at once count once), and `gpu_idle_s` = wall - busy: the time the GPU had nothing to do;
+- `idle_gaps`: the GPU's idle stretches inside the phase by length (< 0.1 ms, 0.1-1 ms, 1-10 ms,
+  >= 10 ms): many short gaps are launch overhead, a few long ones the host at work;
+- `kernel_s` by kind (matmul, attention, fused = Triton/compiled, copy, other elementwise);
+- `host_waits`: the CUDA runtime calls that block the host until the GPU catches up
+  (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, cudaMemcpy without
+  Async) with their count and total host time;
+- `top_kernels`: the ten kernels with the most GPU time.
+
+The whole iteration's figures are under `iteration`. Everything is computed from the trace's
+events alone, so a trace written on a GPU machine can be summarised anywhere. Only the profiling
+process's own work is in the trace: a run whose roles live in Ray actors is profiled in one process
+(`ppo.placement = 'local'`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+GAP_EDGES_US = (100.0, 1_000.0, 10_000.0)
+GAP_LABELS = ("<0.1ms", "0.1-1ms", "1-10ms", ">=10ms")
+KINDS = (
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|mha", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d+_.*(tn|nt|nn|tt)|matmul|wgmma", re.I)),
+    ("fused", re.compile(r"^triton|triton_", re.I)),
+)
+
+
+def kernel_kind(name: str, category: str) -> str:
+    if category != "kernel":
+        return "copy"
+    for kind, pattern in KINDS:
+        if pattern.search(name):
+            return kind
+    return "other"
+
+
+def union_length(intervals: Iterable[Tuple[float, float]]) -> Tuple[float, List[Tuple[float, float]]]:
+    """Total length of the union of [start, end) intervals and the merged intervals, in order."""
+    merged: List[List[float]] = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return sum(e - s for s, e in merged), [(s, e) for s, e in merged]
+
+
+def clip(intervals: Iterable[Tuple[float, float]], lo: float, hi: float) -> List[Tuple[float, float]]:
+    return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
+
+
+def gap_histogram(busy: Sequence[Tuple[float, float]], lo: float, hi: float) -> Dict[str, dict]:
+    """The idle stretches of [lo, hi) between the merged busy intervals, binned by length (us)."""
+    gaps, cursor = [], lo
+    for s, e in busy:
+        if s > cursor:
+            gaps.append(s - cursor)
+        cursor = max(cursor, e)
+    if hi > cursor:
+        gaps.append(hi - cursor)
+    out = {label: {"count": 0, "total_s": 0.0} for label in GAP_LABELS}
+    for g in gaps:
+        i = sum(g >= edge for edge in GAP_EDGES_US)
+        out[GAP_LABELS[i]]["count"] += 1
+        out[GAP_LABELS[i]]["total_s"] += g / 1e6
+    return out
+
+
+def load_trace(path: str | Path) -> List[dict]:
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def summarize_window(events: Sequence[dict], lo: float, hi: float) -> dict:
+    """The GPU and host-wait figures of the time window [lo, hi) (microseconds)."""
+    gpu = [(e["ts"], e["ts"] + e.get("dur", 0), e) for e in events
+           if e.get("cat") in GPU_CATEGORIES and e["ts"] < hi and e["ts"] + e.get("dur", 0) > lo]
+    busy_us, merged = union_length(clip([(s, t) for s, t, _ in gpu], lo, hi))
+    kinds: Dict[str, float] = {}
+    kernels: Dict[str, List[float]] = {}
+    for s, t, e in gpu:
+        d = min(t, hi) - max(s, lo)
+        kind = kernel_kind(e.get("name", ""), e.get("cat", ""))
+        kinds[kind] = kinds.get(kind, 0.0) + d / 1e6
+        entry = kernels.setdefault(e.get("name", "?")[:120], [0, 0.0])
+        entry[0] += 1
+        entry[1] += d / 1e6
+    waits = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in HOST_WAITS
+             and lo <= e["ts"] < hi]
+    wall_us = hi - lo
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:10]
+    return {
+        "wall_s": wall_us / 1e6,
+        "gpu_busy_s": busy_us / 1e6,
+        "gpu_idle_s": (wall_us - busy_us) / 1e6,
+        "gpu_busy_fraction": busy_us / wall_us if wall_us > 0 else 0.0,
+        "gpu_events": len(gpu),
+        "kernel_s": {k: round(v, 6) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "idle_gaps": gap_histogram(merged, lo, hi),
+        "host_waits": {"count": len(waits), "total_s": sum(e.get("dur", 0) for e in waits) / 1e6,
+                       "by_call": {name: sum(1 for e in waits if e["name"] == name)
+                                   for name in HOST_WAITS if any(e["name"] == name for e in waits)}},
+        "top_kernels": [{"name": n, "count": c, "s": round(s, 6)} for n, (c, s) in top],
+    }
+
+
+def summarize(events: Sequence[dict], phases: Sequence[str], iteration: str = "iteration") -> dict:
+    """Per-phase figures for the ranges named `phases` (user annotations; a name seen several
+    times in the trace is summed), and the whole `iteration` range if the trace has one."""
+    ranges: Dict[str, List[Tuple[float, float]]] = {}
+    for e in events:
+        if e.get("cat") == "user_annotation" and e.get("ph") == "X" and \
+                (e.get("name") in phases or e.get("name") == iteration):
+            ranges.setdefault(e["name"], []).append((e["ts"], e["ts"] + e.get("dur", 0)))
+    out: Dict[str, dict] = {}
+    for name, spans in ranges.items():
+        parts = [summarize_window(events, lo, hi) for lo, hi in spans]
+        out[name] = parts[0] if len(parts) == 1 else merge_summaries(parts)
+    result = {"phases": {n: out[n] for n in phases if n in out}}
+    if iteration in out:
+        result["iteration"] = out[iteration]
+        result["iteration"]["unattributed_s"] = out[iteration]["wall_s"] - sum(
+            v["wall_s"] for v in result["phases"].values())
+    return result
+
+
+def merge_summaries(parts: Sequence[dict]) -> dict:
+    total: Dict[str, Any] = {k: sum(p[k] for p in parts) for k in ("wall_s", "gpu_busy_s", "gpu_idle_s", "gpu_events")}
+    total["gpu_busy_fraction"] = total["gpu_busy_s"] / total["wall_s"] if total["wall_s"] else 0.0
+    total["kernel_s"] = {}
+    for p in parts:
+        for k, v in p["kernel_s"].items():
+            total["kernel_s"][k] = total["kernel_s"].get(k, 0.0) + v
+    total["idle_gaps"] = {label: {"count": sum(p["idle_gaps"][label]["count"] for p in parts),
+                                  "total_s": sum(p["idle_gaps"][label]["total_s"] for p in parts)}
+                          for label in GAP_LABELS}
+    total["host_waits"] = {"count": sum(p["host_waits"]["count"] for p in parts),
+                           "total_s": sum(p["host_waits"]["total_s"] for p in parts)}
+    total["top_kernels"] = parts[0]["top_kernels"]
+    return total
+
+
+def format_table(summary: dict) -> str:
+    rows: List[Tuple[str, ...]] = [("phase", "wall s", "GPU busy s", "busy", "idle s", "host waits", "matmul s",
+                                    "attn s", "fused s", "other s", "copy s")]
+    items = list(summary["phases"].items()) + ([("iteration", summary["iteration"])] if "iteration" in summary else [])
+    for name, s in items:
+        k = s["kernel_s"]
+        rows.append((name, f"{s['wall_s']:.3f}", f"{s['gpu_busy_s']:.3f}", f"{s['gpu_busy_fraction']:.0%}",
+                     f"{s['gpu_idle_s']:.3f}", str(s["host_waits"]["count"]),
+                     *(f"{k.get(kind, 0.0):.3f}" for kind in ("matmul", "attention", "fused", "other", "copy"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in rows)
+
+
+PROFILE_DIR = "profile"
+"""Where `python -m rlhf.train --profile STEP` writes, inside the run directory."""
+
+PHASES = ("generate", "rollout_release", "reward_model", "reward", "reference", "old_logprobs", "values",
+          "advantages", "update_critic", "update_actor", "sync_weights")
+"""The trainer's phase names (rlhf/trainer.py `train_step`), in the order they run."""
+
+
+def trace_path(out_dir: Path, step: int) -> Path:
+    return Path(out_dir) / f"step_{step}.trace.json.gz"
+
+
+def summary_path(out_dir: Path, step: int) -> Path:
+    return Path(out_dir) / f"step_{step}.json"
+
+
+@contextlib.contextmanager
+def profiled_iteration(out_dir: Path, step: int, log: Callable[[str], None] = print) -> Iterator[dict]:
+    """Profiles what runs inside the block as the iteration `step`. The block puts the step's record
+    in the yielded dict under "record" (its `timing_s/<phase>` keys name the phases to summarise);
+    on leaving, the trace and the summary are written under `out_dir` and the summary is added to
+    the dict under "summary", and its table is logged."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    holder: dict = {}
+    with profile(activities=activities) as prof:
+        with record_function("iteration"):
+            yield holder
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    raw = out_dir / f"step_{step}.trace.json"
+    prof.export_chrome_trace(str(raw))
+    record = holder.get("record", {})
+    phases = [k.split("/", 1)[1] for k in record if k.startswith("timing_s/") and k != "timing_s/step"] or list(PHASES)
+    summary = summarize(load_trace(raw), phases)
+    summary["step"] = step
+    with open(raw, "rb") as src, gzip.open(trace_path(out_dir, step), "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    summary_path(out_dir, step).write_text(json.dumps(summary, indent=1))
+    holder["summary"] = summary
+    log(f"profile of step {step} (trace {trace_path(out_dir, step)}):\n{format_table(summary)}")
