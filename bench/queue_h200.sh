@@ -8,9 +8,10 @@
 #
 # Each line of /tmp/queue.txt is `NAME ARGS...` for bench/recipe_run.py (quoted as in a shell, e.g.
 # `l7 --recipe models/lora.gin --shape 7b --assets /tmp/assets-7b --out /tmp/runs/l7 --steps 10`);
-# the first line is taken off before its run starts, so the rest can be edited while one runs. Each
-# run writes /tmp/res/NAME.json and NAME.log, and /tmp/res/queue.log says when each started and
-# ended. Later calls watch and collect: `cat /tmp/res/queue.log; cp /tmp/res/*.json $OUT/`. The runs
+# a line `sh NAME COMMAND...` runs COMMAND (as written: `bash -c`) in the repo copy instead (e.g. `sh peers bash
+# bench/run_h200.sh peers`, whose files go to /tmp/res/NAME/ as its $OUT). The first line is taken off
+# before its run starts, so the rest can be edited while one runs. Each run writes /tmp/res/NAME.json
+# (a recipe run) and NAME.log, and /tmp/res/queue.log says when each started and ended. Later calls watch and collect: `cat /tmp/res/queue.log; cp /tmp/res/*.json $OUT/`. The runs
 # use a copy of the repo in /tmp/repo, so the next call's copy of the tree does not change them.
 set -u
 export PYTHONPATH=${BENCH_SITE:-/tmp/site} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -26,10 +27,21 @@ run() {
   local rc=$?
   echo "[queue $(date +%T)] end $name rc=$rc" >> "$R/queue.log"
 }
+sh() {
+  local name=$1; shift
+  echo "[queue $(date +%T)] start $name: $*" >> "$R/queue.log"
+  mkdir -p "$R/$name"
+  OUT="$R/$name" bash -c "$*" > "$R/$name.log" 2>&1 < /dev/null
+  local rc=$?
+  echo "[queue $(date +%T)] end $name rc=$rc" >> "$R/queue.log"
+}
 while true; do
   line=$(head -1 /tmp/queue.txt 2>/dev/null)
   [ -z "$line" ] && break
   sed -i 1d /tmp/queue.txt
-  eval "run $line"
+  case "$line" in
+    "sh "*) rest=${line#sh }; sh "${rest%% *}" "${rest#* }" ;;  # the command as written, unexpanded
+    *) eval "run $line" ;;
+  esac
 done
 echo "[queue $(date +%T)] all done" >> "$R/queue.log"
