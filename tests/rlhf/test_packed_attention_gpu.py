@@ -70,3 +70,59 @@ def test_deterministic_backward_makes_flash_attention_gradients_repeat_bit_for_b
     torch.use_deterministic_algorithms(True, warn_only=True)  # what every engine process sets
     first, *rest = _attention_gradients(strict=True)
     assert all(torch.equal(first, g) for g in rest)
+
+
+def test_merged_lora_in_compiled_layers_matches_peft_forward_and_backward():
+    """The 7B recipe's LoRA path on a GPU: a bf16 base with fp32 adapters, `fuse_lora`'s merged weight
+    inside compiled decoder layers, bf16 autocast, strict deterministic backward. Its log-probs, with
+    and without gradients, and the adapters' gradients are peft's own (eager, fp32 model) within
+    bf16's rounding, and a second backward gives the same bits."""
+    import copy
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlhf.attention import use_packed_attention
+    from rlhf.determinism import deterministic_backward
+    from rlhf.models import add_lora
+    from rlhf.packing import PackedBatch
+    from rlhf.roles.compiled import compile_layers, fuse_lora
+    from rlhf.roles.forward import response_logprobs
+    from tests.rlhf.test_packing import uneven_batch
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    base = Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                                        tie_word_embeddings=False))
+    reference = use_packed_attention(add_lora(copy.deepcopy(base), 16, 32.0, 0.0, "all-linear")).to(device)
+    for name, p in reference.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    fused = use_packed_attention(add_lora(base.to(torch.bfloat16), 16, 32.0, 0.0, "all-linear")).to(device)
+    fused.load_state_dict({k: v.to(torch.bfloat16) if "lora_" not in k else v
+                           for k, v in reference.state_dict().items()})
+    assert fuse_lora(fused) == 3 * 7 and compile_layers(fused) == 3
+    batch = PackedBatch.of(uneven_batch(300))
+    mask = batch["response_mask"].float().to(device)
+
+    def run(model, autocast):
+        model.zero_grad(set_to_none=True)
+        logp, _ = response_logprobs(model, batch, device, autocast_dtype=autocast, fused=autocast is not None)
+        with deterministic_backward(True):
+            (logp * mask).sum().backward()
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logp.detach().float(), grads
+
+    want, want_grads = run(reference, None)
+    got, got_grads = run(fused, torch.bfloat16)
+    again, again_grads = run(fused, torch.bfloat16)
+    with torch.no_grad():
+        no_grad, _ = response_logprobs(fused, batch, device, autocast_dtype=torch.bfloat16, fused=True)
+    assert (got - want).mul(mask).abs().max() < 0.1  # log-probs of a 300-token vocabulary, bf16 layers
+    assert (no_grad.float() - got).mul(mask).abs().max() < 0.05
+    assert set(got_grads) == set(want_grads) and len(got_grads) == 2 * 3 * 7
+    for name, grad in got_grads.items():
+        cos = torch.nn.functional.cosine_similarity(grad.flatten(), want_grads[name].flatten(), dim=0)
+        assert cos > 0.99, (name, float(cos))
+        assert torch.equal(grad, again_grads[name]), name
+    assert torch.equal(got, again)
