@@ -24,6 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from rlhf.batch import to_device
+
 PACKED_SDPA = "packed_sdpa"
 """The attention implementation of the engine's models: transformers' sdpa, and packed rows by span."""
 
@@ -35,7 +37,7 @@ def packed_kwargs(lengths: Sequence[int], device) -> dict:
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
-    cu = torch.tensor(offsets, dtype=torch.int32).to(device)
+    cu = to_device(torch.tensor(offsets, dtype=torch.int32), device)
     return {"packed_lengths": lengths, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
             "max_length_q": max(lengths), "max_length_k": max(lengths)}
 

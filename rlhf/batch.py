@@ -10,6 +10,18 @@ import torch
 import torch.nn.functional as F
 
 
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """`tensor` on `device` without making the host wait. A copy from pageable host memory to a GPU
+    blocks the host until every kernel queued before it has run, so a micro-batch's inputs copied
+    that way drain the device before each micro-batch and again before its loss; through pinned
+    memory the copy is queued on the stream like a kernel (torch keeps the pinned block until the
+    copy has run). Anywhere else (a CPU run, a tensor already there) it is `tensor.to(device)`."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 class Batch:
     def __init__(self, tensors: Dict[str, torch.Tensor] | None = None, meta: Dict[str, list] | None = None):
         self.tensors: Dict[str, torch.Tensor] = dict(tensors or {})

@@ -29,7 +29,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from rlhf.attention import packed_kwargs
-from rlhf.batch import Batch
+from rlhf.batch import Batch, to_device
 
 
 def real_lengths(batch: Batch) -> torch.Tensor:
@@ -152,7 +152,7 @@ def pack(batch: Batch, device=None) -> PackedRow:
         raise ValueError("a sequence to pack has response tokens but no prompt token")
     index = slot[:, P:][response] - 1
     lengths = tuple(n for n in keep.sum(-1).tolist() if n)
-    to = (lambda t: t.to(device)) if device is not None else (lambda t: t)
+    to = (lambda t: to_device(t, device)) if device is not None else (lambda t: t)
     return PackedRow(input_ids=to(ids[keep][None]), position_ids=to(positions[keep][None]), index=to(index),
                      tokens=to(batch["response_ids"][rows, cols][None]), rows=to(rows), cols=to(cols),
                      shape=tuple(batch["response_ids"].shape), lengths=lengths,

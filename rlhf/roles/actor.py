@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from rlhf import algos, checkpoint
-from rlhf.batch import Batch
+from rlhf.batch import Batch, to_device
 from rlhf.config import PPOConfig
 from rlhf.errors import ConfigError
 from rlhf.models import (
@@ -169,12 +169,12 @@ class Actor(TrainedRole):
             normalizer = mini.loss_normalizer
             self.optimizer.zero_grad(set_to_none=True)
             for micro in mini.micro_batches:
-                mask = micro.tensors["response_mask"].to(self.device).float()
-                advantages = micro.tensors["advantages"].to(self.device)
+                mask = to_device(micro.tensors["response_mask"], self.device).float()
+                advantages = to_device(micro.tensors["advantages"], self.device)
                 logprobs, entropy = response_logprobs(self.model, micro, self.device, cfg.temperature,
                                                       self.autocast_dtype, fused=self.fused)
                 assert entropy is not None  # with_entropy is on
-                old_logprobs = logprobs.detach() if on_policy else micro.tensors["old_logprobs"].to(self.device)
+                old_logprobs = logprobs.detach() if on_policy else to_device(micro.tensors["old_logprobs"], self.device)
                 if on_policy:
                     seen.append((old_logprobs, entropy.detach()))
                 pg_loss, pg_stats = algos.policy_loss(logprobs, old_logprobs, advantages, mask, cfg.clip_range,
@@ -182,7 +182,8 @@ class Actor(TrainedRole):
                 entropy_term = algos.aggregate(entropy, mask, cfg.loss_aggregation, normalizer)
                 loss = pg_loss - cfg.entropy_coef * entropy_term
                 if cfg.kl_mode == "loss":
-                    kl = algos.kl_penalty(logprobs, micro.tensors["ref_logprobs"].to(self.device), cfg.kl_estimator)
+                    ref_logprobs = to_device(micro.tensors["ref_logprobs"], self.device)
+                    kl = algos.kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator)
                     loss = loss + kl_coef * algos.aggregate(kl, mask, cfg.loss_aggregation, normalizer)
                     pg_stats["kl_loss"] = algos.masked_mean(kl.detach(), mask)
                 self.backward(loss)

@@ -8,7 +8,7 @@ from typing import Dict, cast
 import torch
 
 from rlhf import algos, checkpoint
-from rlhf.batch import Batch
+from rlhf.batch import Batch, to_device
 from rlhf.config import PPOConfig
 from rlhf.errors import ConfigError
 from rlhf.models import ADAPTER_CONFIG, ValueModel, adapter_files, frozen_base_dtype, is_lora
@@ -102,10 +102,10 @@ class Critic(TrainedRole):
         for mini in mini_batches(batch, cfg, shuffle_seed, self.device, self.ranks):
             self.optimizer.zero_grad(set_to_none=True)
             for micro in mini.micro_batches:
-                mask = micro.tensors["response_mask"].to(self.device).float()
-                returns = micro.tensors["returns"].to(self.device)
+                mask = to_device(micro.tensors["response_mask"], self.device).float()
+                returns = to_device(micro.tensors["returns"], self.device)
                 values = response_values(self.model, micro, self.device, self.autocast_dtype)
-                loss, vstats = algos.value_loss(values, micro.tensors["values"].to(self.device), returns, mask,
+                loss, vstats = algos.value_loss(values, to_device(micro.tensors["values"], self.device), returns, mask,
                                                 cfg.value_clip_range, cfg.loss_aggregation, mini.loss_normalizer)
                 self.backward(loss)
                 vstats["value_loss"] = algos.masked_mean(0.5 * (values.detach() - returns).square(), mask)

@@ -126,3 +126,35 @@ def test_merged_lora_in_compiled_layers_matches_peft_forward_and_backward():
         assert cos > 0.99, (name, float(cos))
         assert torch.equal(grad, again_grads[name]), name
     assert torch.equal(got, again)
+
+
+def test_a_micro_batch_s_inputs_reach_the_gpu_without_the_host_waiting():
+    """`to_device` (every packed micro-batch's inputs and loss tensors): with the GPU busy, copying a
+    micro-batch's host tensors returns at once, where a pageable copy waits for the queued work; the
+    values arrive intact."""
+    import time
+
+    from rlhf.batch import to_device
+    from rlhf.packing import PackedBatch
+    from tests.rlhf.test_packing import uneven_batch
+
+    device = torch.device("cuda")
+    batch = PackedBatch.of(uneven_batch(300))
+    torch.cuda.synchronize()
+
+    def host_seconds(copy):
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU work queued ahead of the copies
+        start = time.perf_counter()
+        out = copy()
+        waited = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return waited, out
+
+    waited, row = host_seconds(lambda: batch.row(device))
+    assert waited < 0.2, waited
+    assert torch.equal(row.input_ids.cpu(), torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)[
+        torch.cat([batch["prompt_mask"], batch["response_mask"]], 1).bool()][None])
+    waited, advantages = host_seconds(lambda: to_device(batch["advantages"], device))
+    assert waited < 0.2 and torch.equal(advantages.cpu(), batch["advantages"])
+    blocked, _ = host_seconds(lambda: batch["advantages"].to(device))  # what a pageable copy costs
+    assert blocked > 0.2
