@@ -12,6 +12,9 @@ layers (`ppo.torch_compile`) and deterministic backward as `models/lora.gin` run
 - `peft`: peft's own forward, `base(x) + B(A(x)) * s`;
 - `addmm` and `merged`: `rlhf.roles.compiled.fuse_lora`'s modes;
 
+(`--dynamic`: the layers compiled for any token count, as a run's micro-batches of varying length
+make Dynamo compile them; by default one static count)
+
 it times a forward-only pass of `--forward-tokens` (the forward passes' budget, 32768) and a forward
 + backward of `--update-tokens` (the update's, 8192), medians over `--repeats` after two warm-ups,
 per layer, and the cost of the adapters over `base` scaled to one iteration of the 7B recipe
@@ -89,7 +92,7 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(model, mode: str, forward_tokens: int, update_tokens: int, repeats: int) -> dict:
+def measure(model, mode: str, forward_tokens: int, update_tokens: int, repeats: int, dynamic: bool) -> dict:
     set_mode(model, mode)
     decoder = model.base_model.model.model
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -109,11 +112,14 @@ def measure(model, mode: str, forward_tokens: int, update_tokens: int, repeats: 
                 embeds.grad = None
         return step
 
+    if dynamic:  # a second token count first: Dynamo recompiles the layers with the count symbolic
+        run(forward_tokens - 768, False)()
+        run(update_tokens - 768, True)()
     forward_ms = timed(run(forward_tokens, False), repeats)
     update_ms = timed(run(update_tokens, True), repeats)
     layers = len(decoder.layers)
-    return {"mode": mode, "forward_ms_per_layer": forward_ms / layers, "update_ms_per_layer": update_ms / layers,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return {"mode": mode, "shapes": "dynamic" if dynamic else "static", "forward_ms_per_layer": forward_ms / layers,
+            "update_ms_per_layer": update_ms / layers, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
 def main(argv=None) -> int:
@@ -125,6 +131,9 @@ def main(argv=None) -> int:
     p.add_argument("--update-tokens", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--dynamic", action="store_true",
+                   help="compile the layers for any token count, as a run's varying micro-batches make Dynamo do "
+                        "(one warm-up at another count first); default: one static count")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/lora_layers.py needs a CUDA GPU", file=sys.stderr)
@@ -134,7 +143,7 @@ def main(argv=None) -> int:
     results = []
     for mode in args.modes.split(","):
         torch.cuda.reset_peak_memory_stats()
-        results.append(measure(model, mode, args.forward_tokens, args.update_tokens, args.repeats))
+        results.append(measure(model, mode, args.forward_tokens, args.update_tokens, args.repeats, args.dynamic))
         r = results[-1]
         print(f"{mode:>7}: forward {r['forward_ms_per_layer']:.2f} ms/layer at {args.forward_tokens} tokens, "
               f"forward+backward {r['update_ms_per_layer']:.2f} ms/layer at {args.update_tokens}", flush=True)
