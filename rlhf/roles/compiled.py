@@ -95,8 +95,8 @@ def fuse_lora(model: torch.nn.Module, mode: str = "merged") -> int:
       output to add the adapter, and in the backward a second [tokens, in] gradient summed into x's.
 
     A layer with its adapter switched off (the reference pass), merged, with a DoRA-style variant,
-    a LoRA bias or dropout (merged mode) runs peft's own forward. Used on a GPU only: CPU runs keep
-    peft's arithmetic bit for bit."""
+    a LoRA bias, or (merged mode) dropout or a base layer that trains runs peft's own forward. Used
+    on a GPU only: CPU runs keep peft's arithmetic bit for bit."""
     if mode not in LORA_FORWARDS:
         raise ValueError(f"LoRA forward {mode!r}: one of {LORA_FORWARDS}")
     from peft.tuners.lora.layer import Linear as LoraLinear
@@ -136,7 +136,8 @@ def _merged_lora_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tenso
     adapters = _fused_adapters(layer, kwargs)
     base = layer.base_layer
     if (adapters is None or len(adapters) != 1 or args or kwargs or type(base) is not torch.nn.Linear
-            or not isinstance(layer.lora_dropout[adapters[0]], torch.nn.Identity)):
+            or not isinstance(layer.lora_dropout[adapters[0]], torch.nn.Identity)
+            or any(p.requires_grad for p in base.parameters())):  # `_MergedLoRA` trains the adapter only
         return type(layer).forward(layer, x, *args, **kwargs)
     name = adapters[0]
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype

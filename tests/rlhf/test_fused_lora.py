@@ -74,3 +74,18 @@ def test_merged_adapters_with_dropout_run_peft_s_own_forward():
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="one of"):
         fuse_lora(torch.nn.Linear(2, 2), "fast")
+
+
+def test_a_merged_layer_whose_base_trains_runs_peft_s_own_forward():
+    """The merged weight's backward gives the adapter's gradients only: a base layer that trains (peft's
+    `modules_to_save`-style unfreezing by hand) keeps its gradient through peft's forward."""
+    peft_model, fused, _ = peft_and_fused(4, 32, 1, 1.0, "merged")
+    for model in (peft_model, fused):
+        model.base_model.model.model.layers[0].mlp.down_proj.base_layer.weight.requires_grad_(True)
+    ids = torch.randint(0, 64, (2, 10))
+    peft_model(ids).logits.square().sum().backward()
+    fused(ids).logits.square().sum().backward()
+    name = "base_model.model.model.layers.0.mlp.down_proj.base_layer.weight"
+    want, got = dict(peft_model.named_parameters())[name].grad, dict(fused.named_parameters())[name].grad
+    assert got is not None and want is not None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=3e-5 * float(want.abs().max()))
