@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -344,13 +346,37 @@ class RayRuns:
         self.refs[ref] = spec
 
 
+@contextlib.contextmanager
+def _interrupts_remembered():
+    """Ctrl-C raises KeyboardInterrupt as usual and is also remembered (the yielded Event): a blocking
+    call that runs Python's signal handler in C code (Ray's wait and get) can return without passing
+    the exception on, and a stop the user asked for must still stop the study. The main thread only,
+    where Python delivers signals; the previous handler comes back after."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum, frame):
+        stop.set()
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _wait_for(runs: RayRuns, display: StudyDisplay, result: LaunchResult, retries: int) -> None:
     """Waits for every task in flight, settling each as it ends (`_settle`). Ctrl-C cancels the
     tasks, whose engines stop and record it; a full disk cancels them too, then is raised."""
     import ray
-    with display:
+    with display, _interrupts_remembered() as stop:
         try:
             while runs.refs:
+                if stop.is_set():  # a Ctrl-C whose KeyboardInterrupt a blocking call did not pass on
+                    raise KeyboardInterrupt("interrupted")
                 ready, _ = ray.wait(list(runs.refs), num_returns=1, timeout=1.0)
                 _mark_running(runs.refs, runs.attempts, display)
                 for ref in ready:

@@ -1,6 +1,7 @@
 """Faults around a study: a failed run's cause is its exception, W&B online without a login falls
 back to offline (said once), Ray's daemons do not outlive a killed manager, a full disk stops the
-manager in one line with nothing lost, and engines sharing a GPU start one at a time."""
+manager in one line with nothing lost, engines sharing a GPU start one at a time, and a Ctrl-C that a
+blocking call swallows still stops the study."""
 
 import errno
 import io
@@ -16,7 +17,7 @@ import pytest
 from rich.console import Console
 
 from experiments.execute import describe_failure, failure_cause
-from experiments.launch import wandb_fallback
+from experiments.launch import _interrupts_remembered, wandb_fallback
 
 VLLM_STDERR = """INFO 12-01 10:00:00 engine.py:100] starting
 Traceback (most recent call last):
@@ -250,3 +251,19 @@ def test_a_failed_runs_cause_is_its_exception_in_the_record_the_status_and_the_r
     assert failure_cause(vllm_v1) == "ValueError: No available memory for the cache blocks."
     assert failure_cause("INFO x\nERROR 12-01 core.py:50] RuntimeError: CUDA error: out of memory\nWARNING bye\n") == \
         "RuntimeError: CUDA error: out of memory"
+
+
+def test_a_ctrl_c_that_a_blocking_call_swallows_is_still_remembered():
+    """While a study waits on its runs, Ctrl-C raises KeyboardInterrupt and sets the remembered stop,
+    so a call that runs the handler and drops its exception (as C code calling Python's signal
+    check may) cannot lose it; the previous handler is back afterwards."""
+    before = signal.getsignal(signal.SIGINT)
+    with _interrupts_remembered() as stop:
+        assert not stop.is_set()
+        try:  # a blocking call that swallows the KeyboardInterrupt its signal check raised
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+        assert stop.is_set()
+    assert signal.getsignal(signal.SIGINT) is before
