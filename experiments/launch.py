@@ -376,7 +376,7 @@ def _wait_for(runs: RayRuns, display: StudyDisplay, result: LaunchResult, retrie
         try:
             while runs.refs:
                 if stop.is_set():  # a Ctrl-C whose KeyboardInterrupt a blocking call did not pass on
-                    raise KeyboardInterrupt("interrupted")
+                    raise KeyboardInterrupt("Ctrl-C")
                 ready, _ = ray.wait(list(runs.refs), num_returns=1, timeout=1.0)
                 _mark_running(runs.refs, runs.attempts, display)
                 for ref in ready:
