@@ -19,7 +19,13 @@ it times a forward-only pass of `--forward-tokens` (the forward passes' budget, 
 + backward of `--update-tokens` (the update's, 8192), medians over `--repeats` after two warm-ups,
 per layer, and the cost of the adapters over `base` scaled to one iteration of the 7B recipe
 (28 layers, 196,608 tokens: the two forward passes with adapters on, old log-probs and values, and
-the two updates)."""
+the two updates).
+
+`--update-tokens` takes a list (`1536,6144,7680,8192,12288`): the forward + backward at each count,
+with the layers compiled for any count (as `--dynamic`), and its cost per 1,000 tokens. A mini-batch
+of 32 sequences of 768 tokens is cut at 8192 into 7680 + 7680 + 7680 + 1536 tokens, at 12288 into two
+of 12288: the list says what each cut costs (`mini_batch_ms_per_layer`, for each count that is a
+budget). The first count is the one the adapters' cost is scaled from."""
 
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rlhf.attention import packed_kwargs, use_packed_attention  # noqa: E402
 from rlhf.determinism import deterministic_backward  # noqa: E402
 from rlhf.models import add_lora  # noqa: E402
+from rlhf.packing import budget_partition  # noqa: E402
 from rlhf.roles.compiled import compile_layers, fuse_lora  # noqa: E402
 
 MODES = ("base", "peft", "addmm", "merged")
@@ -112,14 +119,31 @@ def measure(model, mode: str, forward_tokens: int, update_tokens: int, repeats: 
                 embeds.grad = None
         return step
 
+    dynamic = dynamic or len(update_tokens) > 1
     if dynamic:  # a second token count first: Dynamo recompiles the layers with the count symbolic
         run(forward_tokens - 768, False)()
-        run(update_tokens - 768, True)()
-    forward_ms = timed(run(forward_tokens, False), repeats)
-    update_ms = timed(run(update_tokens, True), repeats)
+        run(update_tokens[0] - 768, True)()
     layers = len(decoder.layers)
-    return {"mode": mode, "shapes": "dynamic" if dynamic else "static", "forward_ms_per_layer": forward_ms / layers,
-            "update_ms_per_layer": update_ms / layers, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    forward_ms = timed(run(forward_tokens, False), repeats)
+    by_tokens = {n: timed(run(n, True), repeats) / layers for n in update_tokens}
+    out = {"mode": mode, "shapes": "dynamic" if dynamic else "static", "forward_ms_per_layer": forward_ms / layers,
+           "update_ms_per_layer": by_tokens[update_tokens[0]], "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    if len(update_tokens) > 1:
+        out["update_ms_per_layer_by_tokens"] = {str(n): ms for n, ms in by_tokens.items()}
+        out["update_ms_per_1k_tokens"] = {str(n): 1000 * ms / n for n, ms in by_tokens.items()}
+        cuts = {b: greedy_cuts(MINI_BATCH, b) for b in update_tokens if b >= SEQ}
+        out["mini_batch_ms_per_layer"] = {str(b): sum(by_tokens[c] for c in cut) for b, cut in cuts.items()
+                                          if all(c in by_tokens for c in cut)}
+    return out
+
+
+SEQ, MINI_BATCH = 768, 32
+
+
+def greedy_cuts(sequences: int, budget: int, seq: int = SEQ) -> list:
+    """The token counts of the micro-batches a mini-batch of `sequences` sequences of `seq` tokens is
+    cut into at a token budget, as the engine cuts it (rlhf/packing.py `budget_partition`)."""
+    return [seq * len(part) for part in budget_partition([seq] * sequences, budget)]
 
 
 def main(argv=None) -> int:
@@ -128,7 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--forward-tokens", type=int, default=32768)
-    p.add_argument("--update-tokens", type=int, default=8192)
+    p.add_argument("--update-tokens", default="8192",
+                   help="forward + backward token count(s), comma-separated (a list compiles the layers for any count)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--dynamic", action="store_true",
@@ -139,24 +164,31 @@ def main(argv=None) -> int:
         print("bench/lora_layers.py needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.use_deterministic_algorithms(True, warn_only=True)
+    update_tokens = [int(n) for n in args.update_tokens.split(",")]
     model = build(args.layers, args.rank)
     results = []
     for mode in args.modes.split(","):
         torch.cuda.reset_peak_memory_stats()
-        results.append(measure(model, mode, args.forward_tokens, args.update_tokens, args.repeats, args.dynamic))
+        results.append(measure(model, mode, args.forward_tokens, update_tokens, args.repeats, args.dynamic))
         r = results[-1]
         print(f"{mode:>7}: forward {r['forward_ms_per_layer']:.2f} ms/layer at {args.forward_tokens} tokens, "
-              f"forward+backward {r['update_ms_per_layer']:.2f} ms/layer at {args.update_tokens}", flush=True)
+              f"forward+backward {r['update_ms_per_layer']:.2f} ms/layer at {update_tokens[0]}", flush=True)
+        for n, per_1k in r.get("update_ms_per_1k_tokens", {}).items():
+            print(f"{'':>7}  forward+backward at {n:>6} tokens: {per_1k:.3f} ms/layer per 1,000 tokens", flush=True)
+        for b, ms in r.get("mini_batch_ms_per_layer", {}).items():
+            print(f"{'':>7}  a mini-batch of {MINI_BATCH} x {SEQ} tokens cut at {b:>6}: "
+                  f"{greedy_cuts(MINI_BATCH, int(b))} = {ms:.2f} ms/layer", flush=True)
     base = next((r for r in results if r["mode"] == "base"), None)
     if base is not None:
         for r in results:  # one 7B iteration: 3 adapted forward passes and 2 updates over RECIPE_TOKENS
             fwd = (r["forward_ms_per_layer"] - base["forward_ms_per_layer"]) * RECIPE_TOKENS / args.forward_tokens
-            upd = (r["update_ms_per_layer"] - base["update_ms_per_layer"]) * RECIPE_TOKENS / args.update_tokens
+            upd = (r["update_ms_per_layer"] - base["update_ms_per_layer"]) * RECIPE_TOKENS / update_tokens[0]
             r["adapter_s_per_7b_iteration"] = round(RECIPE_LAYERS * (2 * fwd + 2 * upd) / 1000, 2)
             print(f"{r['mode']:>7}: adapters cost {r['adapter_s_per_7b_iteration']:.2f} s of a 7B recipe iteration "
                   f"(2 adapted forward passes + 2 updates)")
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers, "rank": args.rank,
-           "forward_tokens": args.forward_tokens, "update_tokens": args.update_tokens, "results": results}
+           "forward_tokens": args.forward_tokens,
+           "update_tokens": update_tokens[0] if len(update_tokens) == 1 else update_tokens, "results": results}
     Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 

@@ -48,7 +48,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE / "peers"))
 
-from rlhf.profiling import PROFILE_DIR  # noqa: E402
+from rlhf.run_dir import PROFILE_DIR  # noqa: E402
 
 
 def build(assets: Path, shape: str, tiny: bool) -> dict:

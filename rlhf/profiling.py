@@ -180,9 +180,6 @@ def format_table(summary: dict) -> str:
                      for r in rows)
 
 
-PROFILE_DIR = "profile"
-"""Where `python -m rlhf.train --profile STEP` writes, inside the run directory."""
-
 PHASES = ("generate", "rollout_release", "reward_model", "reward", "reference", "old_logprobs", "values",
           "advantages", "update_critic", "update_actor", "sync_weights")
 """The trainer's phase names (rlhf/trainer.py `train_step`), in the order they run."""

@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-ENGINE_OUTPUTS = ("config.gin", "metrics.jsonl", "perf.jsonl", "summary.json", "perf.json", "checkpoints", "profile")
+PROFILE_DIR = "profile"
+"""Where `python -m rlhf.train --profile STEP` writes its trace and summary (rlhf/profiling.py)."""
+ENGINE_OUTPUTS = ("config.gin", "metrics.jsonl", "perf.jsonl", "summary.json", "perf.json", "checkpoints", PROFILE_DIR)
 """What a run writes into its run dir; an earlier run's copies are what --overwrite replaces and
 what the experiment manager clears before it starts a run over."""
 MACHINE_RECORDS = ("provenance.json", "perf.jsonl", "perf.json", "attempts.json", "stdout.log", "stderr.log")

@@ -36,8 +36,8 @@ from rlhf.metrics import PERF_SUMMARY, MetricLogger, is_machine_metric, read_met
 from rlhf.models import check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles
 from rlhf.placement.proxy import submit
-from rlhf.profiling import PROFILE_DIR
 from rlhf.rollout import SamplingParams, SeedStream, decode_responses, derive_seed, rollout_logprob_gap
+from rlhf.run_dir import PROFILE_DIR
 from rlhf.tiny import prepare_tiny
 
 

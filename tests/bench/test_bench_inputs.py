@@ -173,3 +173,13 @@ def test_recipe_run_replans_committed_measurements_with_this_code():
     assert {k: v["measured_gb"] for k, v in replanned["memory_by_phase"].items()} == \
         {k: v["measured_gb"] for k, v in result["memory_by_phase"].items()}
     assert replanned["memory_by_phase"]["update_actor"]["planned_gb"] > 0
+
+
+def test_lora_layers_cuts_a_mini_batch_as_the_engine_does():
+    """bench/lora_layers.py prices a token budget by the micro-batches the engine's packing cuts a
+    mini-batch of 32 x 768-token sequences into: 8192 leaves a 2-sequence tail, 12288 none."""
+    import lora_layers
+    assert lora_layers.greedy_cuts(32, 8192) == [7680, 7680, 7680, 1536]
+    assert lora_layers.greedy_cuts(32, 12288) == [12288, 12288]
+    assert lora_layers.greedy_cuts(32, 768) == [768] * 32
+    assert sum(lora_layers.greedy_cuts(32, 16384)) == 32 * 768
