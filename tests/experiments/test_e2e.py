@@ -216,12 +216,17 @@ def test_interrupt_and_kill_then_rerun_loses_nothing_and_repeats_nothing(workdir
     proc = _start(results)
     _wait_for(lambda: len(_completed(study)) >= 1 and _midway(study, latest_at_most=4), proc)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=90) == 130, proc.stdout.read()
+    code = proc.wait(timeout=90)
+    said = proc.stdout.read()
+    assert code == 130, said
     finished_first = {d.name + d.parent.name for d in _completed(study)}
     assert not _engines_writing_to(study)
     # Unfinished runs with a checkpoint, as the stop left them: each must resume on the rerun.
     interrupted = {d: len(attempts(d)) for d in _midway(study, latest_at_most=16)}
-    assert interrupted, "the stop landed while a run was early on, so it must have left one unfinished"
+    assert interrupted, ("the stop landed while a run was early on, so it must have left one unfinished; runs: "
+                         + "; ".join(f"{d.parent.name}/{d.name} checkpoints {_checkpoint_steps(d)}"
+                                     f"{' completed' if d in _completed(study) else ''}"
+                                     for d in sorted((study / "runs").glob("*/seed*"))) + "\n" + said)
 
     # 2. Rerun, then SIGKILL the manager once a run has saved a checkpoint it did not have
     #    before and still has steps to go: an abrupt stop. (Every resumed run passes through
