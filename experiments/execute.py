@@ -198,11 +198,15 @@ def merge_provenance(run_dir: Path, spec: dict, record: dict, manager: dict) -> 
     write_json(path, prov)
 
 
-def _supervise(child: subprocess.Popen, streamer) -> tuple:
+def _supervise(child: subprocess.Popen, make_streamer) -> tuple:
     """(exit code, False) once the engine `child` has ended, its new metrics streamed to W&B
     meanwhile; (None, True) when a cancellation (or any exception) came first: the engine is
-    stopped (terminated, killed after 10 s), then W&B closed."""
+    stopped (terminated, killed after 10 s), then W&B closed. `make_streamer()` opens the run's W&B
+    streamer (seconds, for a W&B run) while the engine starts: inside the guard, so a cancellation
+    that lands while it opens stops the engine too, rather than leaving it to train on unwatched."""
+    streamer = None
     try:
+        streamer = make_streamer()
         # Poll rather than block in wait(): Ray delivers a cancellation between bytecodes,
         # which a blocking wait() would postpone until the run ends by itself. The same
         # loop streams new metrics to W&B.
@@ -222,7 +226,8 @@ def _supervise(child: subprocess.Popen, streamer) -> tuple:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-        streamer.close(1)
+        if streamer is not None:
+            streamer.close(1)
         return None, True
 
 
@@ -274,7 +279,7 @@ def _execute(spec: dict, resume: bool, attempt: int, manager: dict, cache_dir: s
         child = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=manager.get("cwd"),
                                  start_new_session=True,
                                  preexec_fn=_die_with_parent if platform.system() == "Linux" else None)
-        exit_code, interrupted = _supervise(child, with_sync(_wandb_streamer(spec, manager), spec, manager))
+        exit_code, interrupted = _supervise(child, lambda: with_sync(_wandb_streamer(spec, manager), spec, manager))
     seconds = time.monotonic() - start
     stderr_tail = _tail(run_dir / "stderr.log", CAUSE_SEARCH)
     new_stderr = stderr_tail if stderr_start == 0 else stderr_tail.split(banner.strip())[-1].strip()

@@ -1,7 +1,7 @@
 """Faults around a study: a failed run's cause is its exception, W&B online without a login falls
 back to offline (said once), Ray's daemons do not outlive a killed manager, a full disk stops the
-manager in one line with nothing lost, engines sharing a GPU start one at a time, and a Ctrl-C that a
-blocking call swallows still stops the study."""
+manager in one line with nothing lost, engines sharing a GPU start one at a time, a Ctrl-C that a
+blocking call swallows still stops the study, and a run's cancellation stops its engine whenever it lands."""
 
 import errno
 import io
@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import psutil
 import pytest
 from rich.console import Console
 
-from experiments.execute import describe_failure, failure_cause
+from experiments.execute import _supervise, describe_failure, failure_cause
 from experiments.launch import _interrupts_remembered, wandb_fallback
 
 VLLM_STDERR = """INFO 12-01 10:00:00 engine.py:100] starting
@@ -267,3 +268,46 @@ def test_a_ctrl_c_that_a_blocking_call_swallows_is_still_remembered():
             pass
         assert stop.is_set()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_cancellation_while_the_wandb_run_opens_stops_the_engine():
+    """Ray cancels a running task by interrupting its main thread (`_thread.interrupt_main`). The engine
+    starts first and the W&B run opens beside it (seconds); a cancellation that lands then must stop
+    the engine as one landing later does, not leave it training to its end unwatched."""
+    import _thread
+
+    class Streamer:
+        closed = None
+
+        def poll(self):
+            return 0
+
+        def close(self, exit_code):
+            Streamer.closed = exit_code
+
+    def opening_wandb():
+        _thread.interrupt_main()  # Ray's non-force cancel, as it lands during W&B's start
+        time.sleep(5)
+        return Streamer()
+
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    start = time.monotonic()
+    try:
+        assert _supervise(engine, opening_wandb) == (None, True)
+        assert engine.returncode == -signal.SIGTERM and time.monotonic() - start < 5
+    finally:
+        engine.kill()
+        engine.wait()
+    # Once open, the streamer is closed as the run ends: on a cancellation with the failure code.
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+    def open_then_cancelled():
+        threading.Timer(0.5, _thread.interrupt_main).start()
+        return Streamer()
+
+    try:
+        assert _supervise(engine, open_then_cancelled) == (None, True)
+        assert engine.returncode == -signal.SIGTERM and Streamer.closed == 1
+    finally:
+        engine.kill()
+        engine.wait()

@@ -279,6 +279,20 @@ def listening(kind: str):
                 conn.close()
 
 
+def _connects_to(proc: subprocess.Popen, port: int, timeout: float) -> bool:
+    """Whether `proc` (or a thread of it) opens a TCP connection to loopback `port` within `timeout` s."""
+    import psutil
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if any(c.raddr and c.raddr.port == port for c in psutil.Process(proc.pid).net_connections("tcp")):
+                return True
+        except psutil.Error:
+            pass
+        time.sleep(0.05)
+    return False
+
+
 @pytest.mark.parametrize("kind", ["closed", "http"])
 def test_an_address_that_is_not_a_ray_cluster_is_one_line_within_seconds(kind, workdir, write_study):
     """A closed port, or an HTTP server, which accepts the connection and then answers what Ray's GCS
@@ -302,7 +316,7 @@ def test_an_address_that_is_not_a_ray_cluster_is_one_line_within_seconds(kind, w
 def test_a_socket_that_never_answers_is_one_line_and_ctrl_c_while_connecting_is_exit_130(tmp_path):
     study = tmp_path / "cluster.gin"
     study.write_text(STUDY)
-    with listening("silent") as (port, accepted):
+    with listening("silent") as (port, _):
         address = f"127.0.0.1:{port}"
         line = one_error_line(engine([*COLOCATED_1_STEP, "--ray-address", address], clean_env(), tmp_path / "a",
                                      timeout=120))
@@ -313,11 +327,11 @@ def test_a_socket_that_never_answers_is_one_line_and_ctrl_c_while_connecting_is_
                       address, "--out", str(tmp_path / "b")],
                      [sys.executable, "-m", "experiments", "run", str(study), "--results", str(tmp_path / "results"),
                       "--ray-address", address]):
-            accepted.clear()
             proc = subprocess.Popen(argv, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True)
             try:
-                assert accepted.wait(120), "it never connected"
+                # Its own connection, not one an earlier process left in the listener's queue.
+                assert _connects_to(proc, port, timeout=120), "it never connected"
                 time.sleep(0.5)  # in the handshake now, which waits up to 5 s for an answer
                 proc.send_signal(signal.SIGINT)
                 out, err = proc.communicate(timeout=60)
@@ -325,4 +339,5 @@ def test_a_socket_that_never_answers_is_one_line_and_ctrl_c_while_connecting_is_
                 proc.kill()
                 proc.wait()
             lines = [line for line in err.strip().splitlines() if line.strip()]
-            assert proc.returncode == 130 and len(lines) == 1 and lines[0].startswith("interrupted"), out + err
+            assert proc.returncode == 130 and len(lines) == 1 and lines[0].startswith("interrupted"), \
+                f"{' '.join(argv[1:3])}: {out}{err}"
