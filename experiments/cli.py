@@ -32,7 +32,7 @@ from experiments.errors import (
     StudyError,
     disk_full_line,
 )
-from rlhf.errors import ConfigError
+from rlhf.errors import ConfigError, honour_interrupts
 
 Hook = Union[str, Callable]
 """A function, or 'module:function' imported when its subcommand is used: `data` and `sft` must not
@@ -174,6 +174,7 @@ def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    honour_interrupts()  # a study started in a script's background still stops its runs on Ctrl-C / SIGTERM
     args = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None).parse_args(argv)
     args.argv = argv
     args.rerun_failed = getattr(args, "rerun_failed", False)

@@ -31,6 +31,19 @@ EXIT_INTERRUPTED = 130
 """Ctrl-C (or SIGTERM): one line; what was written stays."""
 
 
+def honour_interrupts() -> None:
+    """Ctrl-C and `kill -INT` stop this process (EXIT_INTERRUPTED) even when it started with SIGINT
+    ignored, as a shell script's background job (`cmd &`, `nohup cmd &`) does: Python then installs
+    no KeyboardInterrupt handler, and every child (Ray's daemons and workers, the engines) inherits
+    the ignored signal, so a study's stop could not reach its runs (Ray cancels a running task by an
+    interrupt in its main thread). `python -m rlhf.train` and `python -m experiments` call it first;
+    the main thread only."""
+    import signal
+    import threading
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 """The errnos of a full disk (or quota): the engine and the manager stop in one line, keeping what is written."""
 

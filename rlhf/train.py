@@ -34,6 +34,7 @@ from rlhf.errors import (
     EXIT_OUT_OF_MEMORY,
     ConfigError,
     check_writable,
+    honour_interrupts,
 )
 
 
@@ -71,6 +72,7 @@ def check_profile(step: int, cfg) -> None:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    honour_interrupts()
     args = parse_args(argv)
     # The CPU numerics profile must be in the environment before torch loads (rlhf/numerics.py).
     from rlhf import numerics

@@ -290,6 +290,8 @@ def test_a_cancellation_while_the_wandb_run_opens_stops_the_engine():
         time.sleep(5)
         return Streamer()
 
+    # As a Ray worker has it (the manager's rlhf.errors.honour_interrupts), whatever this process was given.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     start = time.monotonic()
     try:
@@ -311,3 +313,4 @@ def test_a_cancellation_while_the_wandb_run_opens_stops_the_engine():
     finally:
         engine.kill()
         engine.wait()
+        signal.signal(signal.SIGINT, previous)

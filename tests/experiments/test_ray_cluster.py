@@ -327,8 +327,10 @@ def test_a_socket_that_never_answers_is_one_line_and_ctrl_c_while_connecting_is_
                       address, "--out", str(tmp_path / "b")],
                      [sys.executable, "-m", "experiments", "run", str(study), "--results", str(tmp_path / "results"),
                       "--ray-address", address]):
+            # Started as a shell script's background job is (`cmd &`): SIGINT ignored, which Python
+            # keeps unless told otherwise (rlhf.errors.honour_interrupts).
             proc = subprocess.Popen(argv, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True)
+                                    text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
             try:
                 # Its own connection, not one an earlier process left in the listener's queue.
                 assert _connects_to(proc, port, timeout=120), "it never connected"
