@@ -146,13 +146,24 @@ def greedy_cuts(sequences: int, budget: int, seq: int = SEQ) -> list:
     return [seq * len(part) for part in budget_partition([seq] * sequences, budget)]
 
 
+def token_counts(text: str) -> list:
+    """`--update-tokens`: positive token counts, comma-separated (argparse's one-line error, exit 2, otherwise)."""
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive token counts, comma-separated (e.g. 8192,12288)")
+    return counts
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", required=True)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--forward-tokens", type=int, default=32768)
-    p.add_argument("--update-tokens", default="8192",
+    p.add_argument("--update-tokens", type=token_counts, default=[8192],
                    help="forward + backward token count(s), comma-separated (a list compiles the layers for any count)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--modes", default=",".join(MODES))
@@ -164,7 +175,7 @@ def main(argv=None) -> int:
         print("bench/lora_layers.py needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.use_deterministic_algorithms(True, warn_only=True)
-    update_tokens = [int(n) for n in args.update_tokens.split(",")]
+    update_tokens = args.update_tokens
     model = build(args.layers, args.rank)
     results = []
     for mode in args.modes.split(","):

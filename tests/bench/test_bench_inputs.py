@@ -183,3 +183,8 @@ def test_lora_layers_cuts_a_mini_batch_as_the_engine_does():
     assert lora_layers.greedy_cuts(32, 12288) == [12288, 12288]
     assert lora_layers.greedy_cuts(32, 768) == [768] * 32
     assert sum(lora_layers.greedy_cuts(32, 16384)) == 32 * 768
+    assert lora_layers.token_counts("8192,1536") == [8192, 1536]
+    for bad in ("abc", "8192,", "0", "-5"):
+        with pytest.raises(SystemExit) as exit_:
+            lora_layers.main(["--json", "x.json", "--update-tokens", bad])
+        assert exit_.value.code == 2
