@@ -94,19 +94,49 @@ def fuse_lora(model: torch.nn.Module, mode: str = "merged") -> int:
     - "addmm": `addmm(base(x), A(x), B^T, alpha=scaling)`: the base matmul, then a pass over the
       output to add the adapter, and in the backward a second [tokens, in] gradient summed into x's.
 
+    Each such layer becomes an instance of one subclass of peft's layer (`fused_lora_class`), whose
+    forward is that mode's: one function for every layer, so that decoder layers compiled one by one
+    (`compile_layers`) share their graphs. A forward bound per layer (a closure, a partial) would be an
+    object Dynamo guards on by identity: one graph per decoder layer and state, past
+    `RECOMPILE_LIMIT` at 28 layers, after which every layer runs eagerly.
+
     A layer with its adapter switched off (the reference pass), merged, with a DoRA-style variant,
     a LoRA bias, or (merged mode) dropout or a base layer that trains runs peft's own forward. Used
     on a GPU only: CPU runs keep peft's arithmetic bit for bit."""
     if mode not in LORA_FORWARDS:
         raise ValueError(f"LoRA forward {mode!r}: one of {LORA_FORWARDS}")
     from peft.tuners.lora.layer import Linear as LoraLinear
-    forward = _merged_lora_forward if mode == "merged" else _addmm_lora_forward
     count = 0
     for module in model.modules():
-        if isinstance(module, LoraLinear):
-            module.forward = functools.partial(forward, module)  # pyright: ignore[reportAttributeAccessIssue]
+        if type(module) is LoraLinear:
+            module.__class__ = fused_lora_class(mode)
+            count += 1
+        elif isinstance(module, LoraLinear) and getattr(type(module), "lora_forward", None) != mode:
+            raise ValueError(f"{type(module).__name__} is a subclass of peft's LoRA Linear that fuse_lora "
+                             f"does not know; LoRA forward {mode!r} would replace its forward")
+        elif isinstance(module, LoraLinear):
             count += 1
     return count
+
+
+def fused_lora_class(mode: str) -> type:
+    """peft's LoRA `Linear` with the forward of `mode` (one of `LORA_FORWARDS`); one class per mode,
+    defined in this module (the name pickle finds it under) on first use."""
+    name = f"{mode.capitalize()}LoraLinear"
+    cls = globals().get(name)
+    if cls is None:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+        forward = _merged_lora_forward if mode == "merged" else _addmm_lora_forward
+        cls = type(name, (LoraLinear,), {"forward": forward, "lora_forward": mode, "__module__": __name__,
+                                          "__doc__": f"peft's LoRA Linear, adapters added the {mode!r} way."})
+        globals()[name] = cls
+    return cls
+
+
+def _peft_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """peft's own LoRA forward for a layer whose class `fuse_lora` replaced."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    return LoraLinear.forward(layer, x, *args, **kwargs)
 
 
 def _fused_adapters(layer, kwargs) -> list | None:
@@ -121,7 +151,7 @@ def _fused_adapters(layer, kwargs) -> list | None:
 def _addmm_lora_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     adapters = _fused_adapters(layer, kwargs)
     if adapters is None:
-        return type(layer).forward(layer, x, *args, **kwargs)
+        return _peft_forward(layer, x, *args, **kwargs)
     result = layer.base_layer(x, *args, **kwargs)
     shape = result.shape
     for name in adapters:
@@ -138,7 +168,7 @@ def _merged_lora_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tenso
     if (adapters is None or len(adapters) != 1 or args or kwargs or type(base) is not torch.nn.Linear
             or not isinstance(layer.lora_dropout[adapters[0]], torch.nn.Identity)
             or any(p.requires_grad for p in base.parameters())):  # `_MergedLoRA` trains the adapter only
-        return type(layer).forward(layer, x, *args, **kwargs)
+        return _peft_forward(layer, x, *args, **kwargs)
     name = adapters[0]
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     weight, a, b = base.weight, layer.lora_A[name].weight, layer.lora_B[name].weight
