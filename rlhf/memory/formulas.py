@@ -79,7 +79,7 @@ def forward_working_bytes(shape: ModelShape, tokens: int, act: int) -> int:
     """A forward-only pass (no grad) keeps nothing for a backward; one block's tensors are alive at a
     time, the most in its MLP: three [T, f] tensors (the gate's SiLU, up, their product) beside the
     block's input and its normed copy (2 h), and 16 h for the norms' fp32 temporaries and the residual
-    sum. Measured at the Qwen2.5-7B shape, 32768-token passes (bench/results/lora7b_recipe_h200.json):
+    sum. Measured at the Qwen2.5-7B shape, 32768-token passes (bench/results/lora7b_recipe_addmm_h200.json):
     the values pass held 4.5 GiB beside the resident roles, this formula 5.7 (eager and compiled alike)."""
     h, f = shape.hidden_size, shape.intermediate_size
     return tokens * (act * (3 * f + 2 * h) + 16 * h)
@@ -91,6 +91,16 @@ def forward_peak_bytes(shape: ModelShape, tokens: int, act: int, head: int) -> i
     return max(forward_working_bytes(shape, tokens, act), head + act * shape.hidden_size * tokens)
 
 
+def merged_weight_bytes(shape: ModelShape, lora: Sequence[str], act: int) -> int:
+    """`fuse_lora`'s merged weight W + s B A (rlhf/roles/compiled.py; [out, in] in the compute dtype), a
+    temporary of one projection at a time in a LoRA role's forward, rebuilt in its backward: the largest
+    adapted projection's, twice (the one at work beside the next being built). 0.25 GiB at the
+    Qwen2.5-7B shape; with it the forward-only passes of 32768 tokens plan 1.00x what torch reserved
+    (bench/results/lora7b_recipe_mb8k_h200.json), 0.998x without."""
+    lin = shape.linears()
+    return 2 * act * max((i * o for name, (i, o) in lin.items() if name in lora), default=0)
+
+
 def lm_head_bytes(shape: ModelShape, positions: int, act: int, train: bool, entropy: bool = True,
                   fused: bool = False) -> int:
     """The LM head runs on response positions only (R + 1 a sequence, `logits_to_keep`), LM_HEAD_CHUNK
@@ -100,7 +110,7 @@ def lm_head_bytes(shape: ModelShape, positions: int, act: int, train: bool, entr
     is recomputed and its logits' gradient (fp32 and the compute dtype) is live beside it (2a + 24).
     `fused` (`ppo.torch_compile` on a GPU: one compiled kernel pair over the vocabulary): the logits and
     one fp32 buffer (a + 4); with a backward 2a + 16, measured: the compiled 7B LoRA update held 2.0 GiB
-    less than the eager one at 8192 tokens (bench/results/lora7b_recipe_h200.json, *_eager_h200.json).
+    less than the eager one at 8192 tokens (bench/results/lora7b_recipe_addmm_h200.json, *_eager_h200.json).
     Each position keeps its log-prob and entropy (and their gradients) whole."""
     from rlhf.roles.forward import LM_HEAD_CHUNK
     chunk = min(positions, LM_HEAD_CHUNK)
@@ -243,10 +253,12 @@ def trained_role(name: str, shape: ModelShape, ppo, rank: int, lm_head: bool, gp
         activations = (saved - layer) + max(layer + working, head)
     else:
         activations = saved + working + head
-    role.train = activations + copies + fsdp_gather_bytes(shape, base_bytes, n, train=not rank, lm_head=lm_head)
+    merged = merged_weight_bytes(shape, targets, act) if frozen else 0
+    role.train = (activations + copies + merged
+                  + fsdp_gather_bytes(shape, base_bytes, n, train=not rank, lm_head=lm_head))
     rows, tokens, positions = batches["forward"]
     head_fwd = (lm_head_bytes(shape, positions, act, train=False, fused=fused) if lm_head
                 else value_head_bytes(rows, tokens // rows, train=False))
-    role.forward = (forward_peak_bytes(shape, tokens, act, head_fwd) + copies
+    role.forward = (forward_peak_bytes(shape, tokens, act, head_fwd) + copies + merged
                     + fsdp_gather_bytes(shape, base_bytes, n, train=False, lm_head=lm_head))
     return role

@@ -43,7 +43,7 @@ FRAGMENTATION = 0.05
 """Share of a phase's torch memory added for the caching allocator's fragmentation."""
 ENGINE_FRAGMENTATION = 0.01
 """Share of an awake vLLM engine's memory added for what torch reserves beyond it (its sleep-mode pool
-and sampling buffers). Measured at the Qwen2.5-7B shape (bench/results/lora7b_recipe_h200.json): while
+and sampling buffers). Measured at the Qwen2.5-7B shape (bench/results/lora7b_recipe_addmm_h200.json): while
 generating, torch reserved 1.8 GiB above what it allocated, 1.6 of which the roles' 5% covers."""
 SAFETY_MARGIN = 0.05
 """Share of the GPU a run must leave spare to count as fitting: whole steps can take more than the
@@ -268,16 +268,17 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
 # ====================================================================== predicted: suggestions and the check
 def _options(cfg: RunConfig) -> List[List[dict]]:
     """For each binding the suggestions may change, in the order they are tried, its values (each a
-    {field: value} of `ppo`), best first: a packed token budget (the largest that fits: no padding, no
-    recompute), gradient checkpointing, LoRA (the critic follows), a smaller micro-batch, more GPUs (FSDP2).
-    The first two change only how the same update is computed; LoRA changes what trains, so it comes
+    {field: value} of `ppo`), best first: a packed token budget (the largest that fits of the powers of
+    two and the 3 x 2^k between them: no padding, no recompute), gradient checkpointing, LoRA (the
+    critic follows), a smaller micro-batch, more GPUs (FSDP2). The first two change only how the same update is computed; LoRA changes what trains, so it comes
     after them (alone or with them where nothing else fits)."""
     ppo = cfg.ppo
     seq = ppo.max_prompt_length + ppo.max_response_length
     options = []
     rows = min(ppo.micro_batch_size, ppo.mini_batch_size // ppo.world_size)
     current = ppo.max_tokens_per_micro_batch or rows * seq
-    budgets = sorted({2 ** k for k in range(10, 20) if seq <= 2 ** k < current} |
+    # Powers of two and the steps between them (3 x 2^k: 12288 between 8192 and 16384): the largest that fits.
+    budgets = sorted({m << k for m in (2, 3) for k in range(9, 19) if seq <= m << k < current} |
                      ({-(-seq // 256) * 256} if -(-seq // 256) * 256 < current else set()), reverse=True)
     if budgets:
         options.append([{"max_tokens_per_micro_batch": b} for b in budgets])

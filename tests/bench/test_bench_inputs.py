@@ -128,7 +128,7 @@ def test_peer_work_on_the_shipped_lora_recipe():
     ppo = cfg.ppo
     assert (ppo.lora_rank, ppo.lora_alpha, ppo.gradient_checkpointing, ppo.torch_compile, ppo.vllm_sleep) == \
         (64, 128.0, False, True, True)
-    assert ppo.max_tokens_per_micro_batch == 8192 and ppo.forward_max_tokens == 32768
+    assert ppo.max_tokens_per_micro_batch == 12288 and ppo.forward_max_tokens == 49152
     assert (ppo.adv_estimator, ppo.kl_mode, ppo.kl_coef, ppo.actor_learning_rate, ppo.max_response_length,
             ppo.rollout_batch_size) == ("grpo", "loss", 0.04, 1e-6, 256, 256)
     plan = memory.predict(cfg, memory.KNOWN_SHAPES["qwen2.5-7b"], available=int(139 * memory.GIB),

@@ -107,11 +107,12 @@ def test_full_fine_tuning_keeps_16_bytes_a_parameter_per_trained_role():
 
 
 @pytest.mark.parametrize("result", ["lora7b_recipe_h200.json", "instruct05b_recipe_h200.json",
+                                    "lora7b_recipe_mb8k_h200.json", "lora7b_recipe_addmm_h200.json",
                                     "lora7b_recipe_gc16k_h200.json", "instruct05b_recipe_eager_h200.json",
                                     "instruct05b_recipe_overlap_h200.json"])
 def test_the_plan_lands_within_10_percent_of_every_measured_phase(result):
     """The shipped recipes run through `python -m rlhf.train` on one H200 (bench/recipe_run.py): the 7B
-    shape under recipes/models/lora.gin (LoRA 64, compiled layers, no checkpointing, 8192-token packed
+    shape under recipes/models/lora.gin (LoRA 64, compiled layers, no checkpointing, 12288-token packed
     update micro-batches, vLLM asleep between rollouts) and the 0.5B shape under recipes/models/instruct.gin
     (full fine-tuning, critic and fp32 reference, compiled, packed, vLLM awake), as shipped now and as
     shipped before (eager, or with the next rollout beside the critic's update; at 7B with checkpointing,
@@ -240,8 +241,9 @@ def test_suggestions_combine_changes_when_no_single_one_fits():
                            "ppo.max_tokens_per_micro_batch = 0", "ppo.forward_max_tokens_per_micro_batch = 0"),
                   SHAPES["qwen2.5-7b"])
     bindings, plan = memory.suggest(cfg, shape, None, available=int(60 * GIB))
-    # No single change fits; of the pairs, LoRA with the largest token budget that fits comes first.
-    assert bindings == ["ppo.lora_rank = 64", "ppo.max_tokens_per_micro_batch = 2048"] and plan.fits
+    # No single change fits; of the pairs, LoRA with the largest token budget that fits comes first
+    # (3072: a power of two or three times one).
+    assert bindings == ["ppo.lora_rank = 64", "ppo.max_tokens_per_micro_batch = 3072"] and plan.fits
     assert not memory.predict(instruct("ppo.micro_batch_size = 16", "ppo.mini_batch_size = 16", "ppo.lora_rank = 64",
                                        "ppo.max_tokens_per_micro_batch = 4096"), shape, available=int(60 * GIB)).fits
     assert memory.suggest(cfg, shape, None, available=int(20 * GIB)) is None
@@ -302,7 +304,7 @@ def test_memory_command_exits_2_with_the_fix_on_a_config_json_only_model(tmp_pat
                            f"model.name_or_path = '{model}'", "--gpu-memory-gib", "139"],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert good.returncode == 0, good.stderr
-    assert "verdict: the run needs 90.2 GiB on a 139.0 GiB GPU: it fits" in good.stdout
+    assert "verdict: the run needs 115.2 GiB on a 139.0 GiB GPU: it fits" in good.stdout
     assert "reference" in good.stdout and "the actor's base, adapter off" in good.stdout
 
 
@@ -345,7 +347,7 @@ def test_a_refused_run_names_a_binding_that_fits_and_keeps_the_fast_path():
     with pytest.raises(ConfigError, match=r"it fits with ppo.max_tokens_per_micro_batch = \d+"):
         memory.check(run_config(max_response_length=2048, micro_batch_size=32), shape, available=H200)
     found = memory.suggest(instruct("ppo.gradient_checkpointing = False"), SHAPES["qwen2.5-7b"], None, available=H200)
-    assert found is not None and found[0] == ["ppo.lora_rank = 64", "ppo.max_tokens_per_micro_batch = 8192"]
+    assert found is not None and found[0] == ["ppo.lora_rank = 64", "ppo.max_tokens_per_micro_batch = 12288"]
 
 
 @pytest.mark.parametrize("recipe, shape", [("lora.gin", "qwen2.5-7b"), ("multi_gpu.gin", "qwen2.5-7b"),
