@@ -270,8 +270,9 @@ def _options(cfg: RunConfig) -> List[List[dict]]:
     """For each binding the suggestions may change, in the order they are tried, its values (each a
     {field: value} of `ppo`), best first: a packed token budget (the largest that fits of the powers of
     two and the 3 x 2^k between them: no padding, no recompute), gradient checkpointing, LoRA (the
-    critic follows), a smaller micro-batch, more GPUs (FSDP2). The first two change only how the same update is computed; LoRA changes what trains, so it comes
-    after them (alone or with them where nothing else fits)."""
+    critic follows), a smaller micro-batch, more GPUs (FSDP2). The first two change only how the same
+    update is computed; LoRA changes what trains, so it comes after them (alone or with them where
+    nothing else fits)."""
     ppo = cfg.ppo
     seq = ppo.max_prompt_length + ppo.max_response_length
     options = []
