@@ -101,20 +101,17 @@ def fuse_lora(model: torch.nn.Module, mode: str = "merged") -> int:
     `RECOMPILE_LIMIT` at 28 layers, after which every layer runs eagerly.
 
     A layer with its adapter switched off (the reference pass), merged, with a DoRA-style variant,
-    a LoRA bias, or (merged mode) dropout or a base layer that trains runs peft's own forward. Used
-    on a GPU only: CPU runs keep peft's arithmetic bit for bit."""
+    a LoRA bias, or (merged mode) dropout or a base layer that trains runs peft's own forward, as does
+    a subclass of peft's layer that is not one of these (its own forward is kept). Used on a GPU only:
+    CPU runs keep peft's arithmetic bit for bit."""
     if mode not in LORA_FORWARDS:
         raise ValueError(f"LoRA forward {mode!r}: one of {LORA_FORWARDS}")
     from peft.tuners.lora.layer import Linear as LoraLinear
+    fused = fused_lora_class(mode)
     count = 0
     for module in model.modules():
-        if type(module) is LoraLinear:
-            module.__class__ = fused_lora_class(mode)
-            count += 1
-        elif isinstance(module, LoraLinear) and getattr(type(module), "lora_forward", None) != mode:
-            raise ValueError(f"{type(module).__name__} is a subclass of peft's LoRA Linear that fuse_lora "
-                             f"does not know; LoRA forward {mode!r} would replace its forward")
-        elif isinstance(module, LoraLinear):
+        if type(module) is LoraLinear or (isinstance(module, LoraLinear) and hasattr(type(module), "lora_forward")):
+            module.__class__ = fused  # peft's own class, or a fused one (of either mode)
             count += 1
     return count
 

@@ -138,3 +138,17 @@ def test_fused_layers_copy_and_pickle():
     ids = torch.randint(0, 64, (1, 6))
     torch.testing.assert_close(again(ids).logits, fused(ids).logits, rtol=0, atol=0)
     assert type(copy.deepcopy(layer)) is type(layer)
+
+
+def test_a_subclass_of_peft_s_layer_keeps_its_own_forward_and_a_second_call_switches_the_mode():
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    class Custom(LoraLinear):  # a user's own variant of peft's layer: fuse_lora cannot know its maths
+        def forward(self, x, *args, **kwargs):
+            return super().forward(x, *args, **kwargs) * 0.5
+
+    _, fused, _ = peft_and_fused(7, 32, 1, 0.1)  # fused "merged"
+    layers = fused.base_model.model.model.layers[0]
+    layers.mlp.up_proj.__class__ = Custom
+    assert fuse_lora(fused, "addmm") == 6
+    assert type(layers.mlp.up_proj) is Custom and type(layers.mlp.down_proj).__name__ == "AddmmLoraLinear"
