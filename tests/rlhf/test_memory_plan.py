@@ -106,7 +106,8 @@ def test_full_fine_tuning_keeps_16_bytes_a_parameter_per_trained_role():
     assert plan.roles["reference"].resident == 4 * 494_032_768
 
 
-@pytest.mark.parametrize("result", ["lora7b_recipe_h200.json", "instruct05b_recipe_h200.json",
+@pytest.mark.parametrize("result", ["lora7b_recipe_h200.json", "lora7b_recipe_12k_eager_h200.json",
+                                    "instruct05b_recipe_h200.json", "instruct05b_recipe_profile_h200.json",
                                     "lora7b_recipe_mb8k_h200.json", "lora7b_recipe_addmm_h200.json",
                                     "lora7b_recipe_gc16k_h200.json", "instruct05b_recipe_eager_h200.json",
                                     "instruct05b_recipe_overlap_h200.json"])
