@@ -12,6 +12,8 @@ almost never emit EOS, so every response is 256 tokens). Each part runs in its o
   sleep/wake time and the memory it frees.
 - `vllm_logprobs`: `VLLMRollout(return_logprobs=True)` throughput, and the mean gap between its
   sampling log-probs and an HF bf16 forward of the same weights (what `rollout/logprob_gap` logs).
+- `vllm_in_process`, `vllm_own_process`: `vllm.LLM.generate` with its engine in this process or in
+  its own, alone, beside a training load in this process, and (own process) the CUDA IPC weight update.
 - `hf`: the engine's `HFRollout` (fp32 weights, bf16 autocast, dynamic KV cache), as a run with
   ppo.dtype = 'bfloat16' uses it; `hf_static`: a bf16 model with transformers' static KV cache
   and its automatic torch.compile of the decoding step.
@@ -228,8 +230,102 @@ def part_hf(args, assets, static: bool) -> dict:
             "weights": "bf16", "kv_cache": "static + torch.compile"}
 
 
+def _load_ipc_weights(worker, handles) -> None:
+    """In vLLM's worker: the trainer's tensors, opened from their CUDA IPC handles, into its model."""
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    index = torch.cuda.current_device()
+    tensors = []
+    for name, args in handles:
+        args = list(args)
+        args[6] = index  # the device index, as this process numbers it
+        tensors.append((name, rebuild_cuda_tensor(*args)))
+    worker.model_runner.model.load_weights(iter(tensors))
+    torch.cuda.synchronize()
+
+
+def part_vllm_process(args, assets, multiprocess: bool) -> dict:
+    """vLLM's engine in this process (the engine's way) or in its own (`VLLM_ENABLE_V1_MULTIPROCESSING=1`),
+    on the same token ids: `LLM.generate` alone; a training load alone (the 0.5B shape's forward and
+    backward over 12 micro-batches of 16 x 1024 tokens and an AdamW step, about a critic update's work);
+    both at once (the generation in a thread, as `ppo.overlap_rollout` runs it), each's own time and the
+    wall time; with its own process, the weights loaded from CUDA IPC handles by its worker."""
+    import os
+    import threading
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    import torch
+    import vllm
+    from gpu_assets import random_prompts
+
+    from rlhf.models import load_policy, load_tokenizer
+
+    device = torch.device("cuda")
+    tok = load_tokenizer(assets["tokenizer_dir"])
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # a function and CUDA IPC handles to its worker
+    t0 = time.perf_counter()
+    llm = vllm.LLM(model=assets["model_dir"], tokenizer=assets["tokenizer_dir"], dtype="bfloat16", seed=0,
+                   gpu_memory_utilization=args.gpu_memory_utilization,
+                   max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=256)
+    out = {"engine_start_s": time.perf_counter() - t0, "vllm": vllm.__version__, "multiprocess": multiprocess}
+    ids = [{"prompt_token_ids": tok(p)["input_ids"]} for p in random_prompts(args.prompts, args.prompt_len, seed=1)]
+    params = vllm.SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, detokenize=False)
+    llm.generate(ids[:8], params, use_tqdm=False)  # warm-up
+
+    def generate():
+        t = time.perf_counter()
+        res = llm.generate(ids, params, use_tqdm=False)
+        return time.perf_counter() - t, sum(len(r.outputs[0].token_ids) for r in res)
+
+    model = load_policy(assets["model_dir"], torch.bfloat16).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    batches = [torch.randint(0, 1000, (16, 1024), device=device, generator=gen) for _ in range(12)]
+
+    def train():
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for x in batches:
+            model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - t
+
+    train()  # warm-up
+    alone_gen, alone_train, both = [], [], []
+    for _ in range(args.repeats):
+        s, n = generate()
+        alone_gen.append(s)
+        alone_train.append(train())
+        box = {}
+        t = time.perf_counter()
+        thread = threading.Thread(target=lambda: box.update(gen=generate()))
+        thread.start()
+        train_s = train()
+        thread.join()
+        both.append({"wall_s": time.perf_counter() - t, "generate_s": box["gen"][0], "train_s": train_s})
+    out.update(generated_tokens=n, generate_alone_s=alone_gen, train_alone_s=alone_train, together=both,
+               generate_tokens_per_s=n / min(alone_gen),
+               overlap_saving_s=min(alone_gen) + min(alone_train) - min(b["wall_s"] for b in both))
+    if multiprocess:  # the weights through CUDA IPC handles, read by the engine's worker in its process
+        from torch.multiprocessing.reductions import reduce_tensor
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            weights = [(name, w.detach().contiguous()) for name, w in model.state_dict().items()]
+            handles = [(name, reduce_tensor(w)[1]) for name, w in weights]
+            llm.collective_rpc(_load_ipc_weights, args=(handles,))
+            times.append(time.perf_counter() - t)
+        out["ipc_weight_update_s"] = times
+    return out
+
+
 PARTS = {"vllm": part_vllm, "vllm_logprobs": part_vllm_logprobs,
-         "hf": lambda a, s: part_hf(a, s, False), "hf_static": lambda a, s: part_hf(a, s, True)}
+         "hf": lambda a, s: part_hf(a, s, False), "hf_static": lambda a, s: part_hf(a, s, True),
+         "vllm_in_process": lambda a, s: part_vllm_process(a, s, False),
+         "vllm_own_process": lambda a, s: part_vllm_process(a, s, True)}
 
 
 def main(argv=None) -> int:
