@@ -23,7 +23,7 @@ from typing import Dict, List, cast
 import torch
 import transformers
 
-from rlhf import algos, checkpoint, memory
+from rlhf import algos, checkpoint, heap, memory
 from rlhf.allocator import OutOfMemory, oom_line
 from rlhf.atomic import write_json
 from rlhf.batch import Batch
@@ -477,22 +477,25 @@ class PPOTrainer:
             initial = self.evaluate()
             logger.log({"step": 0, **initial})
         final = None
-        self.roles.device_report()  # the first step's window starts here, not at start-up
-        while self.step < ppo.total_steps:
-            self.step += 1
-            if self.step == profile_step:
-                record = {"step": self.step, **self.profiled_train_step(self.out / PROFILE_DIR)[0]}
-            else:
-                record = {"step": self.step, **self.train_step()}
-            if self.step % ppo.eval_every == 0 or self.step == ppo.total_steps:
-                t = time.perf_counter()
-                final = self.evaluate()
-                record.update(final)
-                record["timing_s/eval"] = time.perf_counter() - t
-            logger.log(record)
-            if self.step % ppo.save_every == 0 or self.step == ppo.total_steps:
-                self.save()
-            self.roles.device_report()  # the next step's window starts here (not in eval or save)
+        # The heap the first iteration leaves (models, compiled graphs, the engine) lives as long as the run.
+        with heap.FrozenAfterFirst(self.roles.freeze_heap) as long_lived:
+            self.roles.device_report()  # the first step's window starts here, not at start-up
+            while self.step < ppo.total_steps:
+                self.step += 1
+                if self.step == profile_step:
+                    record = {"step": self.step, **self.profiled_train_step(self.out / PROFILE_DIR)[0]}
+                else:
+                    record = {"step": self.step, **self.train_step()}
+                if self.step % ppo.eval_every == 0 or self.step == ppo.total_steps:
+                    t = time.perf_counter()
+                    final = self.evaluate()
+                    record.update(final)
+                    record["timing_s/eval"] = time.perf_counter() - t
+                logger.log(record)
+                if self.step % ppo.save_every == 0 or self.step == ppo.total_steps:
+                    self.save()
+                long_lived.settle()
+                self.roles.device_report()  # the next step's window starts here (not in eval or save)
         history = [r for r in read_metrics(self.out / "metrics.jsonl") if r["step"] > 0]
         if final is None:  # resumed after the last step had been written
             final = {k: v for k, v in history[-1].items() if k.startswith("eval/")}

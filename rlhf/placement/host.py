@@ -91,6 +91,11 @@ class RankHost:
     def device_report(self) -> dict:
         return self.monitor.take()
 
+    def freeze_heap(self) -> int:
+        """This rank's long-lived heap out of the collector's passes (rlhf/heap.py)."""
+        from rlhf import heap
+        return heap.freeze()
+
     def shutdown(self) -> None:
         self.monitor.close()
         if dist.is_initialized():

@@ -107,7 +107,7 @@ def as_role(proxy: RoleProxy, protocol: Type[R]) -> R:
 
 
 def proxied_roles(proxies: Mapping[str, RoleProxy], *, placement: dict, device_report: Callable[[], Dict[str, float]],
-                  close: Callable[[], None]) -> Roles:
+                  close: Callable[[], None], freeze_heap: Callable[[], None] = lambda: None) -> Roles:
     """The trainer's `Roles` from a placement's proxies, each typed as its protocol. Without a
     reference of its own (LoRA) the reference is the actor's base with its adapter off; the reward
     phase (`Roles.reward`) is the controller's, set by rlhf/placement/__init__.py `build_roles`."""
@@ -119,7 +119,7 @@ def proxied_roles(proxies: Mapping[str, RoleProxy], *, placement: dict, device_r
     reward_model: Optional[RewardModelRole] = (as_role(proxies["reward_model"], RewardModelRole)
                                                if "reward_model" in proxies else None)
     return Roles(actor=actor, critic=critic, reference=reference, reward=None, reward_model=reward_model,
-                 placement=placement, device_report=device_report, close=close)
+                 placement=placement, device_report=device_report, close=close, freeze_heap=freeze_heap)
 
 
 def _shared(value: Any) -> Any:

@@ -71,6 +71,9 @@ def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, ray_address: Optio
     def device_report() -> dict:
         return merge_device_reports(ray.get([h.device_report.remote() for h in every]))
 
+    def freeze_heap() -> None:
+        ray.get([h.freeze_heap.remote() for h in every])
+
     def close() -> None:
         try:
             ray.get([h.shutdown.remote() for h in every], timeout=60)
@@ -85,4 +88,5 @@ def build_ray_roles(cfg: RunConfig, specs: List[RoleSpec], *, ray_address: Optio
               "role_bytes": {name: [b["bytes"] for b in built[name]] for name in names}}
     if plan is not None:
         record["memory"] = plan
-    return proxied_roles(proxies, placement=record, device_report=device_report, close=close)
+    return proxied_roles(proxies, placement=record, device_report=device_report, close=close,
+                         freeze_heap=freeze_heap)

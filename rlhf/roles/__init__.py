@@ -125,5 +125,7 @@ class Roles:
     """Device memory and utilisation since the last call, over every process holding a role
     (`perf/max_memory_allocated_gb`, `perf/gpu_utilization`; {} on CPU)."""
     close: Callable[[], None] = lambda: None
+    freeze_heap: Callable[[], None] = lambda: None
+    """Freezes the long-lived heap (rlhf/heap.py) of every other process holding a role (the ranks on Ray)."""
     reward_model: Optional["RewardModelRole"] = None
     """The reward model (reward.kind 'model' or 'combined'), which `reward` calls."""
