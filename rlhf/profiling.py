@@ -16,7 +16,10 @@ update_actor, ...) the summary reports, on the one clock the trace shares:
 - `kernel_s` by kind (matmul, attention, fused = Triton/compiled, copy, other elementwise);
 - `host_waits`: the CUDA runtime calls that block the host until the GPU catches up
   (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, cudaMemcpy without
-  Async) with their count and total host time;
+  Async) with their count and total host time, by call and by the operator that made them
+  (`by_op`: the outermost CPU op around each on its thread, such as aten::item for a value read
+  on the host, aten::to for a copy from pageable memory, aten::nonzero; "(no op)" for a wait
+  outside any, such as a library's own event synchronisation);
 - `top_kernels`: the ten kernels with the most GPU time.
 
 The whole iteration's figures are under `iteration`. Everything is computed from the trace's
@@ -27,9 +30,11 @@ process's own work is in the trace: a run whose roles live in Ray actors is prof
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gzip
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -97,6 +102,28 @@ def load_trace(path: str | Path) -> List[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
+def wait_sites(events: Sequence[dict], waits: Sequence[dict]) -> Dict[str, int]:
+    """How many of `waits` each operator made: the outermost `cpu_op` event enclosing a wait on its
+    thread (most first)."""
+    if not waits:
+        return {}
+    threads = {(w.get("pid"), w.get("tid")) for w in waits}
+    ops = sorted((e["ts"], -e.get("dur", 0), e) for e in events
+                 if e.get("cat") == "cpu_op" and e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in threads)
+    outermost: Dict[tuple, List[Tuple[float, float, str]]] = {}
+    for ts, neg_dur, e in ops:  # by start, the longer first: an op inside the previous outermost one is skipped
+        spans = outermost.setdefault((e.get("pid"), e.get("tid")), [])
+        if not spans or ts >= spans[-1][1]:
+            spans.append((ts, ts - neg_dur, e.get("name", "?")))
+    counts: Dict[str, int] = {}
+    for w in waits:
+        spans = outermost.get((w.get("pid"), w.get("tid")), [])
+        i = bisect.bisect_right(spans, (w["ts"], math.inf, "")) - 1
+        name = spans[i][2] if i >= 0 and spans[i][1] >= w["ts"] + w.get("dur", 0) else "(no op)"
+        counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def summarize_window(events: Sequence[dict], lo: float, hi: float) -> dict:
     """The GPU and host-wait figures of the time window [lo, hi) (microseconds)."""
     gpu = [(e["ts"], e["ts"] + e.get("dur", 0), e) for e in events
@@ -125,7 +152,8 @@ def summarize_window(events: Sequence[dict], lo: float, hi: float) -> dict:
         "idle_gaps": gap_histogram(merged, lo, hi),
         "host_waits": {"count": len(waits), "total_s": sum(e.get("dur", 0) for e in waits) / 1e6,
                        "by_call": {name: sum(1 for e in waits if e["name"] == name)
-                                   for name in HOST_WAITS if any(e["name"] == name for e in waits)}},
+                                   for name in HOST_WAITS if any(e["name"] == name for e in waits)},
+                       "by_op": wait_sites(events, waits)},
         "top_kernels": [{"name": n, "count": c, "s": round(s, 6)} for n, (c, s) in top],
     }
 
@@ -162,6 +190,12 @@ def merge_summaries(parts: Sequence[dict]) -> dict:
                           for label in GAP_LABELS}
     total["host_waits"] = {"count": sum(p["host_waits"]["count"] for p in parts),
                            "total_s": sum(p["host_waits"]["total_s"] for p in parts)}
+    for key in ("by_call", "by_op"):
+        merged: Dict[str, int] = {}
+        for p in parts:
+            for name, n in p["host_waits"].get(key, {}).items():
+                merged[name] = merged.get(name, 0) + n
+        total["host_waits"][key] = dict(sorted(merged.items(), key=lambda kv: -kv[1]))
     total["top_kernels"] = parts[0]["top_kernels"]
     return total
 

@@ -41,7 +41,7 @@ def test_busy_time_is_the_union_of_kernels_inside_the_phase():
     assert actor["gpu_idle_s"] == pytest.approx(0.0021)
     assert actor["kernel_s"]["matmul"] == pytest.approx(0.0009) and actor["kernel_s"]["fused"] == pytest.approx(0.001)
     assert actor["host_waits"] == {"count": 1, "total_s": pytest.approx(0.0019),
-                                   "by_call": {"cudaStreamSynchronize": 1}}
+                                   "by_call": {"cudaStreamSynchronize": 1}, "by_op": {"(no op)": 1}}
     # Idle stretches of update_actor: 0-0.1 ms, 1.5-3.5 ms.
     assert actor["idle_gaps"]["0.1-1ms"]["count"] == 1 and actor["idle_gaps"]["1-10ms"]["count"] == 1
     assert gen["gpu_busy_s"] == pytest.approx(0.00055) and gen["kernel_s"]["attention"] == pytest.approx(0.00005)
@@ -49,6 +49,35 @@ def test_busy_time_is_the_union_of_kernels_inside_the_phase():
     assert s["iteration"]["gpu_busy_s"] == pytest.approx(0.00245)
     assert s["iteration"]["unattributed_s"] == pytest.approx(0.0)
     assert "update_actor" in profiling.format_table(s)
+
+
+def cpu_op(name, ts, dur, tid=1):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+
+def wait(name, ts, dur, tid=1):
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+
+def test_each_host_wait_is_put_down_to_the_outermost_op_of_its_thread():
+    events = [
+        annotation("update_critic", 0, 10_000), annotation("values", 10_000, 5_000),
+        cpu_op("aten::item", 100, 500), cpu_op("aten::_local_scalar_dense", 110, 480),
+        wait("cudaStreamSynchronize", 120, 400),                     # a value read on the host
+        cpu_op("aten::to", 1_000, 300), cpu_op("aten::copy_", 1_010, 280),
+        wait("cudaStreamSynchronize", 1_050, 200),                   # a copy from pageable memory
+        cpu_op("aten::to", 2_000, 300), wait("cudaStreamSynchronize", 2_100, 100),
+        cpu_op("aten::mm", 3_000, 100, tid=2), wait("cudaStreamSynchronize", 3_010, 50),  # another thread's op
+        wait("cudaEventSynchronize", 5_000, 100),                    # no op around it
+        cpu_op("aten::nonzero", 11_000, 200), wait("cudaMemcpy", 11_050, 100),
+    ]
+    s = profiling.summarize(events, ["update_critic", "values"])
+    assert s["phases"]["update_critic"]["host_waits"]["by_op"] == {"aten::to": 2, "aten::item": 1, "(no op)": 2}
+    assert s["phases"]["values"]["host_waits"]["by_op"] == {"aten::nonzero": 1}
+    merged = profiling.merge_summaries([s["phases"]["update_critic"], s["phases"]["values"]])
+    assert merged["host_waits"]["by_op"] == {"aten::to": 2, "(no op)": 2, "aten::item": 1, "aten::nonzero": 1}
+    assert merged["host_waits"]["by_call"] == {"cudaStreamSynchronize": 4, "cudaEventSynchronize": 1,
+                                               "cudaMemcpy": 1}
 
 
 def test_cpu_profile_of_real_iterations(tmp_path):
