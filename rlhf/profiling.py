@@ -188,14 +188,15 @@ def merge_summaries(parts: Sequence[dict]) -> dict:
     total["idle_gaps"] = {label: {"count": sum(p["idle_gaps"][label]["count"] for p in parts),
                                   "total_s": sum(p["idle_gaps"][label]["total_s"] for p in parts)}
                           for label in GAP_LABELS}
-    total["host_waits"] = {"count": sum(p["host_waits"]["count"] for p in parts),
-                           "total_s": sum(p["host_waits"]["total_s"] for p in parts)}
+    waits: Dict[str, Any] = {"count": sum(p["host_waits"]["count"] for p in parts),
+                             "total_s": sum(p["host_waits"]["total_s"] for p in parts)}
     for key in ("by_call", "by_op"):
         merged: Dict[str, int] = {}
         for p in parts:
             for name, n in p["host_waits"].get(key, {}).items():
                 merged[name] = merged.get(name, 0) + n
-        total["host_waits"][key] = dict(sorted(merged.items(), key=lambda kv: -kv[1]))
+        waits[key] = dict(sorted(merged.items(), key=lambda kv: -kv[1]))
+    total["host_waits"] = waits
     total["top_kernels"] = parts[0]["top_kernels"]
     return total
 
