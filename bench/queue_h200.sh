@@ -11,7 +11,9 @@
 # a line `sh NAME COMMAND...` runs COMMAND (as written: `bash -c`) in the repo copy instead (e.g. `sh peers bash
 # bench/run_h200.sh peers`, whose files go to /tmp/res/NAME/ as its $OUT). The first line is taken off
 # before its run starts, so the rest can be edited while one runs. Each run writes /tmp/res/NAME.json
-# (a recipe run) and NAME.log, and /tmp/res/queue.log says when each started and ended. Later calls watch and collect: `cat /tmp/res/queue.log; cp /tmp/res/*.json $OUT/`. The runs
+# (a recipe run) and NAME.log, and /tmp/res/queue.log says when each started and ended. Later calls watch and collect,
+# each one, whatever is finished: `sleep N; bash bench/queue_collect.sh` (a machine lost between two
+# calls loses only what it had not yet handed back). The runs
 # use a copy of the repo in /tmp/repo, so the next call's copy of the tree does not change them.
 set -u
 export PYTHONPATH=${BENCH_SITE:-/tmp/site} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
