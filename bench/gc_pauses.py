@@ -67,6 +67,7 @@ def child(recipe: str, bindings: list, frozen: bool) -> dict:
         trainer.run(MetricLogger([]))
         wall = time.perf_counter() - t
         gc.callbacks.remove(timer)
+
     def table(by_gen):
         return {f"gen{g}": {"count": len(p), "total_ms": 1e3 * sum(p), "longest_ms": 1e3 * max(p, default=0.0)}
                 for g, p in by_gen.items()}

@@ -37,6 +37,7 @@ import json
 import math
 import re
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
 
@@ -108,20 +109,20 @@ def wait_sites(events: Sequence[dict], waits: Sequence[dict]) -> Dict[str, int]:
     if not waits:
         return {}
     threads = {(w.get("pid"), w.get("tid")) for w in waits}
-    ops = sorted((e["ts"], -e.get("dur", 0), e) for e in events
-                 if e.get("cat") == "cpu_op" and e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in threads)
+    ops = sorted((e for e in events
+                  if e.get("cat") == "cpu_op" and e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in threads),
+                 key=lambda e: (e["ts"], -e.get("dur", 0)))
     outermost: Dict[tuple, List[Tuple[float, float, str]]] = {}
-    for ts, neg_dur, e in ops:  # by start, the longer first: an op inside the previous outermost one is skipped
+    for e in ops:  # by start, the longer first: an op inside the previous outermost one is skipped
         spans = outermost.setdefault((e.get("pid"), e.get("tid")), [])
-        if not spans or ts >= spans[-1][1]:
-            spans.append((ts, ts - neg_dur, e.get("name", "?")))
-    counts: Dict[str, int] = {}
+        if not spans or e["ts"] >= spans[-1][1]:
+            spans.append((e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "?")))
+    counts: Counter = Counter()
     for w in waits:
         spans = outermost.get((w.get("pid"), w.get("tid")), [])
         i = bisect.bisect_right(spans, (w["ts"], math.inf, "")) - 1
-        name = spans[i][2] if i >= 0 and spans[i][1] >= w["ts"] + w.get("dur", 0) else "(no op)"
-        counts[name] = counts.get(name, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+        counts[spans[i][2] if i >= 0 and spans[i][1] >= w["ts"] + w.get("dur", 0) else "(no op)"] += 1
+    return dict(counts.most_common())
 
 
 def summarize_window(events: Sequence[dict], lo: float, hi: float) -> dict:
@@ -191,11 +192,7 @@ def merge_summaries(parts: Sequence[dict]) -> dict:
     waits: Dict[str, Any] = {"count": sum(p["host_waits"]["count"] for p in parts),
                              "total_s": sum(p["host_waits"]["total_s"] for p in parts)}
     for key in ("by_call", "by_op"):
-        merged: Dict[str, int] = {}
-        for p in parts:
-            for name, n in p["host_waits"].get(key, {}).items():
-                merged[name] = merged.get(name, 0) + n
-        waits[key] = dict(sorted(merged.items(), key=lambda kv: -kv[1]))
+        waits[key] = dict(sum((Counter(p["host_waits"].get(key, {})) for p in parts), Counter()).most_common())
     total["host_waits"] = waits
     total["top_kernels"] = parts[0]["top_kernels"]
     return total

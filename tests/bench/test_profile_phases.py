@@ -70,6 +70,7 @@ def test_each_host_wait_is_put_down_to_the_outermost_op_of_its_thread():
         cpu_op("aten::mm", 3_000, 100, tid=2), wait("cudaStreamSynchronize", 3_010, 50),  # another thread's op
         wait("cudaEventSynchronize", 5_000, 100),                    # no op around it
         cpu_op("aten::nonzero", 11_000, 200), wait("cudaMemcpy", 11_050, 100),
+        cpu_op("aten::add", 12_000, 10), cpu_op("aten::add", 12_000, 10),  # two alike at one time sort
     ]
     s = profiling.summarize(events, ["update_critic", "values"])
     assert s["phases"]["update_critic"]["host_waits"]["by_op"] == {"aten::to": 2, "aten::item": 1, "(no op)": 2}
