@@ -42,6 +42,24 @@ def packed_kwargs(lengths: Sequence[int], device) -> dict:
             "max_length_q": max(lengths), "max_length_k": max(lengths)}
 
 
+def prepared_mask(model: torch.nn.Module, device) -> dict:
+    """The `attention_mask` of a packed row's forward through `model`: for a model on `PACKED_SDPA`,
+    which separates the sequences by their spans and reads no mask, a [1, 1, 1, 1] placeholder;
+    for any other, none ({}), and transformers finds the sequences from the position ids.
+
+    transformers returns a 4-D mask as it comes ("already prepared"). Given no mask, its preparation
+    looks for packed sequences in the position ids and branches on what it finds
+    (`find_packed_sequence_indices`): on a GPU the host then waits for every kernel queued before
+    each forward."""
+    from transformers import PreTrainedModel
+    for module in model.modules():  # the first transformers model: the model itself, or the one a wrapper holds
+        if isinstance(module, PreTrainedModel):
+            if module.config._attn_implementation == PACKED_SDPA:
+                return {"attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)}
+            break
+    return {}
+
+
 @functools.lru_cache(maxsize=None)
 def _varlen() -> tuple[Callable[..., Any], frozenset[str]] | None:
     """(torch's varlen_attn, the keyword arguments its signature takes), or None where torch lacks it."""

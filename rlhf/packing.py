@@ -9,9 +9,8 @@ are T = prompt_mask.sum() + response_mask.sum(), N = response_mask.sum() of them
 With a budget, a (mini-)batch's sequences, in their order, are cut into contiguous micro-batches
 of at most `max_tokens` real tokens each, and each runs as one row: input_ids [1, T] holding every
 sequence's real tokens one after the other, and position_ids [1, T] restarting at 0 for each
-sequence. Called with attention_mask=None and those position ids, transformers detects the
-each row also carries its sequences' lengths (`PackedRow.forward_kwargs`), with which the engine's
-attention (rlhf/attention.py) runs every sequence causally over itself: torch's variable-length
+sequence. Each row also carries its sequences' lengths (`PackedRow.forward_kwargs`), with which the
+engine's attention (rlhf/attention.py) runs every sequence causally over itself: torch's variable-length
 flash kernel on a GPU, no [T, T] mask anywhere.
 `PackedRow.index` [N] names the row positions whose outputs belong to response tokens (the token
 before each, as in the padded forward) and `PackedRow.unpack` scatters [1, N] outputs back to
@@ -28,7 +27,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from rlhf.attention import packed_kwargs
+from rlhf.attention import packed_kwargs, prepared_mask
 from rlhf.batch import Batch, to_device
 
 
@@ -123,9 +122,11 @@ class PackedRow:
     lengths: tuple
     attention: dict
 
-    def forward_kwargs(self) -> dict:
-        """The model inputs of the row: ids, positions and the sequences' spans."""
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, **self.attention}
+    def forward_kwargs(self, model: torch.nn.Module) -> dict:
+        """The inputs of the row's forward through `model`: ids, positions, the sequences' spans and,
+        where the model's attention reads no mask, a prepared one (`rlhf.attention.prepared_mask`)."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, **self.attention,
+                **prepared_mask(model, self.input_ids.device)}
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """Per-response-token outputs [1, N] (or [N]) to the padded [B, R], 0 where response_mask

@@ -117,7 +117,7 @@ def response_logprobs(model, batch: Batch, device, temperature: float = 1.0, aut
     that runs packed (rlhf/packing.py) is one row of its real tokens, scattered back to [B, R]."""
     row = packed_row(batch, device)
     if row is not None:
-        inputs, keep, tokens, head_keep = row.forward_kwargs(), row.index, row.tokens, None
+        inputs, keep, tokens, head_keep = row.forward_kwargs(model), row.index, row.tokens, None
     else:
         ids, mask, P = sequence_inputs(batch, device)
         R = batch.tensors["response_ids"].shape[1]
@@ -142,7 +142,7 @@ def response_values(model, batch: Batch, device, autocast_dtype=None) -> torch.T
     row = packed_row(batch, device)
     if row is not None:
         with torch.autocast(device_type=device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            values = model(**row.forward_kwargs())
+            values = model(**row.forward_kwargs(model))
         return row.unpack(values[0, row.index].float())
     ids, mask, P = sequence_inputs(batch, device)
     R = batch.tensors["response_ids"].shape[1]

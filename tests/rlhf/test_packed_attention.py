@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlhf import algos
-from rlhf.attention import PACKED_SDPA, packed_kwargs, use_packed_attention
+from rlhf.attention import PACKED_SDPA, packed_kwargs, prepared_mask, use_packed_attention
 from rlhf.packing import PackedBatch
 from rlhf.roles.compiled import logprobs_and_entropy
 from rlhf.roles.forward import chunked_head_logprobs, response_logprobs
@@ -79,6 +79,41 @@ def test_packed_attention_leaves_padded_forwards_and_saved_configs_as_they_were(
     plain.save_pretrained(tmp_path / "b")
     assert json.loads((tmp_path / "a" / "config.json").read_text()) == \
         json.loads((tmp_path / "b" / "config.json").read_text())
+
+
+def test_a_packed_forward_skips_transformers_search_for_packed_sequences(monkeypatch):
+    """Given no mask, transformers' mask preparation scans the position ids for packed sequences and
+    branches on the result (on a GPU the host then waits for the queued kernels at every forward). A
+    packed row through a model on PACKED_SDPA passes a prepared placeholder instead, which nothing
+    reads: the logits are those of each sequence alone, for the causal LM and for the value model's
+    backbone. A model on another attention gets no placeholder: transformers' search is what
+    separates its sequences."""
+    import transformers.masking_utils as masking_utils
+    from rlhf.models import ValueModel
+
+    searched = []
+    real = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices",
+                        lambda position_ids: searched.append(1) or real(position_ids))
+    lengths = (3, 8, 5)
+    ids, positions = packed_row(lengths)
+    assert prepared_mask(qwen2(), CPU) == {}
+    model = use_packed_attention(qwen2()).eval()
+    critic = use_packed_attention(ValueModel(copy.deepcopy(model.model), 32)).eval()
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=positions, use_cache=False)  # no placeholder: transformers searches
+        assert len(searched) == 1
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False, **packed_kwargs(lengths, CPU),
+                       **prepared_mask(model, CPU)).logits
+        values = critic(ids, position_ids=positions, **packed_kwargs(lengths, CPU), **prepared_mask(critic, CPU))
+        assert len(searched) == 1
+        start = 0
+        for n in lengths:
+            torch.testing.assert_close(packed[:, start:start + n], model(input_ids=ids[:, start:start + n]).logits,
+                                       rtol=0, atol=1e-5)
+            torch.testing.assert_close(values[:, start:start + n], critic(ids[:, start:start + n],
+                                       torch.ones(1, n, dtype=torch.long)), rtol=0, atol=1e-5)
+            start += n
 
 
 def test_a_packed_row_of_the_wrong_length_is_refused():
