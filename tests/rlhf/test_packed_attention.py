@@ -89,6 +89,7 @@ def test_a_packed_forward_skips_transformers_search_for_packed_sequences(monkeyp
     backbone. A model on another attention gets no placeholder: transformers' search is what
     separates its sequences."""
     import transformers.masking_utils as masking_utils
+
     from rlhf.models import ValueModel
 
     searched = []
