@@ -19,7 +19,8 @@ update_actor, ...) the summary reports, on the one clock the trace shares:
   Async) with their count and total host time, by call and by the operator that made them
   (`by_op`: the outermost CPU op around each on its thread, such as aten::item for a value read
   on the host, aten::to for a copy from pageable memory, aten::nonzero; "(no op)" for a wait
-  outside any, such as a library's own event synchronisation);
+  outside any, such as a library's own event synchronisation), and, for the iteration profiled in
+  the run itself, by the code that made them (`sites`, from torch's sync debug mode: see `sync_sites`);
 - `top_kernels`: the ten kernels with the most GPU time.
 
 The whole iteration's figures are under `iteration`. Everything is computed from the trace's
@@ -37,6 +38,9 @@ import json
 import math
 import re
 import shutil
+import threading
+import traceback
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
@@ -225,6 +229,117 @@ def summary_path(out_dir: Path, step: int) -> Path:
     return Path(out_dir) / f"step_{step}.json"
 
 
+_open_phases = threading.local()
+
+
+@contextlib.contextmanager
+def phase_range(name: str) -> Iterator[None]:
+    """A trainer phase while one iteration is profiled: a named range of torch.profiler, and the phase
+    that `sync_sites` files this thread's host waits under."""
+    from torch.profiler import record_function
+    stack = _open_phases.__dict__.setdefault("stack", [])
+    stack.append(name)
+    try:
+        with record_function(name):
+            yield
+    finally:
+        stack.pop()
+
+
+def current_phase() -> str:
+    """The innermost phase open on this thread (`phase_range`), else "(no phase)"."""
+    stack = getattr(_open_phases, "stack", None)
+    return stack[-1] if stack else "(no phase)"
+
+
+SYNC_WARNING = "called a synchronizing CUDA operation"
+"""What torch's sync debug mode ('warn') says at every call that makes the host wait for the GPU."""
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def frame_name(frame: traceback.FrameSummary) -> str:
+    """'rlhf/roles/forward.py:127 response_logprobs': a frame's file from its package down (after
+    site-packages/, or from the engine's own package), its line and function."""
+    path = Path(frame.filename)
+    try:
+        short = path.resolve().relative_to(PACKAGE_DIR.parent).as_posix()
+    except ValueError:
+        parts = path.parts
+        tail = parts[parts.index("site-packages") + 1:] if "site-packages" in parts else parts[-2:]
+        short = "/".join(tail)
+    return f"{short}:{frame.lineno} {frame.name}"
+
+
+def sync_site(stack: Sequence[traceback.FrameSummary]) -> str:
+    """Where a host wait came from, given the Python stack at the synchronising call (outermost
+    first): the innermost frame of the engine's own code, then, if the call itself was elsewhere (a
+    library's), the innermost frame: 'rlhf/roles/forward.py:127 response_logprobs <-
+    transformers/masking_utils.py:761 find_packed_sequence_indices'."""
+    if not stack:
+        return "(no Python frame)"
+    inner = stack[-1]
+    own = next((f for f in reversed(stack) if Path(f.filename).resolve().is_relative_to(PACKAGE_DIR)), None)
+    if own is None or own is inner:
+        return frame_name(inner)
+    return f"{frame_name(own)} <- {frame_name(inner)}"
+
+
+@contextlib.contextmanager
+def sync_sites() -> Iterator[Dict[str, Counter]]:
+    """Counts, by phase (`current_phase`) and site (`sync_site`), the calls inside the block that
+    make the host wait for the GPU: a value read on the host (item, bool, tolist), a copy to or from
+    pageable memory, nonzero and boolean selection. torch's sync debug mode reports each one as a
+    warning ('warn'), which is counted here instead of shown; any other warning goes on as before.
+    Without CUDA there is nothing to report and the counts stay empty. Waits inside libraries that
+    synchronise in native code (vLLM's event waits) are not torch calls: the trace's `by_call`
+    counts those."""
+    counts: Dict[str, Counter] = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("always", message=SYNC_WARNING)
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if SYNC_WARNING in str(message):
+                stack = traceback.extract_stack()[:-1]  # without this handler
+                while stack and Path(stack[-1].filename).name == "warnings.py":
+                    stack.pop()
+                counts.setdefault(current_phase(), Counter())[sync_site(stack)] += 1
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        import torch
+        cuda = torch.cuda.is_available()
+        before = torch.cuda.get_sync_debug_mode() if cuda else 0
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counts
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(before)
+
+
+def add_sync_sites(summary: dict, counts: Dict[str, Counter]) -> None:
+    """Puts `sync_sites`' counts into a summary: each phase's under its `host_waits.sites`, and all of
+    them (waits outside any phase included) under the iteration's."""
+    for name, phase in summary["phases"].items():
+        phase["host_waits"]["sites"] = dict(counts.get(name, Counter()).most_common())
+    if "iteration" in summary:
+        total = sum(counts.values(), Counter())
+        summary["iteration"]["host_waits"]["sites"] = dict(total.most_common())
+
+
+def format_sites(summary: dict, top: int = 5) -> str:
+    """The most frequent sites of each phase's host waits, one line each ('' if none was recorded)."""
+    lines = []
+    for name, phase in summary["phases"].items():
+        for site, count in list(phase["host_waits"].get("sites", {}).items())[:top]:
+            lines.append(f"  {name}: {count} x {site}")
+    return ("host waits by site:\n" + "\n".join(lines)) if lines else ""
+
+
 @contextlib.contextmanager
 def profiled_iteration(out_dir: Path, step: int, log: Callable[[str], None] = print) -> Iterator[dict]:
     """Profiles what runs inside the block as the iteration `step`. The block puts the step's record
@@ -238,7 +353,7 @@ def profiled_iteration(out_dir: Path, step: int, log: Callable[[str], None] = pr
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     holder: dict = {}
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, sync_sites() as sites:
         with record_function("iteration"):
             yield holder
         if torch.cuda.is_available():
@@ -248,10 +363,13 @@ def profiled_iteration(out_dir: Path, step: int, log: Callable[[str], None] = pr
     record = holder.get("record", {})
     phases = [k.split("/", 1)[1] for k in record if k.startswith("timing_s/") and k != "timing_s/step"] or list(PHASES)
     summary = summarize(load_trace(raw), phases)
+    add_sync_sites(summary, sites)
     summary["step"] = step
     with open(raw, "rb") as src, gzip.open(trace_path(out_dir, step), "wb", compresslevel=6) as dst:
         shutil.copyfileobj(src, dst)
     raw.unlink()
     summary_path(out_dir, step).write_text(json.dumps(summary, indent=1))
     holder["summary"] = summary
-    log(f"profile of step {step} (trace {trace_path(out_dir, step)}):\n{format_table(summary)}")
+    sites_text = format_sites(summary)
+    log(f"profile of step {step} (trace {trace_path(out_dir, step)}):\n{format_table(summary)}"
+        + (f"\n{sites_text}" if sites_text else ""))

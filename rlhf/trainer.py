@@ -36,6 +36,7 @@ from rlhf.metrics import PERF_SUMMARY, MetricLogger, is_machine_metric, read_met
 from rlhf.models import check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles
 from rlhf.placement.proxy import submit
+from rlhf.profiling import phase_range, profiled_iteration
 from rlhf.rollout import SamplingParams, SeedStream, decode_responses, derive_seed, rollout_logprob_gap
 from rlhf.run_dir import PROFILE_DIR
 from rlhf.tiny import prepare_tiny
@@ -76,8 +77,8 @@ class PhaseTimer:
     of GPU memory raises `OutOfMemory` with the line `out_of_memory(phase, allocated GiB, reserved GiB)` gives."""
 
     annotate = False
-    """Each phase also a named range of torch.profiler (`rlhf/profiling.py`): set while one iteration
-    is profiled."""
+    """Each phase also a named range of torch.profiler, under which the profiled iteration's host waits
+    are filed (`rlhf/profiling.py` `phase_range`): set while one iteration is profiled."""
 
     def __init__(self, device: torch.device | None = None, out_of_memory=None, off_device=None):
         self.times: Dict[str, float] = {}
@@ -96,7 +97,7 @@ class PhaseTimer:
         start = time.perf_counter()
         try:
             if self.annotate:
-                with torch.profiler.record_function(name):
+                with phase_range(name):
                     yield
             else:
                 yield
@@ -453,7 +454,6 @@ class PPOTrainer:
         """`train_step` under torch.profiler, each phase a named range: (the step's record with
         `perf/profiled` = 1, the trace's summary by phase). The trace and the summary are written under
         `out_dir` (rlhf/profiling.py `profiled_iteration`)."""
-        from rlhf.profiling import profiled_iteration
         PhaseTimer.annotate = True
         try:
             with profiled_iteration(out_dir, self.step, log=self.log) as profiled:

@@ -5,6 +5,9 @@ import gzip
 import json
 import subprocess
 import sys
+import threading
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -81,6 +84,57 @@ def test_each_host_wait_is_put_down_to_the_outermost_op_of_its_thread():
                                                "cudaMemcpy": 1}
 
 
+def test_a_sync_site_names_the_engine_s_frame_and_the_library_call_under_it():
+    own = str(profiling.PACKAGE_DIR / "roles" / "forward.py")
+    stack = [traceback.FrameSummary(str(profiling.PACKAGE_DIR / "trainer.py"), 300, "train_step"),
+             traceback.FrameSummary(own, 127, "response_logprobs"),
+             traceback.FrameSummary("/usr/lib/python3/site-packages/transformers/masking_utils.py", 761,
+                                    "find_packed_sequence_indices")]
+    assert profiling.sync_site(stack) == ("rlhf/roles/forward.py:127 response_logprobs <- "
+                                          "transformers/masking_utils.py:761 find_packed_sequence_indices")
+    assert profiling.sync_site(stack[:2]) == "rlhf/roles/forward.py:127 response_logprobs"  # the call is ours
+    assert profiling.sync_site(stack[2:]) == "transformers/masking_utils.py:761 find_packed_sequence_indices"
+    assert profiling.sync_site([]) == "(no Python frame)"
+
+
+def _reads_a_value_on_the_host():
+    # what torch's sync debug mode says, with the suffix its warnings carry
+    warnings.warn(f"{profiling.SYNC_WARNING} (Triggered internally at c10/cuda/CUDAFunctions.cpp:160.)")
+
+
+def test_sync_sites_counts_every_host_wait_by_phase_and_site_and_lets_other_warnings_through():
+    """Each report of torch's sync debug mode is counted under the open phase (the innermost, on this
+    thread) and its site, every time, not once per place; any other warning is shown as before; the
+    warning filters are as they were after the block."""
+    filters = list(warnings.filters)
+    with pytest.warns(UserWarning, match="something else"), profiling.sync_sites() as counts:
+        with profiling.phase_range("update_actor"):
+            for _ in range(3):
+                _reads_a_value_on_the_host()
+            with profiling.phase_range("values"):
+                _reads_a_value_on_the_host()
+            warnings.warn("something else")
+        _reads_a_value_on_the_host()
+        seen_elsewhere = []
+        thread = threading.Thread(target=lambda: seen_elsewhere.append(profiling.current_phase()))
+        with profiling.phase_range("generate"):
+            thread.start()
+            thread.join()
+    site = f"tests/bench/test_profile_phases.py:{_reads_a_value_on_the_host.__code__.co_firstlineno + 2} " \
+           "_reads_a_value_on_the_host"
+    assert counts == {"update_actor": {site: 3}, "values": {site: 1}, "(no phase)": {site: 1}}
+    assert seen_elsewhere == ["(no phase)"]  # phases are per thread
+    assert warnings.filters == filters and profiling.current_phase() == "(no phase)"
+
+    summary = {"phases": {"update_actor": {"host_waits": {}}, "reference": {"host_waits": {}}},
+               "iteration": {"host_waits": {}}}
+    profiling.add_sync_sites(summary, counts)
+    assert summary["phases"]["update_actor"]["host_waits"]["sites"] == {site: 3}
+    assert summary["phases"]["reference"]["host_waits"]["sites"] == {}
+    assert summary["iteration"]["host_waits"]["sites"] == {site: 5}
+    assert profiling.format_sites(summary) == f"host waits by site:\n  update_actor: 3 x {site}"
+
+
 def test_cpu_profile_of_real_iterations(tmp_path):
     """ppo_step --profile on the tiny default (CPU): the trace, its summary, every phase named."""
     out = tmp_path / "prof"
@@ -126,6 +180,7 @@ def test_train_profile_writes_the_step_s_trace_and_summary_and_marks_its_record(
                   "update_actor"):
         assert summary["phases"][phase]["wall_s"] > 0, phase
     assert summary["iteration"]["wall_s"] >= sum(p["wall_s"] for p in summary["phases"].values()) * 0.99
+    assert summary["phases"]["update_actor"]["host_waits"]["sites"] == {}  # no GPU: nothing waits
     with gzip.open(out / "profile" / "step_2.trace.json.gz", "rt") as f:
         assert any(e.get("name") == "update_actor" for e in json.load(f)["traceEvents"])
     assert "profile of step 2" in done.stderr and "update_actor" in done.stderr  # the table, as it ends

@@ -158,3 +158,43 @@ def test_a_micro_batch_s_inputs_reach_the_gpu_without_the_host_waiting():
     assert waited < 0.2 and torch.equal(advantages.cpu(), batch["advantages"])
     blocked, _ = host_seconds(lambda: batch["advantages"].to(device))  # what a pageable copy costs
     assert blocked > 0.2
+
+
+def test_a_packed_micro_batch_makes_the_host_wait_nowhere():
+    """An update's micro-batch on a packed row, the policy's and the value model's forward and backward,
+    queues its work without reading anything back: torch's sync debug mode reports no host wait
+    (`rlhf.profiling.sync_sites`; transformers' search for packed sequences was one per forward)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlhf.attention import use_packed_attention
+    from rlhf.batch import to_device
+    from rlhf.models import ValueModel
+    from rlhf.packing import PackedBatch
+    from rlhf.profiling import phase_range, sync_sites
+    from rlhf.roles.forward import response_logprobs, response_values
+    from tests.rlhf.test_packing import uneven_batch
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    def config():
+        return Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           tie_word_embeddings=False)
+
+    policy = use_packed_attention(Qwen2ForCausalLM(config())).to(device)
+    critic = use_packed_attention(ValueModel(Qwen2ForCausalLM(config()).model, 128)).to(device)
+    micro = PackedBatch.of(uneven_batch(300))
+
+    def step():
+        mask = to_device(micro.tensors["response_mask"], device).float()
+        logprobs, entropy = response_logprobs(policy, micro, device, temperature=0.7, autocast_dtype=torch.bfloat16)
+        ((logprobs * mask).sum() - (entropy * mask).sum()).backward()
+        values = response_values(critic, micro, device, autocast_dtype=torch.bfloat16)
+        (values * mask).square().sum().backward()
+
+    step()  # the first builds the row on the device and warms the kernels up
+    torch.cuda.synchronize()
+    with sync_sites() as counts, phase_range("update"):
+        for _ in range(2):
+            step()
+    assert counts == {}
