@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import gzip
 import json
 import math
@@ -258,17 +259,20 @@ SYNC_WARNING = "called a synchronizing CUDA operation"
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
+@functools.lru_cache(maxsize=None)
+def source_file(filename: str) -> tuple[str, bool]:
+    """(a file's name from its package down: after site-packages/, or from the engine's checkout;
+    whether it is the engine's own). Cached: every host wait's stack is read through it."""
+    path = Path(filename).resolve()
+    if path.is_relative_to(PACKAGE_DIR.parent):
+        return path.relative_to(PACKAGE_DIR.parent).as_posix(), path.is_relative_to(PACKAGE_DIR)
+    parts = path.parts
+    return "/".join(parts[parts.index("site-packages") + 1:] if "site-packages" in parts else parts[-2:]), False
+
+
 def frame_name(frame: traceback.FrameSummary) -> str:
-    """'rlhf/roles/forward.py:127 response_logprobs': a frame's file from its package down (after
-    site-packages/, or from the engine's own package), its line and function."""
-    path = Path(frame.filename)
-    try:
-        short = path.resolve().relative_to(PACKAGE_DIR.parent).as_posix()
-    except ValueError:
-        parts = path.parts
-        tail = parts[parts.index("site-packages") + 1:] if "site-packages" in parts else parts[-2:]
-        short = "/".join(tail)
-    return f"{short}:{frame.lineno} {frame.name}"
+    """'rlhf/roles/forward.py:127 response_logprobs': a frame's file (`source_file`), line and function."""
+    return f"{source_file(frame.filename)[0]}:{frame.lineno} {frame.name}"
 
 
 def sync_site(stack: Sequence[traceback.FrameSummary]) -> str:
@@ -279,7 +283,7 @@ def sync_site(stack: Sequence[traceback.FrameSummary]) -> str:
     if not stack:
         return "(no Python frame)"
     inner = stack[-1]
-    own = next((f for f in reversed(stack) if Path(f.filename).resolve().is_relative_to(PACKAGE_DIR)), None)
+    own = next((f for f in reversed(stack) if source_file(f.filename)[1]), None)
     if own is None or own is inner:
         return frame_name(inner)
     return f"{frame_name(own)} <- {frame_name(inner)}"
