@@ -78,10 +78,11 @@ SHAPES = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}
 
 
 def planned_by_phase(recipe_file_text: str, shape: str, available_gib: float, total_gib: float,
-                     bindings=()) -> tuple[dict, dict]:
+                     bindings=(), longest_prompt: int | None = None) -> tuple[dict, dict]:
     """({phase: GiB} allocated, {phase: GiB} reserved): what the memory plan of this code predicts torch
     holds at each phase's peak for the run's recipe file and bindings on a GPU of `total_gib`
-    (`available_gib` free at the start). Allocated: resident roles, the engine when awake and the
+    (`available_gib` free at the start), the data's longest prompt as the run measured it (`longest_prompt`,
+    None: ppo.max_prompt_length). Allocated: resident roles, the engine when awake and the
     phase's micro-batch; reserved: that plus the allocator's share of the plan's reserve (not the CUDA
     context's, which torch does not count)."""
     import tempfile
@@ -93,7 +94,7 @@ def planned_by_phase(recipe_file_text: str, shape: str, available_gib: float, to
         recipe.write_text(recipe_file_text)
         cfg, _ = configurable.resolve(recipe, list(bindings))
     plan = memory.predict(cfg, memory.KNOWN_SHAPES[SHAPES[shape]], available=int(available_gib * memory.GIB),
-                          device_total=int(total_gib * memory.GIB))
+                          device_total=int(total_gib * memory.GIB), longest_prompt=longest_prompt)
     return ({p.name: round((p.resident + p.engine + p.transient) / memory.GIB, 2) for p in plan.phases},
             {p.name: round((p.total - RESERVE_BYTES) / memory.GIB, 2) for p in plan.phases})
 
@@ -117,7 +118,7 @@ def replan(result: dict) -> dict:
     measured = {k: v["measured_gb"] for k, v in result["memory_by_phase"].items() if v["measured_gb"] is not None}
     reserved = {k: v["reserved_gb"] for k, v in result["memory_by_phase"].items() if v.get("reserved_gb") is not None}
     planned = planned_by_phase(result["recipe_file"], result["shape"], result["gpu_available_gib"],
-                               result["gpu_total_gib"], result.get("bindings", []))
+                               result["gpu_total_gib"], result.get("bindings", []), result.get("longest_prompt"))
     return {**result, "memory_by_phase": memory_by_phase(planned, measured, reserved)}
 
 
@@ -143,8 +144,9 @@ def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dic
                 if k.startswith(prefix):
                     name = k[len(prefix):]
                     into[name] = round(max(into.get(name, 0.0), v), 2)  # GiB, as the plan's
+    longest = (predicted.get("settings") or {}).get("prompt_tokens")  # the run's plan: its data's longest prompt
     planned = planned_by_phase(recipe_file, extra["shape"], gpu["gpu_available_gib"], gpu["gpu_total_gib"],
-                               extra.get("bindings", ())) \
+                               extra.get("bindings", ()), longest) \
         if gpu["gpu_available_gib"] and gpu["gpu_total_gib"] else ({}, {})
     tokens = [r["perf/tokens_per_s"] * r["timing_s/step"] for r in steady if "perf/tokens_per_s" in r]
     return {
@@ -159,6 +161,7 @@ def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dic
         "max_memory_allocated_gb": max((r.get("perf/max_memory_allocated_gb", 0) for r in records), default=None),
         "memory_by_phase": memory_by_phase(planned, measured, reserved),
         "memory_plan_verdict": predicted.get("verdict"),
+        "longest_prompt": longest,
         **gpu,
         "reward_mean": [r.get("reward_mean") for r in records],
         "kl_divergence": [r.get("kl_divergence") for r in records],
@@ -180,6 +183,9 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="the tiny shape (CPU rehearsal)")
     p.add_argument("-b", "--binding", action="append", default=[])
     p.add_argument("--replan", action="store_true", help="only recompute the JSON's predictions with this code")
+    p.add_argument("--longest-prompt", type=int, default=None, metavar="TOKENS",
+                   help="with --replan: the data's longest prompt, for a result whose run did not record it "
+                        "(this script's data: 256 tokens)")
     p.add_argument("--profile", type=int, default=0, metavar="STEP",
                    help="rlhf.train --profile STEP: that iteration under torch.profiler (left out of the medians; "
                         "its summary by phase in the JSON's `profile`)")
@@ -193,7 +199,10 @@ def main(argv=None) -> int:
         p.error(f"--out {args.out} is a file: give the run directory")
     if args.replan:
         path = Path(args.json)
-        path.write_text(json.dumps(replan(json.loads(path.read_text())), indent=2) + "\n")
+        result = json.loads(path.read_text())
+        if args.longest_prompt is not None:
+            result["longest_prompt"] = args.longest_prompt
+        path.write_text(json.dumps(replan(result), indent=2) + "\n")
         return 0
     t0 = time.time()
     inputs = build(Path(args.assets), args.shape, args.tiny)

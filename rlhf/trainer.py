@@ -160,7 +160,8 @@ class PPOTrainer:
         self.start_checkpoint = str(start_dir)
         # The predicted memory plan, before any model is built: on a GPU a run that cannot fit stops
         # here with one line naming the bindings that would make it fit (rlhf/memory/plan.py).
-        self.memory_plan = memory.preflight(cfg, self.model_dir, self.device if local else None, log)
+        self.memory_plan = memory.preflight(cfg, self.model_dir, self.device if local else None, log,
+                                            longest_prompt=self.longest_prompt)
         roles = build_roles(cfg, model_dir=self.model_dir, tokenizer_dir=self.tokenizer_dir, tokenizer=self.tokenizer,
                             start_dir=start_dir, device=self.device, autocast_dtype=self.autocast_dtype,
                             ray_address=ray_address, log=log, memory_plan=self.memory_plan)
@@ -195,6 +196,9 @@ class PPOTrainer:
                                          self.ppo.max_prompt_length, self.ppo.prompt_truncation, log)
         self._cut_prompts = {prompt_key(ex.prompt) for name in splits for ex, n in zip(splits[name], lengths[name])
                              if n > self.ppo.max_prompt_length}
+        # The memory plan sizes the policy's sequences by the longest prompt the run will see (cut ones at the limit).
+        self.longest_prompt = min(max((n for ns in lengths.values() for n in ns), default=self.ppo.max_prompt_length),
+                                  self.ppo.max_prompt_length)
         return fractions
 
     # ----------------------------------------------------------------- phases
@@ -395,7 +399,8 @@ class PPOTrainer:
                  if self.device.type == "cuda" else float("nan"))
         if allocated_gib is None or reserved_gib is None:  # the ranks measured it: their logs hold the figures
             allocated_gib = reserved_gib = float("nan")
-        return oom_line(phase, allocated_gib, reserved_gib, total, planned, relief(self.cfg, phase))
+        fix = relief(self.cfg, phase, self.longest_prompt)
+        return oom_line(phase, allocated_gib, reserved_gib, total, planned, fix)
 
     def _truncated_fraction(self, prompts: List[Example]) -> float | None:
         """The share of `prompts` that the rollout cut to ppo.max_prompt_length (None under 'error')."""

@@ -38,6 +38,9 @@ def parse_args(argv):
     p.add_argument("--shape", default=None,
                    help="plan a published policy shape instead of model.name_or_path's config.json: "
                         "qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b")
+    p.add_argument("--longest-prompt", default=None, metavar="TOKENS",
+                   help="the longest prompt of your data in the policy's tokens, as the run measures it at its "
+                        "start and plans with (default: ppo.max_prompt_length, the most any prompt keeps)")
     p.add_argument("--table", action="store_true",
                    help="a markdown table: every published shape x (full FT, LoRA 64, LoRA 64 + gradient "
                         "checkpointing) x 1/2/4/8 GPUs, from the recipe's other settings")
@@ -57,6 +60,14 @@ def check_gpu_gib(value: str) -> float:
     return gib
 
 
+def check_longest_prompt(value: str) -> int:
+    """--longest-prompt as a positive whole number of tokens, or a one-line ConfigError naming the flag."""
+    from rlhf.errors import ConfigError
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ConfigError(f"--longest-prompt {value} is invalid: allowed: a whole number of tokens, at least 1")
+    return int(value)
+
+
 def gpu_gib(requested) -> tuple:
     """(GiB, where the figure comes from)."""
     if requested is not None:
@@ -74,10 +85,12 @@ def _gib(b: int) -> str:
 def render(plan, cfg, policy, recipe: str, where: str) -> str:
     ppo = cfg.ppo
     s = plan.settings
+    prompt = s["prompt_tokens"]
     budget = f"{ppo.max_tokens_per_micro_batch} tokens a micro-batch (packed)" if ppo.max_tokens_per_micro_batch \
-        else f"micro-batch {ppo.micro_batch_size} x {ppo.max_prompt_length + ppo.max_response_length} tokens"
+        else f"micro-batch {ppo.micro_batch_size} x {prompt + ppo.max_response_length} tokens"
+    longest = f" (the longest; ppo.max_prompt_length {ppo.max_prompt_length})" if prompt < ppo.max_prompt_length else ""
     lines = [f"{recipe}: policy {policy.name or 'model'} ({s['policy_params'] / 1e9:.2f}B parameters), prompt "
-             f"{ppo.max_prompt_length} + response {ppo.max_response_length}, "
+             f"{prompt}{longest} + response {ppo.max_response_length}, "
              + (f"LoRA rank {ppo.lora_rank} (critic {ppo.resolved_critic_lora_rank})" if ppo.lora_rank
                 else f"full fine-tuning (critic LoRA {ppo.resolved_critic_lora_rank})" if ppo.resolved_critic_lora_rank
                 else "full fine-tuning")
@@ -104,7 +117,7 @@ def render(plan, cfg, policy, recipe: str, where: str) -> str:
     return "\n".join(lines)
 
 
-def table(cfg, gib: float) -> str:
+def table(cfg, gib: float, longest_prompt=None) -> str:
     """Rows: published shape x variant; columns: per-GPU peak (GiB) at each world size."""
     from rlhf import memory
     from rlhf.errors import ConfigError
@@ -125,7 +138,7 @@ def table(cfg, gib: float) -> str:
                 except ConfigError:
                     cells.append("–")
                     continue
-                plan = memory.predict(variant, shape, available=available)
+                plan = memory.predict(variant, shape, available=available, longest_prompt=longest_prompt)
                 cells.append(f"{_gib(plan.peak.total)} {'fits' if plan.fits else '**no**'}")
             params = f"{shape.parameter_count() / 1e9:.2f}B"
             rows.append(f"| {shape.name} | {params} | {label} | " + " | ".join(cells) + " |")
@@ -140,6 +153,7 @@ def main(argv=None) -> int:
     try:
         if args.gpu_memory_gib is not None:
             check_gpu_gib(args.gpu_memory_gib)  # before the recipe: a bad flag is named first
+        longest = check_longest_prompt(args.longest_prompt) if args.longest_prompt is not None else None
         shape = None
         if args.shape is not None:
             shape = memory.KNOWN_SHAPES.get(args.shape.lower())
@@ -151,17 +165,17 @@ def main(argv=None) -> int:
         cfg, _ = configurable.resolve(args.recipe, bindings)
         gib, where = gpu_gib(args.gpu_memory_gib)
         if args.table:
-            print(table(cfg, gib))
+            print(table(cfg, gib, longest))
             return EXIT_OK
         memory.check_policy(cfg, policy=shape)  # what the trainer refuses at its start, refused here
         policy, reward_model = memory.run_shapes(cfg, policy=shape)
         gpu = cfg.ppo.device != "cpu"
         available = int(gib * memory.GIB) if gpu else None
-        plan = memory.predict(cfg, policy, reward_model, available=available, gpu=gpu)
+        plan = memory.predict(cfg, policy, reward_model, available=available, gpu=gpu, longest_prompt=longest)
         print(render(plan, cfg, policy, args.recipe, where))
         if gpu:
             assert available is not None  # set above on every GPU run
-            memory.check(cfg, policy, reward_model, available=available)
+            memory.check(cfg, policy, reward_model, available=available, longest_prompt=longest)
         print(f"verdict: the run {plan.verdict()}")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -169,18 +169,29 @@ class MemoryPlan:
                 "verdict": self.verdict()}
 
 
+def planned_prompt(ppo, longest_prompt: Optional[int] = None) -> int:
+    """The prompt length the plan sizes the policy's sequences by: the longest prompt of the run's data
+    (in the policy's tokens, as the trainer measures it at its start), never above
+    ppo.max_prompt_length, which the rollout cuts longer prompts to; ppo.max_prompt_length when the
+    data was not measured."""
+    return min(ppo.max_prompt_length, longest_prompt) if longest_prompt else ppo.max_prompt_length
+
+
 def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShape] = None, *,
-            available: Optional[int] = None, device_total: Optional[int] = None, gpu: bool = True) -> MemoryPlan:
+            available: Optional[int] = None, device_total: Optional[int] = None, gpu: bool = True,
+            longest_prompt: Optional[int] = None) -> MemoryPlan:
     """The run's predicted memory on its busiest GPU, phase by phase (no GPU, no weights).
 
     `available`: bytes the run may use on each GPU (None: nothing to check against); `device_total`:
     the GPU's whole memory, of which vLLM takes its share (default `available`). `gpu=False` plans the
-    CPU path (fp32, no engine). Offloading and vLLM sleep left at 'auto' are decided as the runtime
+    CPU path (fp32, no engine). `longest_prompt`: the data's longest prompt in the policy's tokens
+    (`planned_prompt`); the reward model, whose own template encodes the conversation, keeps
+    ppo.max_prompt_length. Offloading and vLLM sleep left at 'auto' are decided as the runtime
     decides them: on when the roles, the awake engine and the largest micro-batch do not fit."""
     ppo, n = cfg.ppo, cfg.ppo.world_size
     total = device_total if device_total is not None else available
     act = 2 if gpu and ppo.bf16_autocast else 4
-    prompt, response = ppo.max_prompt_length, ppo.max_response_length
+    prompt, response = planned_prompt(ppo, longest_prompt), ppo.max_response_length
     batches = micro_batches(ppo, prompt, response)
 
     roles: Dict[str, RoleMemory] = {}
@@ -207,8 +218,8 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
         rm_rows = cfg.reward.micro_batch_size
         rm = RoleMemory("reward_model", weights=shard((reward_model.parameter_count(False) + reward_model.hidden_size)
                                                        * rm_bytes, n), note="forward only")
-        rm.forward = (forward_peak_bytes(reward_model, rm_rows * (prompt + response), act,
-                                         value_head_bytes(rm_rows, prompt + response, False))
+        rm_seq = ppo.max_prompt_length + response
+        rm.forward = (forward_peak_bytes(reward_model, rm_rows * rm_seq, act, value_head_bytes(rm_rows, rm_seq, False))
                       + fsdp_gather_bytes(reward_model, rm_bytes, n, False, False))
         roles["reward_model"] = rm
 
@@ -257,6 +268,7 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
     sleep = bool(engine) and sleep
     settings = {"lora_rank": ppo.lora_rank, "critic_lora_rank": ppo.resolved_critic_lora_rank,
                 "gradient_checkpointing": ppo.gradient_checkpointing,
+                "prompt_tokens": prompt,
                 "tokens_per_micro_batch": batches["train"][1], "forward_tokens_per_micro_batch": batches["forward"][1],
                 "world_size": n, "placement": ppo.resolved_placement, "activation_bytes": act,
                 "policy_params": policy.parameter_count(),
@@ -267,15 +279,15 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
 
 
 # ====================================================================== predicted: suggestions and the check
-def _options(cfg: RunConfig) -> List[List[dict]]:
+def _options(cfg: RunConfig, longest_prompt: Optional[int] = None) -> List[List[dict]]:
     """For each binding the suggestions may change, in the order they are tried, its values (each a
     {field: value} of `ppo`), best first: a packed token budget (the largest that fits of the powers of
     two and the 3 x 2^k between them: no padding, no recompute), gradient checkpointing, LoRA (the
     critic follows), a smaller micro-batch, more GPUs (FSDP2). The first two change only how the same
     update is computed; LoRA changes what trains, so it comes after them (alone or with them where
-    nothing else fits)."""
+    nothing else fits). A budget holds at least one whole sequence (`planned_prompt` + response)."""
     ppo = cfg.ppo
-    seq = ppo.max_prompt_length + ppo.max_response_length
+    seq = planned_prompt(ppo, longest_prompt) + ppo.max_response_length
     options = []
     rows = min(ppo.micro_batch_size, ppo.mini_batch_size // ppo.world_size)
     current = ppo.max_tokens_per_micro_batch or rows * seq
@@ -310,11 +322,11 @@ def _bindings(change: dict) -> List[str]:
 
 
 def suggest(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShape], *, available: int,
-            device_total: Optional[int] = None):
+            device_total: Optional[int] = None, longest_prompt: Optional[int] = None):
     """(bindings, plan) of the first change that fits: each candidate binding alone, in `_options'
     order, then pairs, triples... of them, first on the run's GPUs and only then with more of them
     (`ppo.world_size`); None when nothing tried fits."""
-    options = _options(cfg)
+    options = _options(cfg, longest_prompt)
     same_gpus = [o for o in options if "world_size" not in o[0]]
     groups = [g for size in range(1, len(same_gpus) + 1) for g in itertools.combinations(same_gpus, size)]
     groups += [g for size in range(1, len(options) + 1) for g in itertools.combinations(options, size)
@@ -329,22 +341,25 @@ def suggest(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
                 candidate = dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, **change))
             except ConfigError:
                 continue
-            plan = predict(candidate, policy, reward_model, available=available, device_total=device_total)
+            plan = predict(candidate, policy, reward_model, available=available, device_total=device_total,
+                           longest_prompt=longest_prompt)
             if plan.fits:
                 return _bindings(change), plan
     return None
 
 
 def check(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShape] = None, *, available: int,
-          device_total: Optional[int] = None) -> MemoryPlan:
+          device_total: Optional[int] = None, longest_prompt: Optional[int] = None) -> MemoryPlan:
     """The predicted plan, or a one-line ConfigError when the run cannot fit in `available` bytes a
     GPU, naming the bindings that would make it fit and their predicted peak."""
-    plan = predict(cfg, policy, reward_model, available=available, device_total=device_total)
+    plan = predict(cfg, policy, reward_model, available=available, device_total=device_total,
+                   longest_prompt=longest_prompt)
     if plan.fits:
         return plan
-    found = suggest(cfg, policy, reward_model, available=available, device_total=device_total)
+    found = suggest(cfg, policy, reward_model, available=available, device_total=device_total,
+                    longest_prompt=longest_prompt)
     if found is None:
-        tried = ", ".join(f"ppo.{next(iter(o[0]))}" for o in _options(cfg))
+        tried = ", ".join(f"ppo.{next(iter(o[0]))}" for o in _options(cfg, longest_prompt))
         fix = (f"no change of {tried or 'the memory bindings'}, alone or combined, makes it fit: "
                f"use a GPU with more memory or a smaller model")
     else:
@@ -385,11 +400,13 @@ def run_shapes(cfg: RunConfig, model_dir: Optional[str | Path] = None, policy: O
 
 
 def preflight(cfg: RunConfig, model_dir: Optional[str | Path], device: Optional[torch.device], log=print,
-              device_memory_bytes: Optional[tuple] = None) -> Optional[MemoryPlan]:
+              device_memory_bytes: Optional[tuple] = None, longest_prompt: Optional[int] = None
+              ) -> Optional[MemoryPlan]:
     """The check at the start of a run, before any model is built. On a GPU (`device` cuda, or a Ray
     run whose driver sees one) the prediction must fit in the GPU's free memory, or a ConfigError
     names the fix; on the CPU the plan is only logged. `device_memory_bytes`: (free, total) to use
-    instead of asking CUDA. Returns None (logged) when a model's shape cannot be read."""
+    instead of asking CUDA; `longest_prompt`: the data's, measured (`planned_prompt`). Returns None
+    (logged) when a model's shape cannot be read."""
     try:
         policy, reward_model = run_shapes(cfg, model_dir)
     except (ConfigError, ValueError) as err:
@@ -398,13 +415,17 @@ def preflight(cfg: RunConfig, model_dir: Optional[str | Path], device: Optional[
     if device_memory_bytes is None and cfg.ppo.device != "cpu" and torch.cuda.is_available() and (
             device is None or torch.device(device).type == "cuda"):
         device_memory_bytes = torch.cuda.mem_get_info(device if device is not None else 0)
+    prompt = planned_prompt(cfg.ppo, longest_prompt)
+    sequences = (f"; sequences of the data's longest prompt, {prompt} tokens, + {cfg.ppo.max_response_length}"
+                 if prompt < cfg.ppo.max_prompt_length else "")
     if device_memory_bytes is None:
-        plan = predict(cfg, policy, reward_model, gpu=False)
-        log(f"memory plan (predicted, CPU): {plan.verdict()}")
+        plan = predict(cfg, policy, reward_model, gpu=False, longest_prompt=longest_prompt)
+        log(f"memory plan (predicted, CPU): {plan.verdict()}{sequences}")
         return plan
     free, total = device_memory_bytes
-    plan = check(cfg, policy, reward_model, available=int(free), device_total=int(total))
-    log(f"memory plan (predicted): the run {plan.verdict()}")
+    plan = check(cfg, policy, reward_model, available=int(free), device_total=int(total),
+                 longest_prompt=longest_prompt)
+    log(f"memory plan (predicted): the run {plan.verdict()}{sequences}")
     return plan
 
 
@@ -413,12 +434,13 @@ UPDATE_PHASES = ("update_actor", "update_critic")
 FORWARD_PHASES = ("reference", "old_logprobs", "values", "reward_model")
 
 
-def relief(cfg: RunConfig, phase: str) -> str:
+def relief(cfg: RunConfig, phase: str, longest_prompt: Optional[int] = None) -> str:
     """The binding that most directly shrinks what `phase` holds, for the line of a phase that ran out
-    of GPU memory: a smaller micro-batch of that phase (its token budget halved while a whole sequence
-    still fits), gradient checkpointing for an update, or vLLM asleep for what the awake engine takes."""
+    of GPU memory: a smaller micro-batch of that phase (its token budget halved while a whole sequence,
+    `planned_prompt` + response, still fits), gradient checkpointing for an update, or vLLM asleep for
+    what the awake engine takes."""
     ppo = cfg.ppo
-    seq = ppo.max_prompt_length + ppo.max_response_length
+    seq = planned_prompt(ppo, longest_prompt) + ppo.max_response_length
     if phase == "reward_model":
         return f"reward.micro_batch_size = {max(1, cfg.reward.micro_batch_size // 2)}"
     if phase in UPDATE_PHASES:

@@ -65,6 +65,8 @@ def test_run_dir_contract(seed0_run):
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["versions"]["torch"] and prov["data_sha256"] and "sha" in prov["git"]
     assert {"actor", "critic", "reference"} <= set(prov["placement"]["memory_predicted"]["roles"])  # CPU: logged only
+    # Planned by the data's longest prompt, as measured at the start: the arithmetic task's are short.
+    assert 0 < prov["placement"]["memory_predicted"]["settings"]["prompt_tokens"] < 32  # ppo.max_prompt_length
     assert "ppo.kl_coef" in (out / "config.gin").read_text()
 
 

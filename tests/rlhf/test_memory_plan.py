@@ -110,7 +110,7 @@ def test_full_fine_tuning_keeps_16_bytes_a_parameter_per_trained_role():
                                     "instruct05b_recipe_h200.json", "instruct05b_recipe_profile_h200.json",
                                     "lora7b_recipe_mb8k_h200.json", "lora7b_recipe_addmm_h200.json",
                                     "lora7b_recipe_gc16k_h200.json", "instruct05b_recipe_eager_h200.json",
-                                    "instruct05b_recipe_overlap_h200.json"])
+                                    "instruct05b_recipe_overlap_h200.json", "instruct05b_recipe_mb32k_h200.json"])
 def test_the_plan_lands_within_10_percent_of_every_measured_phase(result):
     """The shipped recipes run through `python -m rlhf.train` on one H200 (bench/recipe_run.py): the 7B
     shape under recipes/models/lora.gin (LoRA 64, compiled layers, no checkpointing, 12288-token packed
@@ -118,7 +118,8 @@ def test_the_plan_lands_within_10_percent_of_every_measured_phase(result):
     (full fine-tuning, critic and fp32 reference, compiled, packed, vLLM awake), as shipped now and as
     shipped before (eager, or with the next rollout beside the critic's update; at 7B with checkpointing,
     16384 tokens and vLLM awake: the JSON's bindings pin what changed since). Each phase's peak against
-    this code's prediction for the same recipe file, bindings and GPU, never below it and at most 10%
+    this code's prediction for the same recipe file, bindings, GPU and data (its longest prompt, as the
+    run measures it at its start; `longest_prompt`, 256 tokens), never below it and at most 10%
     above: what torch reserved against the plan with its reserve where the run measured it (the
     allocator's own share counted), else what torch allocated."""
     sys.path.insert(0, str(REPO / "bench"))
@@ -208,6 +209,42 @@ def test_a_packed_micro_batch_holds_at_most_the_sequences_it_is_cut_from():
     assert capped.roles["actor"].train == exact.roles["actor"].train
     forward = memory.predict(instruct("ppo.forward_max_tokens_per_micro_batch = 10000000"), shape, available=H200)
     assert forward.settings["forward_tokens_per_micro_batch"] == 128 * 1536  # the whole rollout (16 x 8 prompts)
+
+
+def test_the_plan_sizes_sequences_by_the_datas_longest_prompt():
+    """The trainer measures every prompt before the plan (`longest_prompt`): sequences of the longest one
+    plus the response, never more than ppo.max_prompt_length keeps. A mini-batch of 32 sequences of
+    256 + 512 tokens holds 24,576 tokens, not the 49,152 of 1024-token prompts; the phases' micro-batches
+    shrink with it, and so do the budgets the fix and an out-of-memory line may name."""
+    from rlhf.memory.plan import _options, planned_prompt, relief
+    shape, budget = SHAPES["qwen2.5-0.5b"], "ppo.max_tokens_per_micro_batch = 49152"
+    at_limit = memory.predict(instruct(budget), shape, available=H200)
+    data = memory.predict(instruct(budget), shape, available=H200, longest_prompt=256)
+    assert (at_limit.settings["prompt_tokens"], data.settings["prompt_tokens"]) == (1024, 256)
+    assert (at_limit.settings["tokens_per_micro_batch"], data.settings["tokens_per_micro_batch"]) == (49152, 24576)
+    assert data.roles["actor"].train < at_limit.roles["actor"].train
+    assert data.peak.total < at_limit.peak.total
+    cfg = instruct()
+    assert planned_prompt(cfg.ppo, None) == planned_prompt(cfg.ppo, 5000) == 1024  # cut prompts keep 1024
+    assert planned_prompt(cfg.ppo, 300) == 300
+    # 2048 tokens a micro-batch: half of it holds one 256 + 512 sequence, not one 1024 + 512.
+    small = instruct("ppo.max_tokens_per_micro_batch = 2048")
+    assert relief(small, "update_actor") == "ppo.gradient_checkpointing = True"
+    assert relief(small, "update_actor", longest_prompt=256) == "ppo.max_tokens_per_micro_batch = 1024"
+    # The budgets a refused run may be offered hold one whole sequence: down to 768 tokens, not 1536.
+    smallest = lambda longest: min(o["max_tokens_per_micro_batch"] for o in _options(cfg, longest)[0])  # noqa: E731
+    assert (smallest(None), smallest(256)) == (1536, 768)
+
+
+def test_memory_command_plans_a_given_longest_prompt():
+    base = [sys.executable, "-m", "rlhf.memory", "recipes/models/instruct.gin", "--shape", "qwen2.5-0.5b",
+            "--gpu-memory-gib", "139"]
+    out = subprocess.run(base + ["--longest-prompt", "256"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "prompt 256 (the longest; ppo.max_prompt_length 1024) + response 512" in out.stdout
+    bad = subprocess.run(base + ["--longest-prompt", "-3"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "error: --longest-prompt -3 is invalid: allowed: a whole number of tokens, at least 1")
 
 
 # ---------------------------------------------------------------- verdicts
@@ -314,7 +351,7 @@ def test_memory_command_table_and_published_shapes():
                           "--gpu-memory-gib", "139"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| Qwen2.5")]
-    assert len(rows) == 12 and "| Qwen2.5-7B | 7.62B | full FT | 361.8 **no** |" in out.stdout
+    assert len(rows) == 12 and "| Qwen2.5-7B | 7.62B | full FT | 402.5 **no** |" in out.stdout
     missing = subprocess.run([sys.executable, "-m", "rlhf.memory", "recipes/models/instruct.gin", "--shape", "gpt-9"],
                              capture_output=True, text=True, cwd=REPO, timeout=120)
     assert missing.returncode == 2 and "allowed: qwen2.5-0.5b" in missing.stderr
@@ -332,6 +369,12 @@ def test_run_start_refuses_before_building_any_model(tmp_path):
     plan = memory.preflight(instruct("ppo.lora_rank = 64", "ppo.gradient_checkpointing = True"), model,
                             torch.device("cuda"), logged.append, device_memory_bytes=(H200, H200))
     assert plan.fits and logged[-1].startswith("memory plan (predicted): the run needs")
+    assert "the data's longest prompt" not in logged[-1]  # not measured: prompts of ppo.max_prompt_length
+    measured = memory.preflight(instruct("ppo.lora_rank = 64", "ppo.gradient_checkpointing = True"), model,
+                                torch.device("cuda"), logged.append, device_memory_bytes=(H200, H200),
+                                longest_prompt=200)
+    assert measured.peak.total < plan.peak.total and measured.settings["prompt_tokens"] == 200
+    assert logged[-1].endswith("; sequences of the data's longest prompt, 200 tokens, + 512")
     cpu = memory.preflight(dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, device="cpu")), model,
                            torch.device("cpu"), logged.append)
     assert cpu.fits is None and "nothing to check off a GPU" in logged[-1]
