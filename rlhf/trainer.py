@@ -14,6 +14,7 @@ only the actor's synced weights.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import resource
 import time
@@ -64,6 +65,48 @@ def resolve_model_paths(cfg: RunConfig, log=print) -> tuple[Path, Path]:
         return prepare_tiny(cfg.tiny_model, cfg.sft, cfg.task, log=log)
     model_dir = Path(cfg.model.name_or_path)
     return model_dir, Path(cfg.model.tokenizer_path or model_dir)
+
+
+@dataclasses.dataclass
+class TaskPrompts:
+    """The policy's tokenizer and prompt renderer, and the task's splits, as a run loads them at its start."""
+
+    model_dir: Path
+    tokenizer_dir: Path
+    tokenizer: transformers.PreTrainedTokenizerBase
+    prompts: PromptRenderer
+    train: List[Example]
+    held: List[Example]
+    """The whole held-out split; the run evaluates its first task.eval_size (`eval`)."""
+    eval: List[Example]
+
+    @classmethod
+    def load(cls, cfg: RunConfig, log=print) -> "TaskPrompts":
+        """The policy checked (`resolve_model_paths`), its tokenizer loaded and held to the model's
+        embedding, the chat settings and the task's splits read: one ConfigError line for the first bad
+        one. `python -m rlhf.memory` loads them as the run does to measure the data's prompts."""
+        model_dir, tokenizer_dir = resolve_model_paths(cfg, log)
+        binding = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.name_or_path"
+        tokenizer = load_tokenizer(tokenizer_dir, binding)
+        check_vocab_fits(tokenizer, binding, tokenizer_dir, "model.name_or_path", model_dir)
+        prompts = PromptRenderer.from_task(tokenizer, cfg.task)  # rollout, evaluation and reward model alike
+        train, held = load_task(cfg.task)
+        if not held[:cfg.task.eval_size]:
+            from rlhf.errors import ConfigError
+            raise ConfigError("the task's held-out split is empty: set task.eval_path or task.eval_fraction")
+        return cls(model_dir, tokenizer_dir, tokenizer, prompts, train, held, held[:cfg.task.eval_size])
+
+    def lengths(self) -> Dict[str, List[int]]:
+        """Every train and evaluation prompt rendered once, in tokens, by split (`check_rows`: a row its
+        chat template rejects is one line)."""
+        return {name: check_rows(examples, self.prompts.ids, "task.chat_template")
+                for name, examples in (("train", self.train), ("eval", self.eval))}
+
+
+def longest_prompt(lengths: Dict[str, List[int]], max_prompt_length: int) -> int:
+    """The longest prompt the run's rollouts will see: the data's, or ppo.max_prompt_length when a longer
+    one is cut to it (what the memory plan sizes the policy's sequences by)."""
+    return min(max((n for ns in lengths.values() for n in ns), default=max_prompt_length), max_prompt_length)
 
 
 class PhaseTimer:
@@ -137,20 +180,14 @@ class PPOTrainer:
         deterministic_algorithms(self.device.type)
         self.autocast_dtype = torch.bfloat16 if self.ppo.bf16_autocast and self.device.type == "cuda" else None
 
-        self.model_dir, self.tokenizer_dir = resolve_model_paths(cfg, log)
-        tokenizer_binding = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.name_or_path"
-        self.tokenizer = load_tokenizer(self.tokenizer_dir, tokenizer_binding)
-        check_vocab_fits(self.tokenizer, tokenizer_binding, self.tokenizer_dir, "model.name_or_path", self.model_dir)
-        self.prompts = PromptRenderer.from_task(self.tokenizer, cfg.task)  # rollout, evaluation and reward model alike
+        task = TaskPrompts.load(cfg, log)
+        self.model_dir, self.tokenizer_dir, self.tokenizer, self.prompts = (task.model_dir, task.tokenizer_dir,
+                                                                            task.tokenizer, task.prompts)
         log(self.prompts.describe())
-        self.train_examples, held = load_task(cfg.task)
-        self.eval_examples: List[Example] = held[:cfg.task.eval_size]
-        if not self.eval_examples:
-            from rlhf.errors import ConfigError
-            raise ConfigError("the task's held-out split is empty: set task.eval_path or task.eval_fraction")
-        self.data_hash = dataset_hash(self.train_examples + held)
+        self.train_examples, self.eval_examples = task.train, task.eval
+        self.data_hash = dataset_hash(task.train + task.held)
         self.sampler = PromptSampler(self.train_examples, seed=self.ppo.seed)
-        self.prompt_truncated = self._check_prompts(log)
+        self.prompt_truncated = self._check_prompts(task, log)
 
         start_dir = Path(self.ppo.init_from) / "actor" if self.ppo.init_from else self.model_dir
         if self.ppo.init_from:  # verified as --resume verifies a checkpoint: a damaged file is one line here
@@ -181,14 +218,13 @@ class PPOTrainer:
         self._engine_sleeps = bool((self.placement.get("memory") or {}).get("rollout_sleep"))
         self._ahead = None  # (prompts, calls, pending generation) of the next iteration, when it runs ahead
 
-    def _check_prompts(self, log) -> Dict[str, float]:
-        """Every train and evaluation prompt rendered once before any compute (a row its chat
-        template rejects is one line) and measured against ppo.max_prompt_length (rlhf/data.py
-        `check_prompt_lengths`); with a reward model, every conversation encoded as it will be
-        scored. Returns the fraction of each split's prompts that are cut ({} under 'error')."""
+    def _check_prompts(self, task: TaskPrompts, log) -> Dict[str, float]:
+        """Every train and evaluation prompt rendered once before any compute (`TaskPrompts.lengths`)
+        and measured against ppo.max_prompt_length (rlhf/data.py `check_prompt_lengths`); with a reward
+        model, every conversation encoded as it will be scored. Returns the fraction of each split's
+        prompts that are cut ({} under 'error')."""
         splits = {"train": self.train_examples, "eval": self.eval_examples}
-        lengths = {name: check_rows(examples, self.prompts.ids, "task.chat_template")
-                   for name, examples in splits.items()}
+        lengths = task.lengths()
         if self.cfg.reward.uses_model:
             from rlhf.roles.reward_model import check_reward_model
             check_reward_model(self.cfg.reward, self.cfg.task, self.train_examples + self.eval_examples)
@@ -196,9 +232,7 @@ class PPOTrainer:
                                          self.ppo.max_prompt_length, self.ppo.prompt_truncation, log)
         self._cut_prompts = {prompt_key(ex.prompt) for name in splits for ex, n in zip(splits[name], lengths[name])
                              if n > self.ppo.max_prompt_length}
-        # The memory plan sizes the policy's sequences by the longest prompt the run will see (cut ones at the limit).
-        self.longest_prompt = min(max((n for ns in lengths.values() for n in ns), default=self.ppo.max_prompt_length),
-                                  self.ppo.max_prompt_length)
+        self.longest_prompt = longest_prompt(lengths, self.ppo.max_prompt_length)  # what the memory plan sizes by
         return fractions
 
     # ----------------------------------------------------------------- phases

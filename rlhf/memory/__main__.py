@@ -1,6 +1,10 @@
 """The predicted memory plan of a recipe, without running it (no GPU, no weights: config.json only).
 
     python -m rlhf.memory RECIPE.gin [-b 'BINDING']... [--gpu-memory-gib 139] [--shape NAME] [--table]
+                                     [--longest-prompt TOKENS]
+
+Sequences are planned at the data's longest prompt, measured as the run measures it at its start
+(the model directory's tokenizer over the task's prompts), or given; else at ppo.max_prompt_length.
 
 Prints each role's bytes on one GPU, each phase of a PPO step, and the verdict. Exit codes: 0 it
 fits, 2 it does not (the line names the bindings that would make it fit) or the configuration is
@@ -39,8 +43,9 @@ def parse_args(argv):
                    help="plan a published policy shape instead of model.name_or_path's config.json: "
                         "qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b")
     p.add_argument("--longest-prompt", default=None, metavar="TOKENS",
-                   help="the longest prompt of your data in the policy's tokens, as the run measures it at its "
-                        "start and plans with (default: ppo.max_prompt_length, the most any prompt keeps)")
+                   help="the longest prompt of your data in the policy's tokens, which the run plans with (default: "
+                        "measured in the task's data as the run measures it at its start, where model.name_or_path "
+                        "is a model directory; else ppo.max_prompt_length, the most any prompt keeps)")
     p.add_argument("--table", action="store_true",
                    help="a markdown table: every published shape x (full FT, LoRA 64, LoRA 64 + gradient "
                         "checkpointing) x 1/2/4/8 GPUs, from the recipe's other settings")
@@ -66,6 +71,22 @@ def check_longest_prompt(value: str) -> int:
     if not value.strip().isdigit() or int(value) < 1:
         raise ConfigError(f"--longest-prompt {value} is invalid: allowed: a whole number of tokens, at least 1")
     return int(value)
+
+
+def measured_longest_prompt(cfg) -> tuple:
+    """(tokens or None, how it was found): the data's longest prompt, measured as the run measures it
+    at its start (the policy's tokenizer and chat template over the train and evaluation prompts,
+    rlhf/trainer.py `TaskPrompts`), where model.name_or_path is a model directory; else None, and the
+    plan keeps prompts of ppo.max_prompt_length."""
+    from rlhf.errors import ConfigError
+    from rlhf.trainer import TaskPrompts, longest_prompt
+    if cfg.model.name_or_path == "tiny":
+        return None, "the tiny default's prompts are not measured here"
+    try:
+        lengths = TaskPrompts.load(cfg, log=lambda _: None).lengths()
+    except ConfigError as err:
+        return None, f"the data's prompts could not be measured ({str(err).splitlines()[0]})"
+    return longest_prompt(lengths, cfg.ppo.max_prompt_length), "measured in the task's data"
 
 
 def gpu_gib(requested) -> tuple:
@@ -169,6 +190,10 @@ def main(argv=None) -> int:
             return EXIT_OK
         memory.check_policy(cfg, policy=shape)  # what the trainer refuses at its start, refused here
         policy, reward_model = memory.run_shapes(cfg, policy=shape)
+        if longest is None and shape is None:
+            longest, how = measured_longest_prompt(cfg)
+            print(f"prompts: {how}" + (f", the longest {longest} tokens" if longest is not None else
+                                        f"; planned at ppo.max_prompt_length = {cfg.ppo.max_prompt_length}"))
         gpu = cfg.ppo.device != "cpu"
         available = int(gib * memory.GIB) if gpu else None
         plan = memory.predict(cfg, policy, reward_model, available=available, gpu=gpu, longest_prompt=longest)

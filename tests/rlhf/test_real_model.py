@@ -2,6 +2,8 @@
 checkpoint, prompts from JSONL and parquet, the GSM8K-style reward."""
 
 import json
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,7 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from rlhf.metrics import read_metrics
 from rlhf.rewards import REWARD_FUNCTIONS, extract_gsm8k_answer
 from rlhf.tiny import build_char_tokenizer
-from tests.conftest import run_train
+from tests.conftest import REPO, run_train
 
 
 @pytest.fixture(scope="module")
@@ -33,18 +35,28 @@ def local_model(tmp_path_factory):
 
 def test_local_checkpoint_with_file_prompts_runs(local_model, tmp_path):
     root = local_model
-    run_train(["recipes/tiny.gin", "-b", f"model.name_or_path = '{root / 'model'}'",
-               "-b", f"model.tokenizer_path = '{root / 'tokenizer'}'", "-b", "task.name = 'file'",
-               "-b", f"task.train_path = '{root / 'train.jsonl'}'", "-b", f"task.eval_path = '{root / 'eval.parquet'}'",
-               "-b", "task.prompt_key = 'question'", "-b", "task.answer_key = 'solution'",
-               "-b", "task.reward_fn = 'gsm8k'", "-b", "ppo.max_prompt_length = 24",
-               "-b", "ppo.max_response_length = 12",
-               "-b", "ppo.total_steps = 2", "-b", "task.eval_size = 16", "--quiet", "--out", tmp_path])
+    bindings = ["-b", f"model.name_or_path = '{root / 'model'}'",
+                "-b", f"model.tokenizer_path = '{root / 'tokenizer'}'", "-b", "task.name = 'file'",
+                "-b", f"task.train_path = '{root / 'train.jsonl'}'",
+                "-b", f"task.eval_path = '{root / 'eval.parquet'}'",
+                "-b", "task.prompt_key = 'question'", "-b", "task.answer_key = 'solution'",
+                "-b", "task.reward_fn = 'gsm8k'", "-b", "ppo.max_prompt_length = 24",
+                "-b", "ppo.max_response_length = 12", "-b", "task.eval_size = 16"]
+    run_train(["recipes/tiny.gin", *bindings, "-b", "ppo.total_steps = 2", "--quiet", "--out", tmp_path])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed"
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert records[-1]["step"] == 2 and records[-1]["response_length_mean"] > 0
     assert (tmp_path / "checkpoints" / "step_2" / "actor" / "config.json").read_text().count("qwen2") >= 1
+    # The memory plan's sequences: the data's longest prompt ("Q: 11 plus 11?"), measured at the run's
+    # start and recorded; `python -m rlhf.memory` measures the same data the same way.
+    planned = json.loads((tmp_path / "provenance.json").read_text())["placement"]["memory_predicted"]["settings"]
+    assert 14 <= planned["prompt_tokens"] < 24
+    plan = subprocess.run([sys.executable, "-m", "rlhf.memory", "recipes/tiny.gin", *bindings],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    assert f"prompts: measured in the task's data, the longest {planned['prompt_tokens']} tokens" in plan.stdout
+    assert f"prompt {planned['prompt_tokens']} (the longest; ppo.max_prompt_length 24) + response 12" in plan.stdout
 
 
 def test_missing_prompt_key_is_a_clear_error(local_model, tmp_path):
