@@ -260,14 +260,11 @@ class Scorer:
 
         from rlhf import numerics
         from rlhf.determinism import deterministic_algorithms
-        from rlhf.models import load_tokenizer
         from rlhf.roles.actor import build_policy
         from rlhf.rollout import SeedStream
-        from rlhf.trainer import resolve_model_paths
+        from rlhf.trainer import policy_tokenizer
 
-        model_dir, tokenizer_dir = resolve_model_paths(cfg, log=lambda _: None)
-        tokenizer = load_tokenizer(tokenizer_dir, "model.tokenizer_path" if cfg.model.tokenizer_path
-                                   else "model.name_or_path")
+        model_dir, _, tokenizer = policy_tokenizer(cfg, log=lambda _: None)
         self.check_unread(cfg, where)
         self.check_fits(cfg, tokenizer)
         deterministic_algorithms("cpu")  # as the trainer's process computes

@@ -19,7 +19,7 @@ import math
 import resource
 import time
 from pathlib import Path
-from typing import Dict, List, cast
+from typing import Dict, List, Optional, Tuple, cast
 
 import torch
 import transformers
@@ -67,6 +67,17 @@ def resolve_model_paths(cfg: RunConfig, log=print) -> tuple[Path, Path]:
     return model_dir, Path(cfg.model.tokenizer_path or model_dir)
 
 
+def policy_tokenizer(cfg: RunConfig, log=print) -> Tuple[Path, Path, transformers.PreTrainedTokenizerBase]:
+    """(policy dir, tokenizer dir, tokenizer): the paths as `resolve_model_paths` checks them and the
+    policy's tokenizer, held to the model's embedding (`check_vocab_fits`); a bad one is a ConfigError
+    line naming its binding."""
+    model_dir, tokenizer_dir = resolve_model_paths(cfg, log)
+    binding = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.name_or_path"
+    tokenizer = load_tokenizer(tokenizer_dir, binding)
+    check_vocab_fits(tokenizer, binding, tokenizer_dir, "model.name_or_path", model_dir)
+    return model_dir, tokenizer_dir, tokenizer
+
+
 @dataclasses.dataclass
 class TaskPrompts:
     """The policy's tokenizer and prompt renderer, and the task's splits, as a run loads them at its start."""
@@ -85,10 +96,7 @@ class TaskPrompts:
         """The policy checked (`resolve_model_paths`), its tokenizer loaded and held to the model's
         embedding, the chat settings and the task's splits read: one ConfigError line for the first bad
         one. `python -m rlhf.memory` loads them as the run does to measure the data's prompts."""
-        model_dir, tokenizer_dir = resolve_model_paths(cfg, log)
-        binding = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.name_or_path"
-        tokenizer = load_tokenizer(tokenizer_dir, binding)
-        check_vocab_fits(tokenizer, binding, tokenizer_dir, "model.name_or_path", model_dir)
+        model_dir, tokenizer_dir, tokenizer = policy_tokenizer(cfg, log)
         prompts = PromptRenderer.from_task(tokenizer, cfg.task)  # rollout, evaluation and reward model alike
         train, held = load_task(cfg.task)
         if not held[:cfg.task.eval_size]:
@@ -103,10 +111,11 @@ class TaskPrompts:
                 for name, examples in (("train", self.train), ("eval", self.eval))}
 
 
-def longest_prompt(lengths: Dict[str, List[int]], max_prompt_length: int) -> int:
-    """The longest prompt the run's rollouts will see: the data's, or ppo.max_prompt_length when a longer
-    one is cut to it (what the memory plan sizes the policy's sequences by)."""
-    return min(max((n for ns in lengths.values() for n in ns), default=max_prompt_length), max_prompt_length)
+def longest_prompt(lengths: Dict[str, List[int]]) -> Optional[int]:
+    """The data's longest prompt in tokens over every split (None for no prompts). The memory plan sizes
+    the policy's sequences by it, capped at ppo.max_prompt_length, which the rollout cuts a longer
+    one to (rlhf/memory/plan.py `planned_prompt`)."""
+    return max((n for ns in lengths.values() for n in ns), default=None)
 
 
 class PhaseTimer:
@@ -232,7 +241,7 @@ class PPOTrainer:
                                          self.ppo.max_prompt_length, self.ppo.prompt_truncation, log)
         self._cut_prompts = {prompt_key(ex.prompt) for name in splits for ex, n in zip(splits[name], lengths[name])
                              if n > self.ppo.max_prompt_length}
-        self.longest_prompt = longest_prompt(lengths, self.ppo.max_prompt_length)  # what the memory plan sizes by
+        self.longest_prompt = longest_prompt(lengths)  # what the memory plan sizes by
         return fractions
 
     # ----------------------------------------------------------------- phases

@@ -86,7 +86,23 @@ def measured_longest_prompt(cfg) -> tuple:
         lengths = TaskPrompts.load(cfg, log=lambda _: None).lengths()
     except ConfigError as err:
         return None, f"the data's prompts could not be measured ({str(err).splitlines()[0]})"
-    return longest_prompt(lengths, cfg.ppo.max_prompt_length), "measured in the task's data"
+    longest = longest_prompt(lengths)
+    if longest is None:
+        return None, "the task's data holds no prompts"
+    return longest, "measured in the task's data"
+
+
+def prompt_line(longest: int, ppo) -> str:
+    """The tail of the `prompts:` line: the longest prompt measured and, above ppo.max_prompt_length,
+    what the run does with it (ppo.prompt_truncation: cut to the limit, or refused at its start)."""
+    limit = ppo.max_prompt_length
+    if longest <= limit:
+        return f", the longest {longest} tokens"
+    if ppo.prompt_truncation == "error":
+        return (f", the longest {longest} tokens, over ppo.max_prompt_length = {limit}: the run refuses it at "
+                f"its start (ppo.prompt_truncation = 'error'); planned at {limit}")
+    return (f", the longest {longest} tokens, cut to ppo.max_prompt_length = {limit} "
+            f"(ppo.prompt_truncation = {ppo.prompt_truncation!r}); planned at {limit}")
 
 
 def gpu_gib(requested) -> tuple:
@@ -192,7 +208,7 @@ def main(argv=None) -> int:
         policy, reward_model = memory.run_shapes(cfg, policy=shape)
         if longest is None and shape is None:
             longest, how = measured_longest_prompt(cfg)
-            print(f"prompts: {how}" + (f", the longest {longest} tokens" if longest is not None else
+            print(f"prompts: {how}" + (prompt_line(longest, cfg.ppo) if longest is not None else
                                         f"; planned at ppo.max_prompt_length = {cfg.ppo.max_prompt_length}"))
         gpu = cfg.ppo.device != "cpu"
         available = int(gib * memory.GIB) if gpu else None

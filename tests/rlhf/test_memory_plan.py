@@ -227,6 +227,10 @@ def test_the_plan_sizes_sequences_by_the_datas_longest_prompt():
     cfg = instruct()
     assert planned_prompt(cfg.ppo, None) == planned_prompt(cfg.ppo, 5000) == 1024  # cut prompts keep 1024
     assert planned_prompt(cfg.ppo, 300) == 300
+    # The trainer's figure is the data's own, uncapped: the plan alone caps it.
+    from rlhf.trainer import longest_prompt
+    assert longest_prompt({"train": [10, 5000], "eval": [30]}) == 5000
+    assert longest_prompt({"train": [], "eval": []}) is None
     # 2048 tokens a micro-batch: half of it holds one 256 + 512 sequence, not one 1024 + 512.
     small = instruct("ppo.max_tokens_per_micro_batch = 2048")
     assert relief(small, "update_actor") == "ppo.gradient_checkpointing = True"
@@ -242,6 +246,14 @@ def test_memory_command_plans_a_given_longest_prompt():
     out = subprocess.run(base + ["--longest-prompt", "256"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "prompt 256 (the longest; ppo.max_prompt_length 1024) + response 512" in out.stdout
+    from rlhf.memory.__main__ import prompt_line
+    cfg = instruct()
+    assert prompt_line(300, cfg.ppo) == ", the longest 300 tokens"
+    assert prompt_line(5000, cfg.ppo).endswith("the run refuses it at its start (ppo.prompt_truncation = 'error'); "
+                                               "planned at 1024")
+    assert prompt_line(5000, instruct("ppo.prompt_truncation = 'left'").ppo) == (
+        ", the longest 5000 tokens, cut to ppo.max_prompt_length = 1024 (ppo.prompt_truncation = 'left'); "
+        "planned at 1024")
     bad = subprocess.run(base + ["--longest-prompt", "-3"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "error: --longest-prompt -3 is invalid: allowed: a whole number of tokens, at least 1")
