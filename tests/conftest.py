@@ -20,6 +20,12 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Under pytest-xdist (the README's test command) each worker's local Ray instances and the clusters
+# its tests start keep their files, and the address `ray.init()` looks up, in a directory of the
+# worker's own: a Ray started by one worker's test is never joined by the other worker's runs.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["RAY_TMPDIR"] = f"/tmp/ray-{os.getppid()}-{os.environ['PYTEST_XDIST_WORKER']}"
+    os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 # The engine's CPU numerics profile, before any test imports torch (rlhf/numerics.py): in-process
 # engine code then takes the same kernels as the `python -m rlhf.train` subprocesses.
 sys.path.insert(0, str(REPO))
