@@ -41,7 +41,7 @@ def layer_activation_bytes(shape: ModelShape, act: int, lora_rank: int = 0, lora
     rotary, SiLU): each norm's fp32 input (8 h for two), the two shared projection inputs (2 h), the
     attention kernel's q/k/v and output (2 q + 2 kv), the MLP's gate, up and product (3 f), and each
     adapter's rank-r intermediate. Measured at the Qwen2.5-0.5B shape, 16384-token micro-batches
-    (bench/results/instruct05b_recipe_h200.json): the actor's update held 19.4 GiB beside the
+    (bench/results/instruct05b_recipe_mb16k_h200.json): the actor's update held 19.4 GiB beside the
     resident roles, the plan 21.2 (the eager formula's: 36.0)."""
     h, f = shape.hidden_size, shape.intermediate_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
