@@ -12,8 +12,9 @@ almost never emit EOS, so every response is 256 tokens). Each part runs in its o
   sleep/wake time and the memory it frees.
 - `vllm_logprobs`: `VLLMRollout(return_logprobs=True)` throughput, and the mean gap between its
   sampling log-probs and an HF bf16 forward of the same weights (what `rollout/logprob_gap` logs).
-- `vllm_in_process`, `vllm_own_process`: `vllm.LLM.generate` with its engine in this process or in
-  its own, alone, beside a training load in this process, and (own process) the CUDA IPC weight update.
+- `vllm_in_process`, `vllm_own_process`: the engine's `VLLMRollout` with vLLM's engine in this process or
+  in its own (`ppo.vllm_own_process`): `vllm.LLM.generate` alone, beside a training load in this process,
+  and `sync_weights` (own process: through the CUDA IPC staging buffer).
 - `hf`: the engine's `HFRollout` (fp32 weights, bf16 autocast, dynamic KV cache), as a run with
   ppo.dtype = 'bfloat16' uses it; `hf_static`: a bf16 model with transformers' static KV cache
   and its automatic torch.compile of the decoding step.
@@ -230,44 +231,28 @@ def part_hf(args, assets, static: bool) -> dict:
             "weights": "bf16", "kv_cache": "static + torch.compile"}
 
 
-def _load_ipc_weights(worker, handles) -> None:
-    """In vLLM's worker: the trainer's tensors, opened from their CUDA IPC handles, into its model."""
-    import torch
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-    index = torch.cuda.current_device()
-    tensors = []
-    for name, args in handles:
-        args = list(args)
-        args[6] = index  # the device index, as this process numbers it
-        tensors.append((name, rebuild_cuda_tensor(*args)))
-    worker.model_runner.model.load_weights(iter(tensors))
-    torch.cuda.synchronize()
-
-
-def part_vllm_process(args, assets, multiprocess: bool) -> dict:
-    """vLLM's engine in this process (the engine's way) or in its own (`VLLM_ENABLE_V1_MULTIPROCESSING=1`),
+def part_vllm_process(args, assets, own_process: bool) -> dict:
+    """The engine's `VLLMRollout` with vLLM's engine in this process or in its own (`ppo.vllm_own_process`),
     on the same token ids: `LLM.generate` alone; a training load alone (the 0.5B shape's forward and
     backward over 12 micro-batches of 16 x 1024 tokens and an AdamW step, about a critic update's work);
     both at once (the generation in a thread, as `ppo.overlap_rollout` runs it), each's own time and the
-    wall time; with its own process, the weights loaded from CUDA IPC handles by its worker."""
-    import os
+    wall time; `sync_weights` of the trained model (own process: through the staging buffer)."""
     import threading
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     import torch
     import vllm
     from gpu_assets import random_prompts
 
     from rlhf.models import load_policy, load_tokenizer
+    from rlhf.rollout.vllm import VLLMRollout
 
     device = torch.device("cuda")
     tok = load_tokenizer(assets["tokenizer_dir"])
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # a function and CUDA IPC handles to its worker
-    t0 = time.perf_counter()
-    llm = vllm.LLM(model=assets["model_dir"], tokenizer=assets["tokenizer_dir"], dtype="bfloat16", seed=0,
-                   gpu_memory_utilization=args.gpu_memory_utilization,
-                   max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=256)
-    out = {"engine_start_s": time.perf_counter() - t0, "vllm": vllm.__version__, "multiprocess": multiprocess}
+    rollout = VLLMRollout(tokenizer=tok, device=device, model_dir=assets["model_dir"], seed=0,
+                          max_model_len=args.prompt_len + args.new_tokens,
+                          gpu_memory_utilization=args.gpu_memory_utilization, own_process=own_process)
+    llm = rollout.llm
+    out = {"engine_start_s": rollout.timings["engine_start_s"], "vllm": vllm.__version__, "own_process": own_process}
     ids = [{"prompt_token_ids": tok(p)["input_ids"]} for p in random_prompts(args.prompts, args.prompt_len, seed=1)]
     params = vllm.SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, detokenize=False)
     llm.generate(ids[:8], params, use_tqdm=False)  # warm-up
@@ -308,17 +293,11 @@ def part_vllm_process(args, assets, multiprocess: bool) -> dict:
     out.update(generated_tokens=n, generate_alone_s=alone_gen, train_alone_s=alone_train, together=both,
                generate_tokens_per_s=n / min(alone_gen),
                overlap_saving_s=min(alone_gen) + min(alone_train) - min(b["wall_s"] for b in both))
-    if multiprocess:  # the weights through CUDA IPC handles, read by the engine's worker in its process
-        from torch.multiprocessing.reductions import reduce_tensor
-        times = []
-        for _ in range(3):
-            torch.cuda.synchronize(device)
-            t = time.perf_counter()
-            weights = [(name, w.detach().contiguous()) for name, w in model.state_dict().items()]
-            handles = [(name, reduce_tensor(w)[1]) for name, w in weights]
-            llm.collective_rpc(_load_ipc_weights, args=(handles,))
-            times.append(time.perf_counter() - t)
-        out["ipc_weight_update_s"] = times
+    syncs = []
+    for _ in range(3):
+        rollout.sync_weights(model)
+        syncs.append(rollout.timings["last_sync_s"])
+    out["sync_weights_s"] = syncs
     return out
 
 

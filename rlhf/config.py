@@ -101,6 +101,11 @@ class PPOConfig:
     seed; per-request seeds cost vLLM throughput (it draws their noise request by request:
     bench/results/gpu_h200.md) and still do not make a response independent of its batch (bf16
     kernels differ with the batch size)."""
+    vllm_own_process: bool = False
+    """vLLM: run the engine's scheduler and model runner in a process of their own (vLLM's multiprocessing
+    mode) instead of the trainer's; the trainer's weights reach it through a CUDA IPC staging buffer and
+    its samplers are seeded there, so the same seed gives the same tokens either way
+    (rlhf/rollout/vllm_worker.py)."""
 
     # --- optimisation ---
     actor_learning_rate: float = 2e-6
@@ -324,7 +329,8 @@ class PPOConfig:
               "ppo.lora_target_modules", targets,
               "must be 'all-linear' or a non-empty list of module names such as ['q_proj', 'v_proj']")
         for name in ("adaptive_kl", "whiten_advantages", "grpo_normalize_std", "rollout_logprobs",
-                     "vllm_per_request_seeds", "torch_compile", "gradient_checkpointing", "deterministic"):
+                     "vllm_per_request_seeds", "vllm_own_process", "torch_compile", "gradient_checkpointing",
+                     "deterministic"):
             check(isinstance(getattr(self, name), bool), f"ppo.{name}", getattr(self, name),
                   "must be True or False")
         check(isinstance(self.init_from, str), "ppo.init_from", self.init_from, "must be a path string")
@@ -332,6 +338,9 @@ class PPOConfig:
         if self.rollout_logprobs:
             check(self.rollout_backend == "vllm", "ppo.rollout_logprobs", self.rollout_logprobs,
                   "needs ppo.rollout_backend = 'vllm' (the HF backend returns no sampling log-probs)")
+        if self.vllm_own_process:
+            check(self.rollout_backend == "vllm", "ppo.vllm_own_process", self.vllm_own_process,
+                  "needs ppo.rollout_backend = 'vllm' (the HF backend generates in the trainer)")
         with_critic = " or ".join(repr(name) for name, e in estimators().items() if e.uses_critic)
         if self.overlap_rollout is True:
             check(self.rollout_backend == "vllm" and self.uses_critic, "ppo.overlap_rollout",

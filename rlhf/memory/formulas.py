@@ -161,6 +161,21 @@ def engine_bytes(ppo, device_total: int) -> int:
     return int(ppo.vllm_gpu_memory_utilization * device_total)
 
 
+ENGINE_PROCESS_BYTES = 512 * 2**20
+"""What a vLLM engine in a process of its own (`ppo.vllm_own_process`) holds beyond its share, awake or
+asleep: that process's CUDA context and cuBLAS workspace."""
+
+
+def engine_process_bytes(ppo, policy: ModelShape) -> int:
+    """With `ppo.vllm_own_process`: ENGINE_PROCESS_BYTES plus the weights' staging buffer, which grows to
+    the largest tensor sent (the embedding); 0 otherwise."""
+    if ppo.rollout_backend != "vllm" or not ppo.vllm_own_process:
+        return 0
+    from rlhf.rollout.vllm_worker import STAGING_BYTES
+    bytes_per_weight = 2 if ppo.dtype == "bfloat16" else 4
+    return ENGINE_PROCESS_BYTES + max(STAGING_BYTES, policy.vocab_size * policy.hidden_size * bytes_per_weight)
+
+
 def shard(n: int, world_size: int) -> int:
     """`n` bytes split over `world_size` FSDP2 ranks: one rank's shard, rounded up."""
     return -(-n // world_size)

@@ -25,6 +25,7 @@ from rlhf.memory.formulas import (
     RoleMemory,
     compiled,
     engine_bytes,
+    engine_process_bytes,
     forward_peak_bytes,
     fsdp_gather_bytes,
     hf_generate_bytes,
@@ -69,7 +70,8 @@ def resolve_auto(offload_mode, sleep_mode, fits: bool, can_offload: bool) -> tup
 class Phase:
     """One phase of a PPO step on one GPU: the roles resident, the vLLM engine when awake, what the
     phase's micro-batch adds, and the reserve (RESERVE_BYTES + FRAGMENTATION of torch's share +
-    ENGINE_FRAGMENTATION of an awake engine)."""
+    ENGINE_FRAGMENTATION of an awake engine + what an engine of its own process holds besides:
+    `engine_process_bytes`)."""
 
     name: str
     role: str
@@ -238,6 +240,7 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
     active = {"reference": "actor" if ppo.lora_rank else "reference", "reward_model": "reward_model",
               "values": "critic", "update_critic": "critic"}
     engine = engine_bytes(ppo, total) if gpu and total is not None else 0
+    engine_side = engine_process_bytes(ppo, policy) if engine else 0  # awake or asleep
     if ppo.resolved_placement == "split":
         devices = [(name,) for name in roles if roles[name].resident or name == "actor"]
     else:
@@ -253,7 +256,7 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
             resident = sum(roles[r].resident for r in on)
             awake = engine if "actor" in device and (name in ("generate", "sync_weights") or not sleep) else 0
             reserve = int(RESERVE_BYTES + FRAGMENTATION * (resident + transient[name])
-                          + ENGINE_FRAGMENTATION * awake) if gpu else 0
+                          + ENGINE_FRAGMENTATION * awake + (engine_side if "actor" in device else 0)) if gpu else 0
             out.append(Phase(name, role, on, resident, awake, transient[name], reserve))
         return out
 

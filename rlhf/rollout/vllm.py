@@ -25,6 +25,11 @@ Why these choices (vLLM 0.24.0):
   `ppo.num_rollout_batches`), not how many run at once.
 - Memory: with `sleep=True` the engine offloads its weights to CPU and frees its KV cache between
   rollouts (`LLM.sleep(level=1)`); `sync_weights` and `generate` wake it first.
+- `own_process=True` (`ppo.vllm_own_process`) runs vLLM's engine core in a process of its own (vLLM's
+  multiprocessing mode): its scheduler and model runner no longer share this process's interpreter
+  with the trainer's output handling, while the trainer's weights reach it through a staging buffer
+  shared by a CUDA IPC handle and its samplers are seeded in its process (rlhf/rollout/vllm_worker.py).
+  The same seeds give the same tokens in both modes.
 
 vLLM is imported only here, and only when the backend is built: it is an optional GPU extra.
 """
@@ -32,6 +37,7 @@ vLLM is imported only here, and only when the backend is built: it is an optiona
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import time
 from pathlib import Path
@@ -76,6 +82,31 @@ def sampled_logprobs(token_ids: Sequence[int], position_logprobs) -> List[float]
     return [float(position_logprobs[t][tok].logprob) for t, tok in enumerate(token_ids)]
 
 
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@contextlib.contextmanager
+def engine_process(own: bool):
+    """While an engine is built: vLLM's multiprocessing switch as `own` asks, restored afterwards. vLLM
+    caches its environment once an in-process engine has started, so the cache is dropped first."""
+    if not own:
+        yield
+        return
+    envs: Any = importlib.import_module("vllm.envs")
+    disable = getattr(envs, "disable_envs_cache", None)
+    if disable is not None:
+        disable()
+    before = os.environ.get(MULTIPROCESSING)
+    os.environ[MULTIPROCESSING] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(MULTIPROCESSING, None)
+        else:
+            os.environ[MULTIPROCESSING] = before
+
+
 @contextlib.contextmanager
 def without_deterministic_algorithms():
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -88,7 +119,8 @@ def without_deterministic_algorithms():
 
 
 class VLLMRollout:
-    """The `RolloutBackend` interface (see rlhf/rollout/base.py) over an in-process `vllm.LLM`."""
+    """The `RolloutBackend` interface (see rlhf/rollout/base.py) over a `vllm.LLM`, in this process or,
+    with `own_process`, in a process of its own."""
 
     shares_module = False
 
@@ -97,26 +129,31 @@ class VLLMRollout:
         return cls(tokenizer=tokenizer, device=device, model_dir=model_dir, seed=ppo.seed,
                    max_model_len=ppo.max_prompt_length + ppo.max_response_length,
                    return_logprobs=ppo.rollout_logprobs, gpu_memory_utilization=ppo.vllm_gpu_memory_utilization,
-                   sleep=ppo.vllm_sleep, per_request_seeds=ppo.vllm_per_request_seeds, log=log)
+                   sleep=ppo.vllm_sleep, per_request_seeds=ppo.vllm_per_request_seeds,
+                   own_process=ppo.vllm_own_process, log=log)
 
     def __init__(self, tokenizer, device: torch.device, model_dir: str, seed: int, max_model_len: int,
                  return_logprobs: bool = False, gpu_memory_utilization: float = 0.3, sleep: bool = False,
                  per_request_seeds: bool = False, max_num_seqs: int = 256, dtype: str = "bfloat16",
-                 enforce_eager: bool = False, log=print):
+                 enforce_eager: bool = False, own_process: bool = False, log=print):
         if torch.device(device).type != "cuda":
             from rlhf.errors import ConfigError
             raise ConfigError("ppo.rollout_backend = 'vllm' is invalid on the CPU: vLLM needs a CUDA device; "
                               "use ppo.rollout_backend = 'hf' or run on a GPU")
-        # Read by vLLM when the engine is built: the engine must live in this process (see above).
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-            raise RuntimeError("VLLMRollout needs the in-process vLLM engine: unset VLLM_ENABLE_V1_MULTIPROCESSING "
-                               "or set it to 0")
+        # Read by vLLM when the engine is built: where the engine lives follows own_process (see above).
+        if not own_process:
+            os.environ.setdefault(MULTIPROCESSING, "0")
+            if os.environ[MULTIPROCESSING] != "0":
+                raise RuntimeError(f"{MULTIPROCESSING}={os.environ[MULTIPROCESSING]} puts vLLM's engine in a "
+                                   f"process of its own: set ppo.vllm_own_process = True for that, or unset "
+                                   f"{MULTIPROCESSING}")
         try:
             import vllm
         except ImportError as err:
             raise ImportError("ppo.rollout_backend = 'vllm' needs the vllm package (0.24.0 matches torch 2.11); "
                               "install it or use ppo.rollout_backend = 'hf'") from err
+        self.own_process = own_process
+        self._staging: Optional[torch.Tensor] = None
         self._vllm: Any = vllm  # the package, typed loosely: where it is not installed the checker reads this file
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -132,16 +169,18 @@ class VLLMRollout:
         # The trainer asks for deterministic algorithms (warn only); that also puts Inductor in a
         # deterministic mode which refuses the kernel benchmarking vLLM's start-up compilation does.
         # The flag is lifted while the engine is built (not while it generates: see `generate`).
-        with without_deterministic_algorithms():
+        extra = {"worker_extension_cls": "rlhf.rollout.vllm_worker.EngineWorker"} if own_process else {}
+        with without_deterministic_algorithms(), engine_process(own_process):
             self.llm = vllm.LLM(  # pyright: ignore[reportAttributeAccessIssue]  # vllm's types where it is installed
                 model=str(model_dir), tokenizer=tok_dir if has_tok_dir else None, skip_tokenizer_init=not has_tok_dir,
                 dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, enable_sleep_mode=self.sleep_mode, enforce_eager=enforce_eager,
                 # Trainer log-probs divide logits by the temperature; vLLM's raw log-probs would not.
-                logprobs_mode="processed_logprobs" if return_logprobs else "raw_logprobs")
+                logprobs_mode="processed_logprobs" if return_logprobs else "raw_logprobs", **extra)
         self.timings["engine_start_s"] = time.perf_counter() - t0
         version = vllm.__version__  # pyright: ignore[reportAttributeAccessIssue]  # vllm's types where installed
-        log(f"vLLM {version} engine ready in {self.timings['engine_start_s']:.1f} s")
+        log(f"vLLM {version} engine ready in {self.timings['engine_start_s']:.1f} s"
+            f"{' (in its own process)' if own_process else ''}")
 
     # ------------------------------------------------------------------ weights and memory
     def _model(self):
@@ -170,9 +209,8 @@ class VLLMRollout:
     def asleep_bytes(self) -> int:
         """While asleep: the bytes of vLLM's sleep-mode pool, which torch's statistics still count as
         allocated though their memory is released (its weights are on the host, its KV cache gone)."""
-        if not self.asleep:
+        if not self.asleep or self.own_process:  # an engine of its own process is outside torch's count here
             return 0
-        import importlib
         cumem: Any = importlib.import_module("vllm.device_allocator.cumem")  # vLLM's own sleep-mode pool
         return int(cumem.CuMemAllocator.get_instance().get_current_usage())
 
@@ -186,11 +224,30 @@ class VLLMRollout:
         if isinstance(model, torch.nn.Module):
             model = model.state_dict()
         pairs = model.items() if isinstance(model, Mapping) else model
-        self._model().load_weights(((name, tensor.detach()) for name, tensor in pairs))
+        if self.own_process:
+            self._send_weights(pairs)
+        else:
+            self._model().load_weights(((name, tensor.detach()) for name, tensor in pairs))
         # Cached prefixes hold keys/values computed with the old weights.
         self.llm.reset_prefix_cache()
         torch.cuda.synchronize(self.device)
         self.timings["last_sync_s"] = time.perf_counter() - t0
+
+    def _send_weights(self, pairs) -> None:
+        """To an engine in its own process: bucket by bucket through the shared staging buffer."""
+        from rlhf.rollout.vllm_worker import STAGING_BYTES, open_shared, send_weights
+
+        def grow(nbytes: int) -> torch.Tensor:
+            self._staging = None  # closes this process's view before the worker frees the buffer
+            blob = self.llm.collective_rpc("rlhf_staging", args=(int(nbytes),))[0]
+            self._staging = open_shared(blob, self.device)
+            return self._staging
+
+        buffer = self._staging if self._staging is not None else grow(STAGING_BYTES)
+        self._staging, buckets = send_weights(
+            pairs, buffer, grow=grow, load=lambda entries: self.llm.collective_rpc("rlhf_load", args=(entries,)),
+            sync=lambda: torch.cuda.synchronize(self.device))
+        self.timings["last_sync_buckets"] = buckets
 
     # ------------------------------------------------------------------ sampling
     def _sampling_params(self, sampling: SamplingParams, seed: Optional[int]):
@@ -240,6 +297,9 @@ class VLLMRollout:
             params = [self._sampling_params(sampling, derive_seed(seed, i))
                       for (_, seed), (_, _, reqs) in zip(calls, encoded) for i in range(len(reqs))]
             outputs = self.llm.generate(requests, params, use_tqdm=False)
+        elif self.own_process:  # the engine's generators, in its process
+            self.llm.collective_rpc("rlhf_seed", args=(int(calls[0][1]),))
+            outputs = self.llm.generate(requests, self._sampling_params(sampling, None), use_tqdm=False)
         else:
             params = self._sampling_params(sampling, None)
             numpy_state = np.random.get_state()

@@ -327,6 +327,20 @@ def test_auto_offload_and_sleep_are_one_rule_for_the_prediction_and_the_runtime(
     assert (decided["offload"], decided["rollout_sleep"]) == plan.resolve_auto("auto", "auto", False, True)
 
 
+def test_an_engine_of_its_own_process_adds_its_context_and_staging_buffer_to_every_phase():
+    """`ppo.vllm_own_process`: the engine's process holds its CUDA context and the weights' staging
+    buffer (the embedding's bytes at 7B, the 512 MiB floor at 0.5B) in every phase, asleep or awake."""
+    from rlhf.memory.formulas import ENGINE_PROCESS_BYTES
+    from rlhf.rollout.vllm_worker import STAGING_BYTES
+    for name, staging in (("qwen2.5-7b", 152064 * 3584 * 2), ("qwen2.5-0.5b", STAGING_BYTES)):
+        for sleep in (False, True):
+            base = memory.predict(run_config(vllm_sleep=sleep), SHAPES[name], available=H200)
+            own = memory.predict(run_config(vllm_sleep=sleep, vllm_own_process=True), SHAPES[name], available=H200)
+            assert [p.name for p in own.phases] == [p.name for p in base.phases]
+            for a, b in zip(base.phases, own.phases):
+                assert b.total - a.total == ENGINE_PROCESS_BYTES + staging, (name, sleep, a.name)
+
+
 def test_runtime_plan_counts_the_awake_engine_and_the_predicted_activations():
     ppo = PPOConfig(rollout_backend="vllm", vllm_gpu_memory_utilization=0.3)
     # The 3B run: vLLM's pool counted in torch's allocated memory, so free + allocated looked like

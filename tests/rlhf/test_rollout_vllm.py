@@ -80,7 +80,11 @@ class FakeLLM:
     """Records what VLLMRollout asks for and answers like vllm.LLM.generate."""
 
     def __init__(self):
-        self.calls, self.resets = [], 0
+        self.calls, self.resets, self.rpcs = [], 0, []
+
+    def collective_rpc(self, method, args=()):
+        self.rpcs.append((method, args))
+        return [None]
 
     def reset_prefix_cache(self):
         self.resets += 1
@@ -101,12 +105,12 @@ class FakeTokenizer:
         return {"input_ids": [10 + int(c) for c in text]}
 
 
-def fake_rollout(per_request_seeds: bool) -> VLLMRollout:
+def fake_rollout(per_request_seeds: bool, own_process: bool = False) -> VLLMRollout:
     rollout = VLLMRollout.__new__(VLLMRollout)
     rollout.__dict__.update(
         _vllm=types.SimpleNamespace(SamplingParams=lambda **kw: kw), tokenizer=FakeTokenizer(),
         device=torch.device("cpu"), return_logprobs=False, sleep_between_rollouts=False,
-        per_request_seeds=per_request_seeds, asleep=False, timings={}, llm=FakeLLM())
+        per_request_seeds=per_request_seeds, own_process=own_process, asleep=False, timings={}, llm=FakeLLM())
     return rollout
 
 
@@ -134,3 +138,111 @@ def test_generate_greedy_and_per_call_seed_send_one_unseeded_params():
     rollout.generate(["1"], SamplingParams.from_ppo(PPOConfig(max_response_length=2, top_k=3), temperature=0.0), seed=5)
     _, params = rollout.llm.calls[0]
     assert params["temperature"] == 0.0 and params["top_k"] == 0 and params["seed"] is None
+
+
+# ---------------------------------------------------------------- the engine in its own process
+def test_own_process_needs_the_vllm_backend_and_reaches_the_backend(monkeypatch):
+    with pytest.raises(ConfigError, match="ppo.vllm_own_process"):
+        PPOConfig(vllm_own_process=True)
+    with pytest.raises(ConfigError, match="ppo.vllm_own_process"):
+        PPOConfig(rollout_backend="vllm", vllm_own_process="yes")
+    built = {}
+    monkeypatch.setattr(VLLMRollout, "__init__", lambda self, **kwargs: built.update(kwargs))
+    VLLMRollout.from_config(PPOConfig(rollout_backend="vllm", vllm_own_process=True), model=None, tokenizer=None,
+                            device=torch.device("cuda"), model_dir="m")
+    assert built["own_process"] is True
+
+
+def tiny_state(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"embed.weight": torch.randn(7, 5, generator=gen).to(torch.bfloat16),  # an odd byte count
+            "layer.bias": torch.randn(3, generator=gen),
+            "layer.weight": torch.randn(5, 3, generator=gen).t(),  # not contiguous
+            "scale": torch.tensor(2.5, dtype=torch.float64),
+            "empty": torch.zeros(0, 4),
+            "big.weight": torch.randn(40, 8, generator=gen)}
+
+
+@pytest.mark.parametrize("capacity", [64, 200, 4096])
+def test_send_weights_round_trips_every_tensor_bucket_by_bucket(capacity):
+    """What the trainer copies into the staging buffer is what the worker reads back: same names,
+    dtypes, shapes and bytes, each at an aligned offset, whatever the buffer's size (a tensor larger
+    than the buffer grows it; the buckets then follow its size)."""
+    from rlhf.rollout.vllm_worker import ALIGN, send_weights, unpack
+    state = tiny_state(0)
+    received, grown, syncs = {}, [], []
+
+    def grow(nbytes):
+        grown.append(nbytes)
+        box["buffer"] = torch.zeros(nbytes, dtype=torch.uint8)
+        return box["buffer"]
+
+    def load(entries):
+        assert syncs and syncs[-1] == len(received)  # the copies were waited for before the read
+        for name, dtype, shape, offset in entries:
+            assert offset % ALIGN == 0
+        for name, tensor in unpack(box["buffer"], entries):
+            received[name] = tensor.clone()
+
+    box = {"buffer": torch.zeros(capacity, dtype=torch.uint8)}
+    buffer, buckets = send_weights(state.items(), box["buffer"], grow=grow, load=load,
+                                   sync=lambda: syncs.append(len(received)))
+    assert buffer is box["buffer"]
+    assert list(received) == list(state)
+    for name, tensor in state.items():
+        assert received[name].dtype == tensor.dtype and received[name].shape == tensor.shape
+        assert torch.equal(received[name], tensor), name
+    expected, size = [], capacity  # each tensor larger than the buffer of its time grows it to its size
+    for t in state.values():
+        if t.numel() * t.element_size() > size:
+            size = t.numel() * t.element_size()
+            expected.append(size)
+    assert grown == expected and buffer.numel() == size
+    assert buckets == len(syncs) and (buckets == 1) == (capacity == 4096)
+
+
+def test_the_worker_loads_a_bucket_by_hf_names_and_seeds_its_generators():
+    """`EngineWorker`, as vLLM's worker inherits it: `rlhf_load` hands the bucket's views to the model's
+    `load_weights` (the names and values sent), `rlhf_seed` makes the process's torch and numpy draws
+    repeat."""
+    import numpy as np
+
+    from rlhf.rollout.vllm_worker import EngineWorker, send_weights
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.loaded = {}
+
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                self.loaded[name] = tensor.clone()
+
+    worker = EngineWorker()
+    worker.model_runner = types.SimpleNamespace(model=Model())
+    worker.rlhf_buffer = torch.zeros(1024, dtype=torch.uint8)
+    state = {k: v for k, v in tiny_state(1).items() if k != "big.weight"}
+    send_weights(state.items(), worker.rlhf_buffer, grow=pytest.fail, load=lambda e: worker.rlhf_load(e))
+    loaded = worker.model_runner.model.loaded
+    assert list(loaded) == list(state) and all(torch.equal(loaded[k], state[k]) for k in state)
+
+    draws = []
+    for _ in range(2):
+        worker.rlhf_seed(2**40 + 3)
+        draws.append((torch.rand(3).tolist(), np.random.randint(0, 2**31, size=3).tolist()))
+    assert draws[0] == draws[1]
+
+
+def test_an_engine_of_its_own_process_is_seeded_there_once_per_rollout():
+    """Per-call seeds reach the engine's process by `rlhf_seed` before the requests (one unseeded
+    params for all); per-request seeds travel in the requests as in-process."""
+    rollout = fake_rollout(per_request_seeds=False, own_process=True)
+    sampling = SamplingParams.from_ppo(PPOConfig(max_response_length=2))
+    rollout.generate_calls([(["1"], 41), (["2"], 42)], sampling)
+    assert rollout.llm.rpcs == [("rlhf_seed", (41,))]
+    requests, params = rollout.llm.calls[0]
+    assert len(requests) == 2 and isinstance(params, dict) and params["seed"] is None
+    rollout = fake_rollout(per_request_seeds=True, own_process=True)
+    rollout.generate(["1", "2"], sampling, seed=7)
+    assert rollout.llm.rpcs == [] and [p["seed"] for p in rollout.llm.calls[0][1]] == [derive_seed(7, 0),
+                                                                                     derive_seed(7, 1)]

@@ -1,9 +1,11 @@
 """The vLLM backend with a real engine on a GPU (skipped without CUDA and vLLM; bench/gpu_tests.sh
-runs it on the lent H200): its batches follow the shared response conversion, its seeds repeat,
-`sync_weights` reaches the engine, and a LoRA run on CUDA trains through it."""
+runs it on the lent H200), with the engine in this process and in its own: its batches follow the shared
+response conversion, its seeds repeat, `sync_weights` reaches the engine, both processes sample the same
+tokens, and a LoRA run on CUDA trains through it."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -22,18 +24,27 @@ SHAPE = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def models(tmp_path_factory):
     pytest.importorskip("vllm", reason="needs vLLM")
-    from rlhf.rollout.vllm import VLLMRollout
     root = tmp_path_factory.mktemp("vllm")
     tok = build_char_tokenizer(root / "tokenizer")  # its own folder: beside config.json vLLM misreads it
-    models = {}
+    states = {}
     for seed in (0, 1):
         build_tiny_model(SHAPE, tok, seed).save_pretrained(str(root / f"model{seed}"))
-        models[seed] = build_tiny_model(SHAPE, tok, seed).state_dict()
-    rollout = VLLMRollout(tokenizer=tok, device=torch.device("cuda"), model_dir=str(root / "model0"), seed=0,
-                          max_model_len=64, gpu_memory_utilization=0.15, enforce_eager=True)
-    return tok, rollout, models
+        states[seed] = build_tiny_model(SHAPE, tok, seed).state_dict()
+    return root, tok, states
+
+
+def build_engine(root, tok, own_process: bool):
+    from rlhf.rollout.vllm import VLLMRollout
+    return VLLMRollout(tokenizer=tok, device=torch.device("cuda"), model_dir=str(root / "model0"), seed=0,
+                       max_model_len=64, gpu_memory_utilization=0.15, enforce_eager=True, own_process=own_process)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["in_process", "own_process"])
+def engine(models, request):
+    root, tok, states = models
+    return tok, build_engine(root, tok, own_process=request.param), states
 
 
 def sampling(temperature: float) -> SamplingParams:
@@ -69,12 +80,28 @@ def test_sync_weights_reaches_the_engine_and_back(engine):
     assert not torch.equal(first, other) and torch.equal(first, again)
 
 
-def test_a_lora_run_on_cuda_with_vllm_rollouts(tmp_path):
-    """The tiny recipe with LoRA adapters on the GPU, vLLM sampling from the merged weights: it runs,
-    its numbers are finite, the KL starts at the reference's (the base, adapter off), and the
-    checkpoint holds an adapter."""
+def test_both_engine_processes_give_the_same_tokens(models):
+    """The engine in its own process, seeded there and fed weights through the staging buffer, samples
+    what the in-process engine samples: same seed, same weights, same tokens."""
+    root, tok, states = models
+    tokens = []
+    for own_process in (False, True):
+        rollout = build_engine(root, tok, own_process)
+        rollout.sync_weights(states[1])
+        tokens.append(rollout.generate(PROMPTS, sampling(1.0), seed=11)["response_ids"])
+        del rollout
+        gc.collect()  # an engine's own process ends with its client
+    assert torch.equal(tokens[0], tokens[1])
+
+
+@pytest.mark.parametrize("own_process", [False, True], ids=["in_process", "own_process"])
+def test_a_lora_run_on_cuda_with_vllm_rollouts(tmp_path, own_process):
+    """The tiny recipe with LoRA adapters on the GPU, vLLM sampling from the merged weights (in its own
+    process: through the staging buffer): it runs, its numbers are finite, the KL starts at the
+    reference's (the base, adapter off), and the checkpoint holds an adapter."""
     pytest.importorskip("vllm", reason="needs vLLM")
     run_train(["recipes/tiny.gin", "-b", "ppo.device = 'cuda'", "-b", "ppo.rollout_backend = 'vllm'",
+               "-b", f"ppo.vllm_own_process = {own_process}",
                "-b", "ppo.lora_rank = 8", "-b", "ppo.actor_learning_rate = 1e-3", "-b", "ppo.total_steps = 3",
                "-b", "ppo.vllm_gpu_memory_utilization = 0.15", "-b", "task.eval_size = 32", "--quiet",
                "--out", tmp_path])
