@@ -50,9 +50,10 @@ def preflight(study, specs, args: Namespace) -> None:
     ppo = resolve_config(base.recipe, base.bindings, "the baseline")[0].ppo
     for spec in {s.variant: s for s in specs}.values():  # a variant differs from the baseline by its changes
         where = "the baseline" if spec.variant == BASELINE else f"study.variants[{spec.variant!r}]"
-        device, backend = (spec.changes.get(f"ppo.{k}", getattr(ppo, k)) for k in ("device", "rollout_backend"))
+        device, backend, own = (spec.changes.get(f"ppo.{k}", getattr(ppo, k))
+                                for k in ("device", "rollout_backend", "vllm_own_process"))
         try:
-            check_machine(device=device, rollout_backend=backend)
+            check_machine(device=device, rollout_backend=backend, vllm_own_process=own)
         except ConfigError as err:
             raise StudyError(f"{where}: {err}{CPU_STUDY if study.gpus_per_run > 0 else ''}") from None
 

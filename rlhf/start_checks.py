@@ -62,10 +62,11 @@ def model_position_limit(cfg) -> tuple:
     return None, None
 
 
-def check_machine(device: str, rollout_backend: str = "hf") -> None:
+def check_machine(device: str, rollout_backend: str = "hf", vllm_own_process: bool = False) -> None:
     """What a run asks of the machine it computes on, before anything loads: a visible CUDA device
-    for `ppo.device = 'cuda'`, the vllm package for `ppo.rollout_backend = 'vllm'`. A ConfigError of
-    one line naming the binding and the CPU alternative."""
+    for `ppo.device = 'cuda'`, the vllm package for `ppo.rollout_backend = 'vllm'`, and an environment
+    that does not contradict `ppo.vllm_own_process`. A ConfigError of one line naming the binding and
+    the alternative."""
     import importlib.util
 
     import torch
@@ -74,6 +75,11 @@ def check_machine(device: str, rollout_backend: str = "hf") -> None:
         raise ConfigError("ppo.device = 'cuda' needs a GPU and this machine shows none (torch.cuda.is_available() is "
                           "False); run it on a GPU machine, or on the CPU with ppo.device = 'cpu', "
                           "ppo.rollout_backend = 'hf', ppo.dtype = 'float32'")
+    if rollout_backend == "vllm":
+        from rlhf.rollout.vllm import placement_conflict
+        conflict = placement_conflict(vllm_own_process)
+        if conflict is not None:
+            raise ConfigError(conflict)
     if rollout_backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("ppo.rollout_backend = 'vllm' needs the vllm package, which is not installed here "
                           "(`pip install -e '.[vllm]'` on a GPU machine); or use ppo.rollout_backend = 'hf'")

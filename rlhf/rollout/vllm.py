@@ -85,6 +85,18 @@ def sampled_logprobs(token_ids: Sequence[int], position_logprobs) -> List[float]
 MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
+def placement_conflict(own: bool, environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """Why the environment contradicts `ppo.vllm_own_process`, or None. A user's own
+    VLLM_ENABLE_V1_MULTIPROCESSING (verl and OpenRLHF users often export it) would put the engine in
+    a process of its own, where the in-process path's direct weight loads cannot reach it."""
+    value = environ.get(MULTIPROCESSING)
+    if own or value is None or value.strip() == "0":
+        return None
+    return (f"ppo.vllm_own_process = False is invalid with {MULTIPROCESSING}={value} in the environment, which "
+            f"puts vLLM's engine in a process of its own: set ppo.vllm_own_process = True for that, or unset "
+            f"{MULTIPROCESSING}")
+
+
 @contextlib.contextmanager
 def engine_process(own: bool):
     """While an engine is built: vLLM's multiprocessing switch as `own` asks, restored afterwards. vLLM
@@ -142,11 +154,11 @@ class VLLMRollout:
                               "use ppo.rollout_backend = 'hf' or run on a GPU")
         # Read by vLLM when the engine is built: where the engine lives follows own_process (see above).
         if not own_process:
-            os.environ.setdefault(MULTIPROCESSING, "0")
-            if os.environ[MULTIPROCESSING] != "0":
-                raise RuntimeError(f"{MULTIPROCESSING}={os.environ[MULTIPROCESSING]} puts vLLM's engine in a "
-                                   f"process of its own: set ppo.vllm_own_process = True for that, or unset "
-                                   f"{MULTIPROCESSING}")
+            conflict = placement_conflict(own_process)
+            if conflict is not None:
+                from rlhf.errors import ConfigError
+                raise ConfigError(conflict)
+            os.environ[MULTIPROCESSING] = "0"
         try:
             import vllm
         except ImportError as err:

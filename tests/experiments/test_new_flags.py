@@ -94,6 +94,25 @@ def test_the_engine_checks_the_machine_as_plan_does(tmp_path):
         assert err.startswith("error: ppo.rollout_backend = 'vllm' needs the vllm package")
 
 
+def test_an_engine_placement_the_environment_contradicts_is_one_line_before_compute(tmp_path, capsys):
+    """verl and OpenRLHF users often export VLLM_ENABLE_V1_MULTIPROCESSING=1; with the in-process engine
+    (ppo.vllm_own_process = False) that is refused by name, in the engine's command and the manager's."""
+    vllm = ["-b", "ppo.rollout_backend = 'vllm'"]
+    err = one_line_process(["rlhf.train", TINY, *vllm, "--out", str(tmp_path / "run")],
+                           env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert err == ("error: ppo.vllm_own_process = False is invalid with VLLM_ENABLE_V1_MULTIPROCESSING=1 in the "
+                   "environment, which puts vLLM's engine in a process of its own: set ppo.vllm_own_process = True "
+                   "for that, or unset VLLM_ENABLE_V1_MULTIPROCESSING"), err
+    assert not (tmp_path / "run").exists()
+    cpu = ["-b", "study.gpus_per_run = 0", "-b", "study.cpus_per_run = 1", "-b", "ppo.device = 'cpu'",
+           "-b", "ppo.dtype = 'float32'"]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        err = one_line_error(capsys, ["plan", GPU_STUDY, *cpu, *vllm, "--results", str(tmp_path)])
+    assert err.startswith("error: the baseline: ppo.vllm_own_process = False is invalid with "
+                          "VLLM_ENABLE_V1_MULTIPROCESSING=1"), err
+
+
 @pytest.mark.parametrize("argv, match", [
     (["heldout", ROUND1, "--test", "t", "--out", "{dir}"], "--out '{dir}' is a directory; give a file"),
     (["summary", ROUND1, "--out", "{dir}"], "--out '{dir}' is a directory; give a file"),

@@ -13,7 +13,7 @@ from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.errors import ConfigError
 from rlhf.rollout import SamplingParams, backend_class, derive_seed, rollout_logprob_gap
-from rlhf.rollout.vllm import VLLMRollout, batch_from_token_lists, sampled_logprobs
+from rlhf.rollout.vllm import VLLMRollout, batch_from_token_lists, placement_conflict, sampled_logprobs
 
 EOS, PAD = 2, 0
 
@@ -151,6 +151,18 @@ def test_own_process_needs_the_vllm_backend_and_reaches_the_backend(monkeypatch)
     VLLMRollout.from_config(PPOConfig(rollout_backend="vllm", vllm_own_process=True), model=None, tokenizer=None,
                             device=torch.device("cuda"), model_dir="m")
     assert built["own_process"] is True
+
+
+@pytest.mark.parametrize("own, environ, refused", [
+    (False, {}, False), (False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, False),
+    (False, {"VLLM_ENABLE_V1_MULTIPROCESSING": " 0 "}, False),
+    (False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, True), (False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "true"}, True),
+    (True, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, False), (True, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, False)])
+def test_an_environment_that_contradicts_the_engine_placement_is_named(own, environ, refused):
+    conflict = placement_conflict(own, environ)
+    assert (conflict is not None) == refused
+    if refused:
+        assert conflict.startswith("ppo.vllm_own_process = False is invalid with VLLM_ENABLE_V1_MULTIPROCESSING=")
 
 
 def tiny_state(seed: int) -> dict:
