@@ -265,7 +265,9 @@ def part_vllm_process(args, assets, own_process: bool) -> dict:
     model = load_policy(assets["model_dir"], torch.bfloat16).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     gen = torch.Generator(device=device).manual_seed(0)
-    batches = [torch.randint(0, 1000, (16, 1024), device=device, generator=gen) for _ in range(12)]
+    # 8 x 1024 tokens a micro-batch: its fp32 logits (8 x 1024 x vocab) fit an 80 GB card beside the engine,
+    # whichever process the engine is in
+    batches = [torch.randint(0, 1000, (8, 1024), device=device, generator=gen) for _ in range(24)]
 
     def train():
         torch.cuda.synchronize(device)

@@ -175,6 +175,24 @@ def test_recipe_run_replans_committed_measurements_with_this_code():
     assert replanned["memory_by_phase"]["update_actor"]["planned_gb"] > 0
 
 
+def test_recipe_run_plans_the_trainers_share_when_vllm_has_its_own_process():
+    """With ppo.vllm_own_process the engine's memory is another process's: the bench compares what torch
+    measured in the trainer with the plan less the engine (vLLM's 0.3 of an 80 GB card, awake in every
+    phase of this run), and the trainer's update phases land within the plan's 10%."""
+    import recipe_run
+    result = json.loads((REPO / "bench" / "results" / "instruct05b_recipe_mb12k_own_process_h100.json").read_text())
+    own = recipe_run.replan(result)["memory_by_phase"]
+    bindings = [b for b in result["bindings"] if "vllm_own_process" not in b]
+    assert len(bindings) == len(result["bindings"]) - 1
+    same = recipe_run.replan({**result, "bindings": bindings})["memory_by_phase"]
+    engine = {name: same[name]["planned_gb"] - own[name]["planned_gb"]
+              for name in ("generate", "update_actor", "update_critic")}
+    assert all(23 < gib < 25 for gib in engine.values()), engine
+    for name in ("update_actor", "update_critic", "reference", "values"):
+        p = own[name]
+        assert p["reserved_gb"] <= p["planned_reserved_gb"] <= 1.10 * p["reserved_gb"], (name, p)
+
+
 def test_lora_layers_cuts_a_mini_batch_as_the_engine_does():
     """bench/lora_layers.py prices a token budget by the micro-batches the engine's packing cuts a
     mini-batch of 32 x 768-token sequences into: 8192 leaves a 2-sequence tail, 12288 none."""

@@ -111,14 +111,15 @@ def test_full_fine_tuning_keeps_16_bytes_a_parameter_per_trained_role():
                                     "lora7b_recipe_mb8k_h200.json", "lora7b_recipe_addmm_h200.json",
                                     "lora7b_recipe_gc16k_h200.json", "instruct05b_recipe_eager_h200.json",
                                     "instruct05b_recipe_overlap_h200.json", "instruct05b_recipe_mb32k_h200.json",
-                                    "instruct05b_recipe_mb16k_h200.json"])
+                                    "instruct05b_recipe_mb16k_h200.json", "instruct05b_recipe_mb12k_h100.json"])
 def test_the_plan_lands_within_10_percent_of_every_measured_phase(result):
     """The shipped recipes run through `python -m rlhf.train` on one H200 (bench/recipe_run.py): the 7B
     shape under recipes/models/lora.gin (LoRA 64, compiled layers, no checkpointing, 12288-token packed
     update micro-batches, vLLM asleep between rollouts) and the 0.5B shape under recipes/models/instruct.gin
     (full fine-tuning, critic and fp32 reference, compiled, packed, vLLM awake), as shipped now and as
     shipped before (eager, or with the next rollout beside the critic's update; at 7B with checkpointing,
-    16384 tokens and vLLM awake: the JSON's bindings pin what changed since). Each phase's peak against
+    16384 tokens and vLLM awake: the JSON's bindings pin what changed since), and the 0.5B recipe on an
+    80 GB H100 with 12288-token updates. Each phase's peak against
     this code's prediction for the same recipe file, bindings, GPU and data (its longest prompt, as the
     run measures it at its start; `longest_prompt`, 256 tokens), never below it and at most 10%
     above: what torch reserved against the plan with its reserve where the run measured it (the
