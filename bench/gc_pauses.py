@@ -23,57 +23,43 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 
 def child(recipe: str, bindings: list, frozen: bool) -> dict:
+    from host_probe import GCTimer
+
     from rlhf import configurable, heap
     from rlhf.metrics import MetricLogger
     from rlhf.trainer import PPOTrainer
 
     if not frozen:
         heap.FrozenAfterFirst.settle = lambda self: None  # the loop as it was without the freeze
-    pauses: dict = {0: [], 1: [], 2: []}
-    in_steps: dict = {0: [], 1: [], 2: []}  # the passes inside an iteration's phases (not the freeze's own)
-    started: dict = {}
-    stepping = [False]
     walked: list = []
-
-    def timer(phase, info):
-        if phase == "start":
-            started["t"] = time.perf_counter()
-        elif "t" in started:
-            pause = time.perf_counter() - started.pop("t")
-            pauses[info["generation"]].append(pause)
-            if stepping[0]:
-                in_steps[info["generation"]].append(pause)
-
     cfg, _ = configurable.resolve(recipe, bindings)
+    timer = GCTimer()
     with tempfile.TemporaryDirectory() as out:
         trainer = PPOTrainer(cfg, Path(out) / "run", log=lambda m: None)
-        gc.callbacks.append(timer)
         t = time.perf_counter()
         original = trainer.train_step
 
         def step():
-            stepping[0] = True
+            timer.tag = "step"  # the passes inside an iteration's phases (not the freeze's own)
             try:
                 record = original()
             finally:
-                stepping[0] = False
+                timer.tag = None
             walked.append(len(gc.get_objects()))  # what a full pass would walk now (frozen objects are not)
             return record
 
         trainer.train_step = step
-        trainer.run(MetricLogger([]))
+        with timer:
+            trainer.run(MetricLogger([]))
         wall = time.perf_counter() - t
-        gc.callbacks.remove(timer)
-
-    def table(by_gen):
-        return {f"gen{g}": {"count": len(p), "total_ms": 1e3 * sum(p), "longest_ms": 1e3 * max(p, default=0.0)}
-                for g, p in by_gen.items()}
 
     return {"frozen": frozen, "run_s": wall, "tracked_objects_by_step": walked,
-            "collections": table(pauses), "collections_in_iterations": table(in_steps)}
+            "collections": GCTimer.table(timer.pauses),
+            "collections_in_iterations": GCTimer.table([p for p in timer.pauses if p[2] == "step"])}
 
 
 def main(argv=None) -> int:

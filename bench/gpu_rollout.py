@@ -15,6 +15,9 @@ almost never emit EOS, so every response is 256 tokens). Each part runs in its o
 - `vllm_in_process`, `vllm_own_process`: the engine's `VLLMRollout` with vLLM's engine in this process or
   in its own (`ppo.vllm_own_process`): `vllm.LLM.generate` alone, beside a training load in this process,
   and `sync_weights` (own process: through the CUDA IPC staging buffer).
+- `vllm_variance`: the same generate call repeated in one in-process engine, each call probed for where
+  its wall time goes (its thread's CPU time, the process's, the collector's pauses, the GPU's clock and
+  power: bench/host_probe.py), after a training load and straight after the previous call.
 - `hf`: the engine's `HFRollout` (fp32 weights, bf16 autocast, dynamic KV cache), as a run with
   ppo.dtype = 'bfloat16' uses it; `hf_static`: a bf16 model with transformers' static KV cache
   and its automatic torch.compile of the decoding step.
@@ -231,6 +234,31 @@ def part_hf(args, assets, static: bool) -> dict:
             "weights": "bf16", "kv_cache": "static + torch.compile"}
 
 
+def training_load(model_dir: str, device):
+    """A training load on the policy's shape, the function that runs it once and returns its seconds: 24
+    micro-batches of 8 x 1024 tokens (their fp32 logits fit an 80 GB card beside the engine, whichever
+    process the engine is in) and one AdamW step."""
+    import torch
+
+    from rlhf.models import load_policy
+    model = load_policy(model_dir, torch.bfloat16).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    batches = [torch.randint(0, 1000, (8, 1024), device=device, generator=gen) for _ in range(24)]
+
+    def train() -> float:
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for x in batches:
+            model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - t
+
+    return model, train
+
+
 def part_vllm_process(args, assets, own_process: bool) -> dict:
     """The engine's `VLLMRollout` with vLLM's engine in this process or in its own (`ppo.vllm_own_process`),
     on the same token ids: `LLM.generate` alone; a training load alone (the 0.5B shape's forward and
@@ -243,7 +271,7 @@ def part_vllm_process(args, assets, own_process: bool) -> dict:
     import vllm
     from gpu_assets import random_prompts
 
-    from rlhf.models import load_policy, load_tokenizer
+    from rlhf.models import load_tokenizer
     from rlhf.rollout.vllm import VLLMRollout
 
     device = torch.device("cuda")
@@ -262,23 +290,7 @@ def part_vllm_process(args, assets, own_process: bool) -> dict:
         res = llm.generate(ids, params, use_tqdm=False)
         return time.perf_counter() - t, sum(len(r.outputs[0].token_ids) for r in res)
 
-    model = load_policy(assets["model_dir"], torch.bfloat16).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
-    gen = torch.Generator(device=device).manual_seed(0)
-    # 8 x 1024 tokens a micro-batch: its fp32 logits (8 x 1024 x vocab) fit an 80 GB card beside the engine,
-    # whichever process the engine is in
-    batches = [torch.randint(0, 1000, (8, 1024), device=device, generator=gen) for _ in range(24)]
-
-    def train():
-        torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        for x in batches:
-            model(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
-        return time.perf_counter() - t
-
+    model, train = training_load(assets["model_dir"], device)
     train()  # warm-up
     alone_gen, alone_train, both = [], [], []
     for _ in range(args.repeats):
@@ -303,7 +315,58 @@ def part_vllm_process(args, assets, own_process: bool) -> dict:
     return out
 
 
-PARTS = {"vllm": part_vllm, "vllm_logprobs": part_vllm_logprobs,
+def part_vllm_variance(args, assets) -> dict:
+    """The same `vllm.LLM.generate` call over and over in one in-process engine, each one probed
+    (bench/host_probe.py): wall time against the calling thread's CPU time, the process's, the collector's
+    pauses and the GPU's clock and power. Calls alternate between following a training load (as a recipe's
+    rollout follows the updates) and following the previous call; the last two run with the collector
+    off. A slow call with the same thread CPU time waited (the GIL, the OS, the GPU); one with more
+    worked longer."""
+    import gc
+
+    import torch
+    import vllm
+    from gpu_assets import random_prompts
+    from host_probe import CallProbe, GCTimer, device_reader
+
+    from rlhf.models import load_tokenizer
+    from rlhf.rollout.vllm import VLLMRollout
+
+    device = torch.device("cuda")
+    tok = load_tokenizer(assets["tokenizer_dir"])
+    rollout = VLLMRollout(tokenizer=tok, device=device, model_dir=assets["model_dir"], seed=0,
+                          max_model_len=args.prompt_len + args.new_tokens,
+                          gpu_memory_utilization=args.gpu_memory_utilization)
+    llm = rollout.llm
+    ids = [{"prompt_token_ids": tok(p)["input_ids"]} for p in random_prompts(args.prompts, args.prompt_len, seed=1)]
+    params = vllm.SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, detokenize=False)
+    llm.generate(ids[:8], params, use_tqdm=False)  # warm-up
+    _, train = training_load(assets["model_dir"], device)
+    read = device_reader(device)
+    calls = []
+    with GCTimer() as timer:
+        for i in range(2 * args.repeats + 2):
+            after = "training" if i % 2 == 0 else "generate"
+            if after == "training":
+                train()
+            collector = i < 2 * args.repeats
+            if not collector:
+                gc.disable()
+            try:
+                with CallProbe(timer, read) as probe:
+                    res = llm.generate(ids, params, use_tqdm=False)
+            finally:
+                gc.enable()
+            tokens = sum(len(r.outputs[0].token_ids) for r in res)
+            calls.append({"call": i, "after": after, "collector": collector, "tokens": tokens, **probe.record})
+            print(f"call {i} after {after}{'' if collector else ', collector off'}: {probe.record['wall_s']:.2f} s, "
+                  f"thread CPU {probe.record['thread_cpu_s']:.2f} s, GC {probe.record['gc_pause_s'] * 1e3:.0f} ms, "
+                  f"device {probe.record['device']}", flush=True)
+    walls = [c["wall_s"] for c in calls]
+    return {"vllm": vllm.__version__, "calls": calls, "wall_s_min": min(walls), "wall_s_max": max(walls)}
+
+
+PARTS = {"vllm": part_vllm, "vllm_logprobs": part_vllm_logprobs, "vllm_variance": part_vllm_variance,
          "hf": lambda a, s: part_hf(a, s, False), "hf_static": lambda a, s: part_hf(a, s, True),
          "vllm_in_process": lambda a, s: part_vllm_process(a, s, False),
          "vllm_own_process": lambda a, s: part_vllm_process(a, s, True)}

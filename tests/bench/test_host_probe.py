@@ -1,0 +1,84 @@
+"""bench/host_probe.py tells a call that works from one that waits, and counts the collector's pauses
+inside it (and only inside it)."""
+
+import gc
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+
+from host_probe import CallProbe, GCTimer, summarize  # noqa: E402
+
+
+def spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def cycles(n: int) -> None:
+    for _ in range(n):
+        a: list = []
+        a.append(a)  # garbage only the collector frees
+
+
+def test_a_working_call_is_busy_and_a_waiting_one_is_not():
+    with CallProbe() as working:
+        spin(0.3)
+    with CallProbe() as waiting:
+        time.sleep(0.3)
+    assert working.record["thread_busy"] > 0.8 and working.record["thread_cpu_s"] >= 0.29
+    assert waiting.record["thread_busy"] < 0.2 and waiting.record["wall_s"] >= 0.29
+    assert working.record["device"] == {} and working.record["gc_pause_s"] == 0
+
+
+def test_another_threads_work_counts_in_the_process_not_in_the_calling_thread():
+    other = threading.Thread(target=spin, args=(0.3,))
+    other.start()  # alive when the call starts
+    with CallProbe() as probe:
+        other.join()
+    assert probe.record["process_cpu_s"] >= 0.25 and probe.record["thread_cpu_s"] < 0.1
+    assert probe.record["threads"] >= 2
+
+
+def test_the_collectors_passes_are_timed_by_generation_inside_the_call_only():
+    with GCTimer() as timer:
+        gc.collect()  # before the call: not the call's
+        with CallProbe(timer) as probe:
+            cycles(20_000)
+            gc.collect()
+        timer.tag = "later"
+        gc.collect(0)
+    assert probe.record["gc"]["gen2"]["count"] >= 1 and probe.record["gc_pause_s"] > 0
+    assert probe.record["gc"]["gen2"]["longest_ms"] <= 1e3 * probe.record["wall_s"]
+    assert sum(g["count"] for g in probe.record["gc"].values()) < len(timer.pauses)
+    assert timer.pauses[-1][0] == 0 and timer.pauses[-1][2] == "later"
+    assert GCTimer._callback.__get__(timer) not in gc.callbacks  # removed on exit
+
+
+def test_device_samples_are_summarized_per_reading():
+    readings = iter([{"sm_clock_mhz": 1980, "power_w": 300.0}, {"sm_clock_mhz": 1500, "power_w": 500.0},
+                     {"sm_clock_mhz": 1755}])
+    probe = CallProbe(read=lambda: next(readings, {"sm_clock_mhz": 1755}), interval_s=0.01)
+    with probe:
+        time.sleep(0.1)
+    device = probe.record["device"]
+    assert device["sm_clock_mhz"]["min"] == 1500 and device["sm_clock_mhz"]["max"] == 1980
+    assert device["power_w"] == {"median": 400.0, "min": 300.0, "max": 500.0}
+    assert summarize([]) == {}
+
+
+@pytest.mark.parametrize("broken", [RuntimeError("NVML refused"), None])
+def test_a_reading_that_fails_is_left_out(broken):
+    def read():
+        if broken is not None:
+            raise broken
+        return {"utilization": 50}
+    with CallProbe(read=read, interval_s=0.01) as probe:
+        time.sleep(0.05)
+    assert probe.record["device"] == ({} if broken else {"utilization": {"median": 50, "min": 50, "max": 50}})
