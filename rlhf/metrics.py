@@ -71,12 +71,14 @@ def is_known_metric(name: str) -> bool:
 def step_record(batch, *, advantages: Dict, critic: Dict, actor: Dict, entropy_old, logprob_gap: float | None,
                 prompt_truncated_fraction: float | None, phase_times: Dict[str, float],
                 phase_memory_gb: Dict[str, float], step_s: float, generate_ahead_s: float, max_rss_gb: float,
-                device_report: Dict[str, float], phase_reserved_gb: Dict[str, float] | None = None) -> Dict:
+                device_report: Dict[str, float], phase_reserved_gb: Dict[str, float] | None = None,
+                phase_host_cpu_s: Dict[str, float] | None = None) -> Dict:
     """One PPO step's record (without `step`), from what its phases returned: the advantage phase's
     statistics (`advantages`), the critic's and the actor's update statistics, and the rollout
     `batch` (scores, masks, `finished`, ...) with `entropy_old` [B, R], the old policy's entropy.
-    The machine's measurements come in as numbers: each phase's wall time and peak memory, allocated
-    and reserved (`PhaseTimer`), the step's wall time, the part of this rollout that ran during the previous
+    The machine's measurements come in as numbers: each phase's wall time, the CPU time of the thread
+    that ran it (`perf/host_busy/<phase>`: that over the wall time) and peak memory, allocated and
+    reserved (`PhaseTimer`), the step's wall time, the part of this rollout that ran during the previous
     step (`generate_ahead_s`, 0: none), the process's peak RSS and `device_report` (memory and
     utilisation of every process holding a role). The order of the names is the order of
     metrics.jsonl's columns."""
@@ -109,6 +111,8 @@ def step_record(batch, *, advantages: Dict, critic: Dict, actor: Dict, entropy_o
     record.update({f"timing_s/{k}": v for k, v in phase_times.items()})
     record.update({f"perf/memory_gb/{k}": v for k, v in phase_memory_gb.items()})
     record.update({f"perf/memory_reserved_gb/{k}": v for k, v in (phase_reserved_gb or {}).items()})
+    record.update({f"perf/host_busy/{k}": min(1.0, v / phase_times[k])  # the thread's CPU over the phase's wall
+                   for k, v in (phase_host_cpu_s or {}).items() if phase_times.get(k, 0.0) > 0})
     record["timing_s/step"] = step_s
     record["perf/tokens_per_s"] = tokens / step_s
     if generate_ahead_s:  # the part of this rollout's generation that ran during the previous iteration

@@ -126,7 +126,9 @@ class PhaseTimer:
     less what a sleeping vLLM engine's pool keeps counted though its memory is released (`off_device`).
     Each phase gives its cached blocks back as it ends (`torch.cuda.empty_cache`), so the next phase's
     reserve is its own and the awake vLLM engine finds the memory it was promised. A phase that runs out
-    of GPU memory raises `OutOfMemory` with the line `out_of_memory(phase, allocated GiB, reserved GiB)` gives."""
+    of GPU memory raises `OutOfMemory` with the line `out_of_memory(phase, allocated GiB, reserved GiB)` gives.
+    `host_cpu` is the CPU time of the thread that ran each phase (`time.thread_time`): near the phase's
+    wall time the host, not the device, sets its pace (a decoding loop driven step by step from here)."""
 
     annotate = False
     """Each phase also a named range of torch.profiler, under which the profiled iteration's host waits
@@ -134,6 +136,7 @@ class PhaseTimer:
 
     def __init__(self, device: torch.device | None = None, out_of_memory=None, off_device=None):
         self.times: Dict[str, float] = {}
+        self.host_cpu: Dict[str, float] = {}
         self.memory: Dict[str, float] = {}
         self.reserved: Dict[str, float] = {}
         self.device = device if device is not None and device.type == "cuda" else None
@@ -146,7 +149,7 @@ class PhaseTimer:
         if self.device is not None:
             torch.cuda.reset_peak_memory_stats(self.device)
             off = self.off_device()  # a sleeping engine's pool: counted by torch, not held
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             if self.annotate:
                 with phase_range(name):
@@ -160,6 +163,7 @@ class PhaseTimer:
             raise OutOfMemory(self.out_of_memory(name, allocated, reserved)) from err
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+            self.host_cpu[name] = self.host_cpu.get(name, 0.0) + time.thread_time() - start_cpu
             if self.device is not None:
                 # An engine asleep through the phase: its pool was off the device all along. One that
                 # woke (or went to sleep) in it held its memory at some point: nothing to take off.
@@ -424,7 +428,7 @@ class PPOTrainer:
                              entropy_old=entropy, logprob_gap=rollout_logprob_gap(batch),
                              prompt_truncated_fraction=self._truncated_fraction(prompts),
                              phase_times=timer.times, phase_memory_gb=timer.memory,
-                             phase_reserved_gb=timer.reserved,
+                             phase_reserved_gb=timer.reserved, phase_host_cpu_s=timer.host_cpu,
                              step_s=time.perf_counter() - start, generate_ahead_s=ahead_s,
                              max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                              device_report=self.roles.device_report())

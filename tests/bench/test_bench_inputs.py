@@ -161,6 +161,8 @@ def test_recipe_run_times_a_shipped_recipe_through_the_users_command(tmp_path):
     assert result["command"].startswith("python -m rlhf.train run.gin --out run")
     assert "--profile 3" in result["command"]
     assert set(result["phase_s_median"]) >= {"generate", "reference", "old_logprobs", "update_actor"}
+    assert {"generate", "update_actor"} <= set(result["host_busy_median"]) <= set(result["phase_s_median"])
+    assert all(0.0 <= v <= 1.0 for v in result["host_busy_median"].values())
     assert result["tokens_per_s"] > 0 and result["iteration_s_median"] > 0
     again = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=900)
     assert again.returncode == 0 and "--resume" in again.stdout  # a run dir with checkpoints is resumed

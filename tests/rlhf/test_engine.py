@@ -39,8 +39,10 @@ def test_run_dir_contract(seed0_run):
                 "clip_fraction_upper", "actor/approx_kl", "actor/entropy", "actor/pg_loss", "critic/value_loss",
                 "critic/value_clip_fraction", "critic/explained_variance", "response_length_mean",
                 "response_clip_ratio", "rollout_success_rate", "eval/accuracy", "eval/reward_mean",
-                "timing_s/generate", "timing_s/update_actor", "perf/tokens_per_s", "perf/max_rss_gb"):
+                "timing_s/generate", "timing_s/update_actor", "perf/tokens_per_s", "perf/max_rss_gb",
+                "perf/host_busy/generate", "perf/host_busy/update_actor"):
         assert key in step, key
+    assert all(0.0 <= step[f"perf/host_busy/{k}"] <= 1.0 for k in ("generate", "update_actor"))
     hist = step["policy_ratio_hist"]
     assert len(hist["bin_edges"]) == len(hist["counts"]) + 1 and sum(hist["counts"]) > 0
     # The values, not only the keys: relations each record must satisfy (recipes/tiny.gin: 64

@@ -47,4 +47,36 @@ def test_step_record_optional_names():
     assert out["timing_s/generate_ahead"] == 1.0 and out["perf/generated_tokens_per_s"] == 8 / 3.0
     assert out["perf/memory_gb/update_actor"] == 5.0 and out["perf/max_memory_allocated_gb"] == 5.0
     assert out["perf/gpu_utilization"] == 0.9
+    assert not any(k.startswith("perf/host_busy/") for k in out)
+
+
+def test_host_busy_is_the_phase_threads_cpu_over_its_wall_time():
+    out = record(phase_host_cpu_s={"generate": 1.5, "update_actor": 0.25, "never_timed": 1.0})
+    assert out["perf/host_busy/generate"] == 0.75 and out["perf/host_busy/update_actor"] == 0.25
+    assert "perf/host_busy/never_timed" not in out  # no wall time to divide by
+    assert record(phase_host_cpu_s={"generate": 2.5})["perf/host_busy/generate"] == 1.0  # clock granularity
+    assert all(is_machine_metric(k) and is_known_metric(k) for k in out if k.startswith("perf/host_busy/"))
     assert record()["reward_std"] == float(rollout()["scores"].std())
+
+
+def test_the_phase_timer_takes_the_threads_cpu_time_of_each_phase():
+    import time
+
+    from rlhf.trainer import PhaseTimer
+
+    def spin(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    timer = PhaseTimer(None)
+    with timer("generate"):
+        spin(0.2)
+    with timer("generate"):  # a phase run twice in a step adds up, as its wall time does
+        spin(0.1)
+    with timer("update_actor"):
+        time.sleep(0.2)
+    assert timer.host_cpu["generate"] >= 0.3 and timer.host_cpu["generate"] > 0.8 * timer.times["generate"]
+    assert timer.host_cpu["update_actor"] < 0.1 and timer.times["update_actor"] >= 0.2
+    out = record(phase_times=timer.times, phase_host_cpu_s=timer.host_cpu)
+    assert out["perf/host_busy/generate"] > 0.8 and out["perf/host_busy/update_actor"] < 0.5
