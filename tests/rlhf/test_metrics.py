@@ -76,7 +76,9 @@ def test_the_phase_timer_takes_the_threads_cpu_time_of_each_phase():
         spin(0.1)
     with timer("update_actor"):
         time.sleep(0.2)
-    assert timer.host_cpu["generate"] >= 0.3 and timer.host_cpu["generate"] > 0.8 * timer.times["generate"]
-    assert timer.host_cpu["update_actor"] < 0.1 and timer.times["update_actor"] >= 0.2
+    # The spinning phase's CPU time is its own whatever else the machine runs; the sleeping one's is ~0.
+    assert 0.3 <= timer.host_cpu["generate"] <= timer.times["generate"] + 0.01
+    assert timer.host_cpu["update_actor"] < 0.05 and timer.times["update_actor"] >= 0.2
     out = record(phase_times=timer.times, phase_host_cpu_s=timer.host_cpu)
-    assert out["perf/host_busy/generate"] > 0.8 and out["perf/host_busy/update_actor"] < 0.5
+    assert out["perf/host_busy/generate"] == min(1.0, timer.host_cpu["generate"] / timer.times["generate"])
+    assert out["perf/host_busy/update_actor"] < 0.25
