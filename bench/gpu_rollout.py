@@ -319,9 +319,9 @@ def part_vllm_variance(args, assets) -> dict:
     """The same `vllm.LLM.generate` call over and over in one in-process engine, each one probed
     (bench/host_probe.py): wall time against the calling thread's CPU time, the process's, the collector's
     pauses and the GPU's clock and power. Calls alternate between following a training load (as a recipe's
-    rollout follows the updates) and following the previous call; the last two run with the collector
-    off. A slow call with the same thread CPU time waited (the GIL, the OS, the GPU); one with more
-    worked longer."""
+    rollout follows the updates) and following the previous call; two run without the device-sampling
+    thread, the last two with the collector off. A slow call with the same thread CPU time waited (the
+    GIL, the OS, the GPU); one with more worked longer."""
     import gc
 
     import torch
@@ -345,21 +345,25 @@ def part_vllm_variance(args, assets) -> dict:
     read = device_reader(device)
     calls = []
     with GCTimer() as timer:
-        for i in range(2 * args.repeats + 2):
+        # (collector on, device sampled): the repeats, then two calls without the sampling thread (its NVML
+        # reads take the GIL as the trainer's utilisation monitor does), then two with the collector off.
+        plan = [(True, True)] * (2 * args.repeats) + [(True, False)] * 2 + [(False, True)] * 2
+        for i, (collector, sampled) in enumerate(plan):
             after = "training" if i % 2 == 0 else "generate"
             if after == "training":
                 train()
-            collector = i < 2 * args.repeats
             if not collector:
                 gc.disable()
             try:
-                with CallProbe(timer, read) as probe:
+                with CallProbe(timer, read if sampled else None) as probe:
                     res = llm.generate(ids, params, use_tqdm=False)
             finally:
                 gc.enable()
             tokens = sum(len(r.outputs[0].token_ids) for r in res)
-            calls.append({"call": i, "after": after, "collector": collector, "tokens": tokens, **probe.record})
-            print(f"call {i} after {after}{'' if collector else ', collector off'}: {probe.record['wall_s']:.2f} s, "
+            calls.append({"call": i, "after": after, "collector": collector, "device_sampled": sampled,
+                          "tokens": tokens, **probe.record})
+            print(f"call {i} after {after}{'' if collector else ', collector off'}"
+                  f"{'' if sampled else ', not sampled'}: {probe.record['wall_s']:.2f} s, "
                   f"thread CPU {probe.record['thread_cpu_s']:.2f} s, GC {probe.record['gc_pause_s'] * 1e3:.0f} ms, "
                   f"device {probe.record['device']}", flush=True)
     walls = [c["wall_s"] for c in calls]
