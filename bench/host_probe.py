@@ -57,15 +57,16 @@ class GCTimer:
 
 
 def device_reader(device) -> Optional[Callable[[], dict]]:
-    """A function reading the GPU's SM clock (MHz), power (W) and utilisation (%) through torch's NVML
-    helpers, or None where NVML is not there (no GPU, no `nvidia-ml-py`)."""
+    """A function reading the GPU's SM clock (MHz), power (W) and utilisation (0-1) through torch's NVML
+    helpers, or None where the engine's own utilisation reader finds no NVML (rlhf/gpu_monitor.py)."""
     import torch
-    try:
-        torch.cuda.clock_rate(device), torch.cuda.power_draw(device), torch.cuda.utilization(device)
-    except Exception:
+
+    from rlhf.gpu_monitor import nvml_reader
+    utilization = nvml_reader(torch.device(device))
+    if utilization is None:
         return None
     return lambda: {"sm_clock_mhz": torch.cuda.clock_rate(device), "power_w": torch.cuda.power_draw(device) / 1e3,
-                    "utilization": torch.cuda.utilization(device)}
+                    "utilization": utilization()}
 
 
 class CallProbe:

@@ -85,3 +85,8 @@ def test_a_reading_that_fails_is_left_out(broken):
     with CallProbe(read=read, interval_s=0.01) as probe:
         time.sleep(0.05)
     assert probe.record["device"] == ({} if broken else {"utilization": {"median": 50, "min": 50, "max": 50}})
+
+
+def test_no_device_reader_without_a_gpu():
+    from host_probe import device_reader
+    assert device_reader("cpu") is None
