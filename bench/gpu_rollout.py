@@ -315,6 +315,32 @@ def part_vllm_process(args, assets, own_process: bool) -> dict:
     return out
 
 
+def engine_step_targets(llm) -> dict:
+    """The in-process engine's decoding loop, by part, for `MethodTimer`: a whole step (`LLMEngine.step`);
+    on the host, the scheduler's `schedule` and `update_from_output`, the executor's `execute_model` (input
+    preparation and the launches) and `sample_tokens`, the output processor; what a step spends beyond its
+    parts is waiting for the GPU's tokens. Parts this vLLM version does not have are left out."""
+    engine = llm.llm_engine
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)  # InprocClient's EngineCore
+    candidates = {"step": (engine, "step"),
+                  "process_outputs": (getattr(engine, "output_processor", None), "process_outputs"),
+                  "schedule": (getattr(core, "scheduler", None), "schedule"),
+                  "update_from_output": (getattr(core, "scheduler", None), "update_from_output"),
+                  "execute_model": (getattr(core, "model_executor", None), "execute_model"),
+                  "sample_tokens": (getattr(core, "model_executor", None), "sample_tokens")}
+    return {label: (obj, name) for label, (obj, name) in candidates.items() if callable(getattr(obj, name, None))}
+
+
+def step_split(steps: dict) -> dict:
+    """A `MethodTimer` summary of `engine_step_targets` as seconds per part, and the steps' time beyond
+    their parts ('gpu_wait_s')."""
+    parts = {label: s.get("total_s", 0.0) for label, s in steps.items() if label != "step"}
+    split = {f"{label}_s": v for label, v in parts.items()}
+    if "step" in steps and steps["step"].get("count"):
+        split["gpu_wait_s"] = steps["step"]["total_s"] - sum(parts.values())
+    return split
+
+
 def part_vllm_variance(args, assets) -> dict:
     """The same `vllm.LLM.generate` call over and over in one in-process engine, each one probed
     (bench/host_probe.py): wall time against the calling thread's CPU time, the process's, the collector's
@@ -327,7 +353,7 @@ def part_vllm_variance(args, assets) -> dict:
     import torch
     import vllm
     from gpu_assets import random_prompts
-    from host_probe import CallProbe, GCTimer, device_reader
+    from host_probe import CallProbe, GCTimer, MethodTimer, device_reader
 
     from rlhf.models import load_tokenizer
     from rlhf.rollout.vllm import VLLMRollout
@@ -355,16 +381,23 @@ def part_vllm_variance(args, assets) -> dict:
             if not collector:
                 gc.disable()
             try:
-                with CallProbe(timer, read if sampled else None) as probe:
+                with CallProbe(timer, read if sampled else None) as probe, \
+                        MethodTimer(engine_step_targets(llm)) as steps:
                     res = llm.generate(ids, params, use_tqdm=False)
             finally:
                 gc.enable()
             tokens = sum(len(r.outputs[0].token_ids) for r in res)
+            summary = steps.summary()
+            split = step_split(summary)
             calls.append({"call": i, "after": after, "collector": collector, "device_sampled": sampled,
-                          "tokens": tokens, **probe.record})
+                          "tokens": tokens, **probe.record, "steps": summary, "step_split": split})
+            step = summary.get("step", {})
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in split.items())
             print(f"call {i} after {after}{'' if collector else ', collector off'}"
                   f"{'' if sampled else ', not sampled'}: {probe.record['wall_s']:.2f} s, "
                   f"thread CPU {probe.record['thread_cpu_s']:.2f} s, GC {probe.record['gc_pause_s'] * 1e3:.0f} ms, "
+                  f"steps {step.get('count', 0)} median {step.get('median_ms', 0):.2f} ms "
+                  f"max {step.get('max_ms', 0):.1f} stall {step.get('stall_s', 0):.2f} s, split {parts}, "
                   f"device {probe.record['device']}", flush=True)
     walls = [c["wall_s"] for c in calls]
     return {"vllm": vllm.__version__, "calls": calls, "wall_s_min": min(walls), "wall_s_max": max(walls)}

@@ -10,6 +10,9 @@ collector stops it. `CallProbe` tells these apart for one call:
         with CallProbe(gc_timer, device_reader(device)) as probe:
             llm.generate(...)
         probe.record  # {'wall_s', 'thread_cpu_s', 'process_cpu_s', 'gc', 'threads', 'device'}
+
+`MethodTimer` times each call of chosen methods inside the block (a decoding loop's steps and their
+parts): whether a slow call's steps are all slower or a few of them stall.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import gc
 import statistics
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 Pause = Tuple[int, float, Optional[str]]  # (generation, seconds, the tag current when it ran)
 
@@ -121,3 +124,57 @@ def summarize(samples: List[dict]) -> dict:
     keys = sorted({k for s in samples for k in s})
     return {k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
             for k in keys if (v := [s[k] for s in samples if k in s])}
+
+
+class MethodTimer:
+    """Times every call of the named methods while the block runs: `targets` maps a label to (object,
+    method name); each call's wall time and its thread's CPU time are kept, and the methods are put
+    back on exit. `summary()` gives, per label, the count, the totals and the spread of the calls, and
+    `stall_s`: the wall time of the calls over 3x the median, beyond that median (a few long steps
+    rather than all steps slower)."""
+
+    def __init__(self, targets: Dict[str, Tuple[Any, str]]):
+        self.targets = targets
+        self.calls: Dict[str, List[Tuple[float, float]]] = {label: [] for label in targets}
+        self._saved: List[Tuple[Any, str, Any, bool]] = []
+
+    def _wrap(self, label: str, method: Callable) -> Callable:
+        calls = self.calls[label]
+
+        def timed(*args, **kwargs):
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                calls.append((time.perf_counter() - t, time.thread_time() - c))
+        return timed
+
+    def __enter__(self) -> "MethodTimer":
+        for label, (obj, name) in self.targets.items():
+            own = name in getattr(obj, "__dict__", {})  # an instance attribute, not the class's method
+            method = getattr(obj, name)
+            self._saved.append((obj, name, method, own))
+            setattr(obj, name, self._wrap(label, method))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, method, own in reversed(self._saved):
+            if own:
+                setattr(obj, name, method)
+            else:
+                delattr(obj, name)
+        self._saved.clear()
+
+    def summary(self) -> Dict[str, dict]:
+        out = {}
+        for label, calls in self.calls.items():
+            walls = sorted(w for w, _ in calls)
+            if not walls:
+                out[label] = {"count": 0}
+                continue
+            median = statistics.median(walls)
+            out[label] = {"count": len(walls), "total_s": sum(walls), "cpu_s": sum(c for _, c in calls),
+                          "median_ms": 1e3 * median, "p90_ms": 1e3 * walls[int(0.9 * (len(walls) - 1))],
+                          "max_ms": 1e3 * walls[-1],
+                          "stall_s": sum(w - median for w in walls if w > 3 * median)}
+        return out

@@ -90,3 +90,67 @@ def test_a_reading_that_fails_is_left_out(broken):
 def test_no_device_reader_without_a_gpu():
     from host_probe import device_reader
     assert device_reader("cpu") is None
+
+
+class Loop:
+    def step(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+def test_method_timer_times_each_call_and_puts_the_methods_back():
+    from host_probe import MethodTimer
+    loop = Loop()
+    hook = lambda: "own"  # noqa: E731  # an instance attribute, as vLLM's step_fn is
+    loop.hook = hook
+    with MethodTimer({"step": (loop, "step"), "hook": (loop, "hook")}) as timer:
+        results = [loop.step(0.01) for _ in range(9)] + [loop.step(0.2)]
+        assert loop.hook() == "own"
+        with pytest.raises(TypeError):
+            loop.step()  # a failing call is timed too
+    assert results[-1] == 0.2 and "step" not in vars(loop) and loop.hook is hook
+    steps = timer.summary()["step"]
+    assert steps["count"] == 11 and timer.summary()["hook"]["count"] == 1
+    assert steps["total_s"] >= 0.29 and steps["cpu_s"] < steps["total_s"]
+    assert 10 <= steps["median_ms"] < 60 and steps["max_ms"] >= 200
+    # The one long call stalls beyond the median; the others do not.
+    assert 0.14 <= steps["stall_s"] <= steps["max_ms"] / 1e3
+    assert MethodTimer({"x": (loop, "step")}).summary() == {"x": {"count": 0}}
+
+
+def test_the_engine_steps_are_split_into_host_parts_and_the_wait_for_the_gpu():
+    """bench/gpu_rollout.py's hooks on an in-process vLLM engine's loop (its objects' layout: LLMEngine ->
+    InprocClient -> EngineCore -> scheduler, executor), here on stand-ins that sleep for each part."""
+    from types import SimpleNamespace
+
+    from gpu_rollout import engine_step_targets, step_split
+    from host_probe import MethodTimer
+
+    class Part:
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def __call__(self, *args):
+            time.sleep(self.seconds)
+
+    scheduler = SimpleNamespace(schedule=Part(0.01), update_from_output=Part(0.01))
+    executor = SimpleNamespace(execute_model=Part(0.02))  # no sample_tokens: left out
+    core = SimpleNamespace(scheduler=scheduler, model_executor=executor)
+    engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=core), output_processor=None)
+
+    def step():
+        scheduler.schedule()
+        executor.execute_model()
+        time.sleep(0.05)  # the GPU's tokens
+        scheduler.update_from_output()
+    engine.step = step
+    targets = engine_step_targets(SimpleNamespace(llm_engine=engine))
+    assert sorted(targets) == ["execute_model", "schedule", "step", "update_from_output"]
+    with MethodTimer(targets) as timer:
+        for _ in range(3):
+            engine.step()
+    split = step_split(timer.summary())
+    assert set(split) == {"schedule_s", "update_from_output_s", "execute_model_s", "gpu_wait_s"}
+    assert split["execute_model_s"] >= 0.06 and split["gpu_wait_s"] >= 0.14
+    assert split["gpu_wait_s"] < timer.summary()["step"]["total_s"]
+    assert engine.step is step and scheduler.schedule.seconds == 0.01  # put back
