@@ -26,6 +26,7 @@ almost never emit EOS, so every response is 256 tokens). Each part runs in its o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -341,15 +342,44 @@ def step_split(steps: dict) -> dict:
     return split
 
 
+VARIANCE_SETTINGS = ("default", "not_sampled", "collector_off", "one_thread", "frozen")
+
+
+@contextlib.contextmanager
+def host_setting(name: str):
+    """The host setting a `vllm_variance` call runs under: 'default'; 'not_sampled' (the caller leaves the
+    device-sampling thread out: its NVML reads take the GIL as the trainer's utilisation monitor's do);
+    'collector_off' (`gc.disable()`); 'frozen' (`gc.freeze()`: the objects alive before the call leave the
+    collector's generations, so its passes walk only the call's own; it stays so, as vLLM's own freeze of
+    its start-up heap does, since `gc.unfreeze()` would undo both: the plan runs it last); 'one_thread'
+    (torch's intra-op threads at 1). Everything else is put back after the call."""
+    import gc
+
+    import torch
+    if name not in VARIANCE_SETTINGS:
+        raise ValueError(f"unknown host setting {name!r}; one of {', '.join(VARIANCE_SETTINGS)}")
+    threads = torch.get_num_threads()
+    if name == "collector_off":
+        gc.disable()
+    elif name == "frozen":
+        gc.freeze()
+    elif name == "one_thread":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        gc.enable()
+        torch.set_num_threads(threads)
+
+
 def part_vllm_variance(args, assets) -> dict:
     """The same `vllm.LLM.generate` call over and over in one in-process engine, each one probed
     (bench/host_probe.py): wall time against the calling thread's CPU time, the process's, the collector's
-    pauses and the GPU's clock and power. Calls alternate between following a training load (as a recipe's
-    rollout follows the updates) and following the previous call; two run without the device-sampling
-    thread, the last two with the collector off. A slow call with the same thread CPU time waited (the
-    GIL, the OS, the GPU); one with more worked longer."""
-    import gc
-
+    pauses, the GPU's clock and power, and each decoding step split into its host parts and its wait for
+    the GPU. Calls alternate between following a training load (as a recipe's rollout follows the updates)
+    and following the previous call: `--repeats` pairs as they are, then a pair under each other host
+    setting (`host_setting`). A slow call with the same thread CPU time waited (the GIL, the OS, the GPU);
+    one with more worked longer."""
     import torch
     import vllm
     from gpu_assets import random_prompts
@@ -370,37 +400,31 @@ def part_vllm_variance(args, assets) -> dict:
     _, train = training_load(assets["model_dir"], device)
     read = device_reader(device)
     calls = []
+    plan = ["default"] * (2 * args.repeats) + [name for name in VARIANCE_SETTINGS[1:] for _ in range(2)]
     with GCTimer() as timer:
-        # (collector on, device sampled): the repeats, then two calls without the sampling thread (its NVML
-        # reads take the GIL as the trainer's utilisation monitor does), then two with the collector off.
-        plan = [(True, True)] * (2 * args.repeats) + [(True, False)] * 2 + [(False, True)] * 2
-        for i, (collector, sampled) in enumerate(plan):
+        for i, setting in enumerate(plan):
             after = "training" if i % 2 == 0 else "generate"
             if after == "training":
                 train()
-            if not collector:
-                gc.disable()
-            try:
-                with CallProbe(timer, read if sampled else None) as probe, \
-                        MethodTimer(engine_step_targets(llm)) as steps:
-                    res = llm.generate(ids, params, use_tqdm=False)
-            finally:
-                gc.enable()
+            with host_setting(setting), CallProbe(timer, None if setting == "not_sampled" else read) as probe, \
+                    MethodTimer(engine_step_targets(llm)) as steps:
+                res = llm.generate(ids, params, use_tqdm=False)
             tokens = sum(len(r.outputs[0].token_ids) for r in res)
             summary = steps.summary()
             split = step_split(summary)
-            calls.append({"call": i, "after": after, "collector": collector, "device_sampled": sampled,
-                          "tokens": tokens, **probe.record, "steps": summary, "step_split": split})
+            calls.append({"call": i, "after": after, "setting": setting, "tokens": tokens, **probe.record,
+                          "steps": summary, "step_split": split})
             step = summary.get("step", {})
             parts = ", ".join(f"{k} {v:.2f}" for k, v in split.items())
-            print(f"call {i} after {after}{'' if collector else ', collector off'}"
-                  f"{'' if sampled else ', not sampled'}: {probe.record['wall_s']:.2f} s, "
+            print(f"call {i} after {after}, {setting}: {probe.record['wall_s']:.2f} s, "
                   f"thread CPU {probe.record['thread_cpu_s']:.2f} s, GC {probe.record['gc_pause_s'] * 1e3:.0f} ms, "
                   f"steps {step.get('count', 0)} median {step.get('median_ms', 0):.2f} ms "
                   f"max {step.get('max_ms', 0):.1f} stall {step.get('stall_s', 0):.2f} s, split {parts}, "
                   f"device {probe.record['device']}", flush=True)
     walls = [c["wall_s"] for c in calls]
-    return {"vllm": vllm.__version__, "calls": calls, "wall_s_min": min(walls), "wall_s_max": max(walls)}
+    by_setting = {name: [c["wall_s"] for c in calls if c["setting"] == name] for name in VARIANCE_SETTINGS}
+    return {"vllm": vllm.__version__, "calls": calls, "wall_s_min": min(walls), "wall_s_max": max(walls),
+            "wall_s_by_setting": by_setting}
 
 
 PARTS = {"vllm": part_vllm, "vllm_logprobs": part_vllm_logprobs, "vllm_variance": part_vllm_variance,

@@ -154,3 +154,20 @@ def test_the_engine_steps_are_split_into_host_parts_and_the_wait_for_the_gpu():
     assert split["execute_model_s"] >= 0.06 and split["gpu_wait_s"] >= 0.14
     assert split["gpu_wait_s"] < timer.summary()["step"]["total_s"]
     assert engine.step is step and scheduler.schedule.seconds == 0.01  # put back
+
+
+@pytest.mark.parametrize("setting", ["default", "not_sampled", "collector_off", "one_thread", "frozen"])
+def test_each_host_setting_of_a_variance_call_is_put_back_but_the_freeze(setting):
+    import torch
+    from gpu_rollout import host_setting
+    threads, frozen = torch.get_num_threads(), gc.get_freeze_count()
+    with host_setting(setting):
+        assert gc.isenabled() == (setting != "collector_off")
+        assert (gc.get_freeze_count() > frozen) == (setting == "frozen")
+        assert (torch.get_num_threads() == 1) == (setting == "one_thread" or threads == 1)
+    assert gc.isenabled() and torch.get_num_threads() == threads
+    assert (gc.get_freeze_count() > frozen) == (setting == "frozen")  # vLLM's own freeze is not undone
+    gc.unfreeze()
+    with pytest.raises(ValueError, match="one of default"):
+        with host_setting("fast"):
+            pass
