@@ -50,10 +50,10 @@ def preflight(study, specs, args: Namespace) -> None:
     ppo = resolve_config(base.recipe, base.bindings, "the baseline")[0].ppo
     for spec in {s.variant: s for s in specs}.values():  # a variant differs from the baseline by its changes
         where = "the baseline" if spec.variant == BASELINE else f"study.variants[{spec.variant!r}]"
-        device, backend, own = (spec.changes.get(f"ppo.{k}", getattr(ppo, k))
-                                for k in ("device", "rollout_backend", "vllm_own_process"))
+        device, backend, own, runner = (spec.changes.get(f"ppo.{k}", getattr(ppo, k))
+                                        for k in ("device", "rollout_backend", "vllm_own_process", "vllm_model_runner"))
         try:
-            check_machine(device=device, rollout_backend=backend, vllm_own_process=own)
+            check_machine(device=device, rollout_backend=backend, vllm_own_process=own, vllm_model_runner=runner)
         except ConfigError as err:
             raise StudyError(f"{where}: {err}{CPU_STUDY if study.gpus_per_run > 0 else ''}") from None
 

@@ -106,6 +106,12 @@ class PPOConfig:
     mode) instead of the trainer's; the trainer's weights reach it through a CUDA IPC staging buffer and
     its samplers are seeded there, so the same seed gives the same tokens either way
     (rlhf/rollout/vllm_worker.py)."""
+    vllm_model_runner: str = "auto"
+    """vLLM: which of its model runners drives the model. 'v2' prepares each decoding step's inputs on the
+    GPU and seeds the sampling noise of every request in one kernel, so a step costs the host less; 'v1'
+    is the first runner; 'auto' leaves vLLM's own choice (0.24 picks 'v2' for Llama, Mistral and Qwen3
+    architectures, 'v1' for the rest, Qwen2 included). vLLM's VLLM_USE_V2_MODEL_RUNNER variable, where a
+    user exports it, must agree with a runner named here."""
 
     # --- optimisation ---
     actor_learning_rate: float = 2e-6
@@ -312,6 +318,7 @@ class PPOConfig:
         choice(s, "dtype", self.dtype, ("float32", "bfloat16"))
         positive_int(s, "world_size", self.world_size)
         choice(s, "placement", self.placement, ("auto", "local", "colocated", "split"))
+        choice(s, "vllm_model_runner", self.vllm_model_runner, ("auto", "v1", "v2"))
         number(s, "cpus_per_rank", self.cpus_per_rank, 0.0, 1024.0, lo_open=True)
         for name in ("offload_idle_models", "vllm_sleep", "overlap_rollout"):
             value = getattr(self, name)
@@ -341,6 +348,9 @@ class PPOConfig:
         if self.vllm_own_process:
             check(self.rollout_backend == "vllm", "ppo.vllm_own_process", self.vllm_own_process,
                   "needs ppo.rollout_backend = 'vllm' (the HF backend generates in the trainer)")
+        if self.vllm_model_runner != "auto":
+            check(self.rollout_backend == "vllm", "ppo.vllm_model_runner", self.vllm_model_runner,
+                  "needs ppo.rollout_backend = 'vllm' (the HF backend has no model runner to choose); use 'auto'")
         with_critic = " or ".join(repr(name) for name, e in estimators().items() if e.uses_critic)
         if self.overlap_rollout is True:
             check(self.rollout_backend == "vllm" and self.uses_critic, "ppo.overlap_rollout",

@@ -62,11 +62,12 @@ def model_position_limit(cfg) -> tuple:
     return None, None
 
 
-def check_machine(device: str, rollout_backend: str = "hf", vllm_own_process: bool = False) -> None:
+def check_machine(device: str, rollout_backend: str = "hf", vllm_own_process: bool = False,
+                  vllm_model_runner: str = "auto") -> None:
     """What a run asks of the machine it computes on, before anything loads: a visible CUDA device
     for `ppo.device = 'cuda'`, the vllm package for `ppo.rollout_backend = 'vllm'`, and an environment
-    that does not contradict `ppo.vllm_own_process`. A ConfigError of one line naming the binding and
-    the alternative."""
+    that does not contradict `ppo.vllm_own_process` or `ppo.vllm_model_runner`. A ConfigError of one line
+    naming the binding and the alternative."""
     import importlib.util
 
     import torch
@@ -76,8 +77,8 @@ def check_machine(device: str, rollout_backend: str = "hf", vllm_own_process: bo
                           "False); run it on a GPU machine, or on the CPU with ppo.device = 'cpu', "
                           "ppo.rollout_backend = 'hf', ppo.dtype = 'float32'")
     if rollout_backend == "vllm":
-        from rlhf.rollout.vllm import placement_conflict
-        conflict = placement_conflict(vllm_own_process)
+        from rlhf.rollout.vllm import environment_conflict
+        conflict = environment_conflict(vllm_own_process, vllm_model_runner)
         if conflict is not None:
             raise ConfigError(conflict)
     if rollout_backend == "vllm" and importlib.util.find_spec("vllm") is None:

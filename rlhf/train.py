@@ -100,7 +100,8 @@ def main(argv=None) -> int:
             check_address(args.ray_address)
         else:  # this process computes: what the recipe needs of this machine, before any model loads
             from rlhf.start_checks import check_machine
-            check_machine(cfg.ppo.device, cfg.ppo.rollout_backend, cfg.ppo.vllm_own_process)
+            check_machine(cfg.ppo.device, cfg.ppo.rollout_backend, cfg.ppo.vllm_own_process,
+                          cfg.ppo.vllm_model_runner)
         check_writable(out)
         with run_dir.DirLock(out / run_dir.RUN_LOCK):
             return train(args, argv, cfg, operative, out)

@@ -20,10 +20,12 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# A user's own vLLM placement switch (verl users often export it) is refused by the engine unless the
-# recipe asks for the same placement (rlhf/rollout/vllm.py `placement_conflict`): the tests say theirs
-# by binding (ppo.vllm_own_process), and the one test of the refusal sets the variable itself.
+# A user's own vLLM placement or model-runner switch (verl users often export the first) is refused by
+# the engine unless the recipe asks for the same (rlhf/rollout/vllm.py `environment_conflict`): the tests
+# say theirs by binding (ppo.vllm_own_process, ppo.vllm_model_runner), and the tests of the refusal set
+# the variables themselves.
 os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
 # Under pytest-xdist (the README's test command) each worker's local Ray instances and the clusters
 # its tests start keep their files, and the address `ray.init()` looks up, in a directory of the
 # worker's own: a Ray started by one worker's test is never joined by the other worker's runs.

@@ -30,6 +30,10 @@ Why these choices (vLLM 0.24.0):
   with the trainer's output handling, while the trainer's weights reach it through a staging buffer
   shared by a CUDA IPC handle and its samplers are seeded in its process (rlhf/rollout/vllm_worker.py).
   The same seeds give the same tokens in both modes.
+- `model_runner` (`ppo.vllm_model_runner`): vLLM 0.24 drives the model with one of two runners, chosen
+  by architecture ('v2' for Llama, Mistral, Qwen3; 'v1' for Qwen2 and the rest). 'v2' prepares a
+  decoding step's inputs on the GPU, which matters where the rollout waits on the host (a small model
+  with hundreds of sequences in flight). Both runners seed from this process's generators as above.
 
 vLLM is imported only here, and only when the backend is built: it is an optional GPU extra.
 """
@@ -83,40 +87,61 @@ def sampled_logprobs(token_ids: Sequence[int], position_logprobs) -> List[float]
 
 
 MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+MODEL_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+RUNNER_VALUES = {"v1": "0", "v2": "1"}  # ppo.vllm_model_runner -> the variable's value
 
 
-def placement_conflict(own: bool, environ: Mapping[str, str] = os.environ) -> Optional[str]:
-    """Why the environment contradicts `ppo.vllm_own_process`, or None. A user's own
-    VLLM_ENABLE_V1_MULTIPROCESSING (verl and OpenRLHF users often export it) would put the engine in
-    a process of its own, where the in-process path's direct weight loads cannot reach it."""
+def _truthy(value: str) -> bool:
+    return value.strip().lower() not in ("0", "false", "")
+
+
+def environment_conflict(own: bool, model_runner: str = "auto",
+                         environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """Why the environment contradicts `ppo.vllm_own_process` or `ppo.vllm_model_runner`, or None.
+    A user's own VLLM_ENABLE_V1_MULTIPROCESSING (verl and OpenRLHF users often export it) would put the
+    engine in a process of its own, where the in-process path's direct weight loads cannot reach it; a
+    VLLM_USE_V2_MODEL_RUNNER that names the other runner than the recipe's would be overridden without a
+    word."""
     value = environ.get(MULTIPROCESSING)
-    if own or value is None or value.strip() == "0":
-        return None
-    return (f"ppo.vllm_own_process = False is invalid with {MULTIPROCESSING}={value} in the environment, which "
-            f"puts vLLM's engine in a process of its own: set ppo.vllm_own_process = True for that, or unset "
-            f"{MULTIPROCESSING}")
+    if not own and value is not None and value.strip() != "0":
+        return (f"ppo.vllm_own_process = False is invalid with {MULTIPROCESSING}={value} in the environment, which "
+                f"puts vLLM's engine in a process of its own: set ppo.vllm_own_process = True for that, or unset "
+                f"{MULTIPROCESSING}")
+    runner = environ.get(MODEL_RUNNER)
+    if model_runner in RUNNER_VALUES and runner is not None and runner.strip() \
+            and _truthy(runner) != (model_runner == "v2"):
+        return (f"ppo.vllm_model_runner = {model_runner!r} is invalid with {MODEL_RUNNER}={runner} in the "
+                f"environment, which asks vLLM for the other runner: set ppo.vllm_model_runner = 'auto' to follow "
+                f"the variable, or unset {MODEL_RUNNER}")
+    return None
 
 
 @contextlib.contextmanager
-def engine_process(own: bool):
-    """While an engine is built: vLLM's multiprocessing switch as `own` asks, restored afterwards. vLLM
-    caches its environment once an in-process engine has started, so the cache is dropped first."""
-    if not own:
+def engine_environment(own: bool, model_runner: str = "auto"):
+    """While an engine is built: vLLM's multiprocessing switch as `own` asks and its model-runner switch as
+    `model_runner` does ('auto': as the environment has it), restored afterwards. vLLM caches its
+    environment once an in-process engine has started, so the cache is dropped first."""
+    wanted = {MULTIPROCESSING: "1"} if own else {}
+    if model_runner in RUNNER_VALUES:
+        wanted[MODEL_RUNNER] = RUNNER_VALUES[model_runner]
+    if not wanted:
         yield
         return
-    envs: Any = importlib.import_module("vllm.envs")
-    disable = getattr(envs, "disable_envs_cache", None)
-    if disable is not None:
-        disable()
-    before = os.environ.get(MULTIPROCESSING)
-    os.environ[MULTIPROCESSING] = "1"
+    with contextlib.suppress(ImportError):
+        envs: Any = importlib.import_module("vllm.envs")
+        disable = getattr(envs, "disable_envs_cache", None)
+        if disable is not None:
+            disable()
+    before = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(MULTIPROCESSING, None)
-        else:
-            os.environ[MULTIPROCESSING] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -142,22 +167,22 @@ class VLLMRollout:
                    max_model_len=ppo.max_prompt_length + ppo.max_response_length,
                    return_logprobs=ppo.rollout_logprobs, gpu_memory_utilization=ppo.vllm_gpu_memory_utilization,
                    sleep=ppo.vllm_sleep, per_request_seeds=ppo.vllm_per_request_seeds,
-                   own_process=ppo.vllm_own_process, log=log)
+                   own_process=ppo.vllm_own_process, model_runner=ppo.vllm_model_runner, log=log)
 
     def __init__(self, tokenizer, device: torch.device, model_dir: str, seed: int, max_model_len: int,
                  return_logprobs: bool = False, gpu_memory_utilization: float = 0.3, sleep: bool = False,
                  per_request_seeds: bool = False, max_num_seqs: int = 256, dtype: str = "bfloat16",
-                 enforce_eager: bool = False, own_process: bool = False, log=print):
+                 enforce_eager: bool = False, own_process: bool = False, model_runner: str = "auto", log=print):
         if torch.device(device).type != "cuda":
             from rlhf.errors import ConfigError
             raise ConfigError("ppo.rollout_backend = 'vllm' is invalid on the CPU: vLLM needs a CUDA device; "
                               "use ppo.rollout_backend = 'hf' or run on a GPU")
         # Read by vLLM when the engine is built: where the engine lives follows own_process (see above).
+        conflict = environment_conflict(own_process, model_runner)
+        if conflict is not None:
+            from rlhf.errors import ConfigError
+            raise ConfigError(conflict)
         if not own_process:
-            conflict = placement_conflict(own_process)
-            if conflict is not None:
-                from rlhf.errors import ConfigError
-                raise ConfigError(conflict)
             os.environ[MULTIPROCESSING] = "0"
         try:
             import vllm
@@ -182,7 +207,7 @@ class VLLMRollout:
         # deterministic mode which refuses the kernel benchmarking vLLM's start-up compilation does.
         # The flag is lifted while the engine is built (not while it generates: see `generate`).
         extra = {"worker_extension_cls": "rlhf.rollout.vllm_worker.EngineWorker"} if own_process else {}
-        with without_deterministic_algorithms(), engine_process(own_process):
+        with without_deterministic_algorithms(), engine_environment(own_process, model_runner):
             self.llm = vllm.LLM(  # pyright: ignore[reportAttributeAccessIssue]  # vllm's types where it is installed
                 model=str(model_dir), tokenizer=tok_dir if has_tok_dir else None, skip_tokenizer_init=not has_tok_dir,
                 dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
@@ -192,7 +217,8 @@ class VLLMRollout:
         self.timings["engine_start_s"] = time.perf_counter() - t0
         version = vllm.__version__  # pyright: ignore[reportAttributeAccessIssue]  # vllm's types where installed
         log(f"vLLM {version} engine ready in {self.timings['engine_start_s']:.1f} s"
-            f"{' (in its own process)' if own_process else ''}")
+            f"{' (in its own process)' if own_process else ''}"
+            f"{'' if model_runner == 'auto' else f', model runner {model_runner}'}")
 
     # ------------------------------------------------------------------ weights and memory
     def _model(self):

@@ -113,6 +113,26 @@ def test_an_engine_placement_the_environment_contradicts_is_one_line_before_comp
                           "VLLM_ENABLE_V1_MULTIPROCESSING=1"), err
 
 
+def test_a_model_runner_the_environment_contradicts_is_one_line_before_compute(tmp_path, capsys):
+    """A recipe that names vLLM's model runner (ppo.vllm_model_runner) and a user's VLLM_USE_V2_MODEL_RUNNER
+    that names the other: refused by name in the engine's command and the manager's, never silently
+    overridden."""
+    vllm = ["-b", "ppo.rollout_backend = 'vllm'", "-b", "ppo.vllm_model_runner = 'v2'"]
+    err = one_line_process(["rlhf.train", TINY, *vllm, "--out", str(tmp_path / "run")],
+                           env={"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    assert err == ("error: ppo.vllm_model_runner = 'v2' is invalid with VLLM_USE_V2_MODEL_RUNNER=0 in the "
+                   "environment, which asks vLLM for the other runner: set ppo.vllm_model_runner = 'auto' to follow "
+                   "the variable, or unset VLLM_USE_V2_MODEL_RUNNER"), err
+    assert not (tmp_path / "run").exists()
+    cpu = ["-b", "study.gpus_per_run = 0", "-b", "study.cpus_per_run = 1", "-b", "ppo.device = 'cpu'",
+           "-b", "ppo.dtype = 'float32'"]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+        err = one_line_error(capsys, ["plan", GPU_STUDY, *cpu, *vllm, "--results", str(tmp_path)])
+    assert err.startswith("error: the baseline: ppo.vllm_model_runner = 'v2' is invalid with "
+                          "VLLM_USE_V2_MODEL_RUNNER=0"), err
+
+
 @pytest.mark.parametrize("argv, match", [
     (["heldout", ROUND1, "--test", "t", "--out", "{dir}"], "--out '{dir}' is a directory; give a file"),
     (["summary", ROUND1, "--out", "{dir}"], "--out '{dir}' is a directory; give a file"),

@@ -4,6 +4,7 @@ a GPU (bench/gpu_rollout.py)."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -13,7 +14,13 @@ from rlhf.batch import Batch
 from rlhf.config import PPOConfig
 from rlhf.errors import ConfigError
 from rlhf.rollout import SamplingParams, backend_class, derive_seed, rollout_logprob_gap
-from rlhf.rollout.vllm import VLLMRollout, batch_from_token_lists, placement_conflict, sampled_logprobs
+from rlhf.rollout.vllm import (
+    VLLMRollout,
+    batch_from_token_lists,
+    engine_environment,
+    environment_conflict,
+    sampled_logprobs,
+)
 
 EOS, PAD = 2, 0
 
@@ -153,16 +160,55 @@ def test_own_process_needs_the_vllm_backend_and_reaches_the_backend(monkeypatch)
     assert built["own_process"] is True
 
 
+def test_the_model_runner_is_checked_and_reaches_the_backend(monkeypatch):
+    with pytest.raises(ConfigError, match=r"ppo.vllm_model_runner.*'auto', 'v1', 'v2'"):
+        PPOConfig(rollout_backend="vllm", vllm_model_runner="v3")
+    with pytest.raises(ConfigError, match="ppo.vllm_model_runner.*needs ppo.rollout_backend = 'vllm'"):
+        PPOConfig(vllm_model_runner="v2")
+    built = {}
+    monkeypatch.setattr(VLLMRollout, "__init__", lambda self, **kwargs: built.update(kwargs))
+    VLLMRollout.from_config(PPOConfig(rollout_backend="vllm", vllm_model_runner="v2"), model=None, tokenizer=None,
+                            device=torch.device("cuda"), model_dir="m")
+    assert built["model_runner"] == "v2"
+
+
 @pytest.mark.parametrize("own, environ, refused", [
     (False, {}, False), (False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, False),
     (False, {"VLLM_ENABLE_V1_MULTIPROCESSING": " 0 "}, False),
     (False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, True), (False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "true"}, True),
     (True, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, False), (True, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, False)])
 def test_an_environment_that_contradicts_the_engine_placement_is_named(own, environ, refused):
-    conflict = placement_conflict(own, environ)
+    conflict = environment_conflict(own, "auto", environ)
     assert (conflict is not None) == refused
     if refused:
         assert conflict.startswith("ppo.vllm_own_process = False is invalid with VLLM_ENABLE_V1_MULTIPROCESSING=")
+
+
+@pytest.mark.parametrize("runner, value, refused", [
+    ("auto", None, False), ("auto", "1", False), ("auto", "0", False),
+    ("v2", None, False), ("v2", "1", False), ("v2", " True ", False), ("v2", "0", True), ("v2", "false", True),
+    ("v1", "0", False), ("v1", "", False), ("v1", "1", True)])
+def test_an_environment_that_names_the_other_model_runner_is_named(runner, value, refused):
+    environ = {} if value is None else {"VLLM_USE_V2_MODEL_RUNNER": value}
+    conflict = environment_conflict(True, runner, environ)
+    assert (conflict is not None) == refused
+    if refused:
+        assert conflict.startswith(f"ppo.vllm_model_runner = {runner!r} is invalid with VLLM_USE_V2_MODEL_RUNNER=")
+        assert "set ppo.vllm_model_runner = 'auto'" in conflict
+
+
+@pytest.mark.parametrize("own, runner, inside", [
+    (False, "auto", {}), (True, "auto", {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+    (False, "v2", {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
+    (True, "v1", {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"})])
+def test_the_engine_is_built_under_the_switches_the_recipe_asks_for_and_they_are_put_back(
+        monkeypatch, own, runner, inside):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "user's")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    with engine_environment(own, runner):
+        for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_V2_MODEL_RUNNER"):
+            assert os.environ.get(name) == inside.get(name, {"VLLM_USE_V2_MODEL_RUNNER": "user's"}.get(name))
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "user's" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
 
 
 def tiny_state(seed: int) -> dict:
