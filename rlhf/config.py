@@ -98,9 +98,9 @@ class PPOConfig:
     vllm_per_request_seeds: bool = False
     """vLLM: True gives every request its own seed (derived from seed, step, call, index); False
     seeds the engine's sampler once per call. Both repeat a call's tokens exactly for the same
-    seed; per-request seeds cost vLLM throughput (it draws their noise request by request:
-    bench/results/gpu_h200.md) and still do not make a response independent of its batch (bf16
-    kernels differ with the batch size)."""
+    seed; per-request seeds cost vLLM's first model runner throughput (it draws their noise request by
+    request: bench/results/gpu_h200.md; the second draws every request's in one kernel) and still do not
+    make a response independent of its batch (bf16 kernels differ with the batch size)."""
     vllm_own_process: bool = False
     """vLLM: run the engine's scheduler and model runner in a process of their own (vLLM's multiprocessing
     mode) instead of the trainer's; the trainer's weights reach it through a CUDA IPC staging buffer and

@@ -25,7 +25,7 @@ from rlhf.memory.formulas import (
     RoleMemory,
     compiled,
     engine_bytes,
-    engine_process_bytes,
+    engine_side_bytes,
     forward_peak_bytes,
     fsdp_gather_bytes,
     hf_generate_bytes,
@@ -70,8 +70,8 @@ def resolve_auto(offload_mode, sleep_mode, fits: bool, can_offload: bool) -> tup
 class Phase:
     """One phase of a PPO step on one GPU: the roles resident, the vLLM engine when awake, what the
     phase's micro-batch adds, and the reserve (RESERVE_BYTES + FRAGMENTATION of torch's share +
-    ENGINE_FRAGMENTATION of an awake engine + what an engine of its own process holds besides:
-    `engine_process_bytes`)."""
+    ENGINE_FRAGMENTATION of an awake engine + what the engine holds beyond its share, awake or asleep:
+    `engine_side_bytes`)."""
 
     name: str
     role: str
@@ -240,7 +240,7 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
     active = {"reference": "actor" if ppo.lora_rank else "reference", "reward_model": "reward_model",
               "values": "critic", "update_critic": "critic"}
     engine = engine_bytes(ppo, total) if gpu and total is not None else 0
-    engine_side = engine_process_bytes(ppo, policy) if engine else 0  # awake or asleep
+    engine_side = engine_side_bytes(ppo, policy) if engine else 0  # awake or asleep
     if ppo.resolved_placement == "split":
         devices = [(name,) for name in roles if roles[name].resident or name == "actor"]
     else:

@@ -111,15 +111,17 @@ def test_full_fine_tuning_keeps_16_bytes_a_parameter_per_trained_role():
                                     "lora7b_recipe_mb8k_h200.json", "lora7b_recipe_addmm_h200.json",
                                     "lora7b_recipe_gc16k_h200.json", "instruct05b_recipe_eager_h200.json",
                                     "instruct05b_recipe_overlap_h200.json", "instruct05b_recipe_mb32k_h200.json",
-                                    "instruct05b_recipe_mb16k_h200.json", "instruct05b_recipe_mb12k_h100.json"])
+                                    "instruct05b_recipe_mb16k_h200.json", "instruct05b_recipe_mb12k_h100.json",
+                                    "instruct05b_recipe_mb12k_v2_h100.json"])
 def test_the_plan_lands_within_10_percent_of_every_measured_phase(result):
     """The shipped recipes run through `python -m rlhf.train` on one H200 (bench/recipe_run.py): the 7B
     shape under recipes/models/lora.gin (LoRA 64, compiled layers, no checkpointing, 12288-token packed
     update micro-batches, vLLM asleep between rollouts) and the 0.5B shape under recipes/models/instruct.gin
     (full fine-tuning, critic and fp32 reference, compiled, packed, vLLM awake), as shipped now and as
     shipped before (eager, or with the next rollout beside the critic's update; at 7B with checkpointing,
-    16384 tokens and vLLM awake: the JSON's bindings pin what changed since), and the 0.5B recipe on an
-    80 GB H100 with 12288-token updates. Each phase's peak against
+    16384 tokens and vLLM awake; vLLM's first model runner: the JSON's bindings pin what changed since),
+    and the 0.5B recipe on an 80 GB H100 with 12288-token updates, with each of vLLM's model runners.
+    Each phase's peak against
     this code's prediction for the same recipe file, bindings, GPU and data (its longest prompt, as the
     run measures it at its start; `longest_prompt`, 256 tokens), never below it and at most 10%
     above: what torch reserved against the plan with its reserve where the run measured it (the
@@ -289,7 +291,8 @@ def test_7b_full_fine_tuning_does_not_fit_one_gpu_and_the_error_names_lora():
 
 
 def test_suggestions_combine_changes_when_no_single_one_fits():
-    cfg, shape = (instruct("ppo.micro_batch_size = 16", "ppo.mini_batch_size = 16",
+    first_runner = "ppo.vllm_model_runner = 'auto'"  # the figures below: vLLM's first runner, nothing beside it
+    cfg, shape = (instruct("ppo.micro_batch_size = 16", "ppo.mini_batch_size = 16", first_runner,
                            "ppo.max_tokens_per_micro_batch = 0", "ppo.forward_max_tokens_per_micro_batch = 0"),
                   SHAPES["qwen2.5-7b"])
     bindings, plan = memory.suggest(cfg, shape, None, available=int(60 * GIB))
@@ -297,7 +300,8 @@ def test_suggestions_combine_changes_when_no_single_one_fits():
     # (3072: a power of two or three times one).
     assert bindings == ["ppo.lora_rank = 64", "ppo.max_tokens_per_micro_batch = 3072"] and plan.fits
     assert not memory.predict(instruct("ppo.micro_batch_size = 16", "ppo.mini_batch_size = 16", "ppo.lora_rank = 64",
-                                       "ppo.max_tokens_per_micro_batch = 4096"), shape, available=int(60 * GIB)).fits
+                                       first_runner, "ppo.max_tokens_per_micro_batch = 4096"), shape,
+                              available=int(60 * GIB)).fits
     assert memory.suggest(cfg, shape, None, available=int(20 * GIB)) is None
     with pytest.raises(ConfigError, match="no change of .*ppo.lora_rank.* makes it fit"):
         memory.check(cfg, shape, available=int(20 * GIB))
@@ -342,6 +346,23 @@ def test_an_engine_of_its_own_process_adds_its_context_and_staging_buffer_to_eve
                 assert b.total - a.total == ENGINE_PROCESS_BYTES + staging, (name, sleep, a.name)
 
 
+def test_vllms_second_model_runner_adds_its_state_to_every_phase_and_the_first_nothing():
+    """`ppo.vllm_model_runner = 'v2'`: the runner's per-request state lies outside the engine's share, in every
+    phase, asleep or awake, and beside an engine of its own process; 'v1' and 'auto' plan as before."""
+    from rlhf.memory.formulas import RUNNER_V2_BYTES
+    for sleep in (False, True):
+        base = memory.predict(run_config(vllm_sleep=sleep), SHAPES["qwen2.5-0.5b"], available=H200)
+        for runner, extra in (("auto", 0), ("v1", 0), ("v2", RUNNER_V2_BYTES)):
+            for own in (False, True):
+                plan_own = memory.predict(run_config(vllm_sleep=sleep, vllm_own_process=own),
+                                          SHAPES["qwen2.5-0.5b"], available=H200)
+                ran = memory.predict(run_config(vllm_sleep=sleep, vllm_own_process=own, vllm_model_runner=runner),
+                                     SHAPES["qwen2.5-0.5b"], available=H200)
+                assert [p.name for p in ran.phases] == [p.name for p in base.phases]
+                for a, b in zip(plan_own.phases, ran.phases):
+                    assert b.total - a.total == extra, (runner, own, sleep, a.name)
+
+
 def test_runtime_plan_counts_the_awake_engine_and_the_predicted_activations():
     ppo = PPOConfig(rollout_backend="vllm", vllm_gpu_memory_utilization=0.3)
     # The 3B run: vLLM's pool counted in torch's allocated memory, so free + allocated looked like
@@ -379,7 +400,7 @@ def test_memory_command_table_and_published_shapes():
                           "--gpu-memory-gib", "139"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| Qwen2.5")]
-    assert len(rows) == 12 and "| Qwen2.5-7B | 7.62B | full FT | 402.5 **no** |" in out.stdout
+    assert len(rows) == 12 and "| Qwen2.5-7B | 7.62B | full FT | 403.0 **no** |" in out.stdout
     missing = subprocess.run([sys.executable, "-m", "rlhf.memory", "recipes/models/instruct.gin", "--shape", "gpt-9"],
                              capture_output=True, text=True, cwd=REPO, timeout=120)
     assert missing.returncode == 2 and "allowed: qwen2.5-0.5b" in missing.stderr
