@@ -35,10 +35,11 @@ def models(tmp_path_factory):
     return root, tok, states
 
 
-def build_engine(root, tok, own_process: bool):
+def build_engine(root, tok, own_process: bool, model_runner: str = "auto"):
     from rlhf.rollout.vllm import VLLMRollout
     return VLLMRollout(tokenizer=tok, device=torch.device("cuda"), model_dir=str(root / "model0"), seed=0,
-                       max_model_len=64, gpu_memory_utilization=0.15, enforce_eager=True, own_process=own_process)
+                       max_model_len=64, gpu_memory_utilization=0.15, enforce_eager=True, own_process=own_process,
+                       model_runner=model_runner)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["in_process", "own_process"])
@@ -92,6 +93,22 @@ def test_both_engine_processes_give_the_same_tokens(models):
         del rollout
         gc.collect()  # an engine's own process ends with its client
     assert torch.equal(tokens[0], tokens[1])
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_each_model_runner_repeats_its_tokens_and_takes_synced_weights(models, runner):
+    """`ppo.vllm_model_runner` as a recipe names it (the tiny model is a Llama, for which vLLM itself picks
+    'v2'): either runner, in either process, repeats a seed's tokens and samples from synced weights."""
+    root, tok, states = models
+    for own_process in (False, True):
+        rollout = build_engine(root, tok, own_process, model_runner=runner)
+        a, b = (rollout.generate(PROMPTS, sampling(1.0), seed=7)["response_ids"] for _ in range(2))
+        greedy = rollout.generate(PROMPTS, sampling(0.0), seed=0)["response_ids"]
+        rollout.sync_weights(states[1])
+        other = rollout.generate(PROMPTS, sampling(0.0), seed=0)["response_ids"]
+        assert torch.equal(a, b) and not torch.equal(greedy, other), (runner, own_process)
+        del rollout
+        gc.collect()
 
 
 @pytest.mark.parametrize("own_process", [False, True], ids=["in_process", "own_process"])
