@@ -111,7 +111,8 @@ class PPOConfig:
     GPU and seeds the sampling noise of every request in one kernel, so a step costs the host less; 'v1'
     is the first runner; 'auto' leaves vLLM's own choice (0.24 picks 'v2' for Llama, Mistral and Qwen3
     architectures, 'v1' for the rest, Qwen2 included). vLLM's VLLM_USE_V2_MODEL_RUNNER variable, where a
-    user exports it, must agree with a runner named here."""
+    user exports it, must agree with a runner named here. Unused by the HF backend (a recipe that names a
+    runner still runs with ppo.rollout_backend = 'hf')."""
 
     # --- optimisation ---
     actor_learning_rate: float = 2e-6
@@ -348,9 +349,6 @@ class PPOConfig:
         if self.vllm_own_process:
             check(self.rollout_backend == "vllm", "ppo.vllm_own_process", self.vllm_own_process,
                   "needs ppo.rollout_backend = 'vllm' (the HF backend generates in the trainer)")
-        if self.vllm_model_runner != "auto":
-            check(self.rollout_backend == "vllm", "ppo.vllm_model_runner", self.vllm_model_runner,
-                  "needs ppo.rollout_backend = 'vllm' (the HF backend has no model runner to choose); use 'auto'")
         with_critic = " or ".join(repr(name) for name, e in estimators().items() if e.uses_critic)
         if self.overlap_rollout is True:
             check(self.rollout_backend == "vllm" and self.uses_critic, "ppo.overlap_rollout",
