@@ -94,43 +94,31 @@ def test_the_engine_checks_the_machine_as_plan_does(tmp_path):
         assert err.startswith("error: ppo.rollout_backend = 'vllm' needs the vllm package")
 
 
-def test_an_engine_placement_the_environment_contradicts_is_one_line_before_compute(tmp_path, capsys):
-    """verl and OpenRLHF users often export VLLM_ENABLE_V1_MULTIPROCESSING=1; with the in-process engine
-    (ppo.vllm_own_process = False) that is refused by name, in the engine's command and the manager's."""
-    vllm = ["-b", "ppo.rollout_backend = 'vllm'"]
-    err = one_line_process(["rlhf.train", TINY, *vllm, "--out", str(tmp_path / "run")],
-                           env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
-    assert err == ("error: ppo.vllm_own_process = False is invalid with VLLM_ENABLE_V1_MULTIPROCESSING=1 in the "
-                   "environment, which puts vLLM's engine in a process of its own: set ppo.vllm_own_process = True "
-                   "for that, or unset VLLM_ENABLE_V1_MULTIPROCESSING"), err
+@pytest.mark.parametrize("bindings, variable, value, message", [
+    ([], "VLLM_ENABLE_V1_MULTIPROCESSING", "1",
+     "ppo.vllm_own_process = False is invalid with VLLM_ENABLE_V1_MULTIPROCESSING=1 in the environment, which puts "
+     "vLLM's engine in a process of its own: set ppo.vllm_own_process = True for that, or unset "
+     "VLLM_ENABLE_V1_MULTIPROCESSING"),
+    (["-b", "ppo.vllm_model_runner = 'v2'"], "VLLM_USE_V2_MODEL_RUNNER", "0",
+     "ppo.vllm_model_runner = 'v2' is invalid with VLLM_USE_V2_MODEL_RUNNER=0 in the environment, which asks vLLM "
+     "for the other runner: set ppo.vllm_model_runner = 'auto' to follow the variable, or unset "
+     "VLLM_USE_V2_MODEL_RUNNER")], ids=["placement", "model_runner"])
+def test_a_vllm_switch_the_environment_contradicts_is_one_line_before_compute(tmp_path, capsys, bindings, variable,
+                                                                                value, message):
+    """verl and OpenRLHF users often export VLLM_ENABLE_V1_MULTIPROCESSING=1 (refused with the in-process
+    engine, ppo.vllm_own_process = False); a VLLM_USE_V2_MODEL_RUNNER naming the other runner than the recipe's
+    ppo.vllm_model_runner is refused too, never silently overridden: by name, in the engine's command and the
+    manager's."""
+    vllm = ["-b", "ppo.rollout_backend = 'vllm'", *bindings]
+    err = one_line_process(["rlhf.train", TINY, *vllm, "--out", str(tmp_path / "run")], env={variable: value})
+    assert err == f"error: {message}", err
     assert not (tmp_path / "run").exists()
     cpu = ["-b", "study.gpus_per_run = 0", "-b", "study.cpus_per_run = 1", "-b", "ppo.device = 'cpu'",
            "-b", "ppo.dtype = 'float32'"]
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        env.setenv(variable, value)
         err = one_line_error(capsys, ["plan", GPU_STUDY, *cpu, *vllm, "--results", str(tmp_path)])
-    assert err.startswith("error: the baseline: ppo.vllm_own_process = False is invalid with "
-                          "VLLM_ENABLE_V1_MULTIPROCESSING=1"), err
-
-
-def test_a_model_runner_the_environment_contradicts_is_one_line_before_compute(tmp_path, capsys):
-    """A recipe that names vLLM's model runner (ppo.vllm_model_runner) and a user's VLLM_USE_V2_MODEL_RUNNER
-    that names the other: refused by name in the engine's command and the manager's, never silently
-    overridden."""
-    vllm = ["-b", "ppo.rollout_backend = 'vllm'", "-b", "ppo.vllm_model_runner = 'v2'"]
-    err = one_line_process(["rlhf.train", TINY, *vllm, "--out", str(tmp_path / "run")],
-                           env={"VLLM_USE_V2_MODEL_RUNNER": "0"})
-    assert err == ("error: ppo.vllm_model_runner = 'v2' is invalid with VLLM_USE_V2_MODEL_RUNNER=0 in the "
-                   "environment, which asks vLLM for the other runner: set ppo.vllm_model_runner = 'auto' to follow "
-                   "the variable, or unset VLLM_USE_V2_MODEL_RUNNER"), err
-    assert not (tmp_path / "run").exists()
-    cpu = ["-b", "study.gpus_per_run = 0", "-b", "study.cpus_per_run = 1", "-b", "ppo.device = 'cpu'",
-           "-b", "ppo.dtype = 'float32'"]
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-        err = one_line_error(capsys, ["plan", GPU_STUDY, *cpu, *vllm, "--results", str(tmp_path)])
-    assert err.startswith("error: the baseline: ppo.vllm_model_runner = 'v2' is invalid with "
-                          "VLLM_USE_V2_MODEL_RUNNER=0"), err
+    assert err.startswith(f"error: the baseline: {message.split(' in the environment')[0]}"), err
 
 
 @pytest.mark.parametrize("argv, match", [
