@@ -167,19 +167,22 @@ asleep: that process's CUDA context and cuBLAS workspace."""
 
 
 RUNNER_V2_BYTES = 528 * 2**20
-"""What vLLM's second model runner (`ppo.vllm_model_runner = 'v2'`) holds beyond the engine's share, awake or
-asleep: its per-request state on the GPU, allocated outside the memory vLLM sizes its KV cache in. Measured
-(bench/results/instruct05b_recipe_mb12k_v2_h100.json against instruct05b_recipe_mb12k_h100.json, the 0.5B
-recipe on an H100 with each runner): 0.50-0.51 GiB more at every phase; an estimate for other shapes."""
+"""What vLLM's second model runner (`ppo.vllm_model_runner = 'v2'`, or vLLM's own choice) holds beyond the
+engine's share, awake or asleep: its per-request state on the GPU, allocated outside the memory vLLM sizes its
+KV cache in. Measured (bench/results/instruct05b_recipe_mb12k_v2_h100.json against
+instruct05b_recipe_mb12k_h100.json, the 0.5B recipe on an H100 with each runner): 0.50-0.51 GiB more at every
+phase; an estimate for other shapes."""
 
 
 def engine_side_bytes(ppo, policy: ModelShape) -> int:
     """What the engine holds on the GPU beyond its `engine_bytes` share, awake or asleep: with
     `ppo.vllm_own_process`, ENGINE_PROCESS_BYTES plus the weights' staging buffer, which grows to the
-    largest tensor sent (the embedding); with `ppo.vllm_model_runner = 'v2'`, RUNNER_V2_BYTES."""
+    largest tensor sent (the embedding); with vLLM's second model runner (`ppo.vllm_model_runner = 'v2'`, or
+    'auto' where vLLM picks it for the policy's architecture), RUNNER_V2_BYTES."""
     if ppo.rollout_backend != "vllm":
         return 0
-    side = RUNNER_V2_BYTES if ppo.vllm_model_runner == "v2" else 0
+    from rlhf.rollout.vllm import uses_runner_v2
+    side = RUNNER_V2_BYTES if uses_runner_v2(ppo.vllm_model_runner, policy.architecture_names) else 0
     if ppo.vllm_own_process:
         from rlhf.rollout.vllm_worker import STAGING_BYTES
         bytes_per_weight = 2 if ppo.dtype == "bfloat16" else 4

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Dict, Mapping, Sequence
+from typing import Dict, Mapping, Sequence, Tuple
 
 from rlhf.errors import ConfigError
 from rlhf.models import ShapeError, shape_fields, text_config
@@ -43,6 +43,8 @@ class ModelShape:
     mlp_bias: bool = False
     qk_norm: bool = False
     name: str = ""
+    architectures: Tuple[str, ...] = ()
+    """config.json's `architectures` (the model classes vLLM and transformers load it as), when read from one."""
 
     @classmethod
     def from_config(cls, config, name: str = "") -> "ModelShape":
@@ -51,6 +53,7 @@ class ModelShape:
         (`shape_fields`) and for what it cannot model (mixture-of-experts)."""
         c = config.to_dict() if hasattr(config, "to_dict") else dict(config) if isinstance(config, Mapping) else config
         f = shape_fields(c)  # a ShapeError naming the field and what is allowed
+        architectures = tuple(str(a) for a in c.get("architectures") or ())  # the whole model's, multimodal too
         c, _ = text_config(c)
         experts = _first(c, "num_local_experts", "num_experts", "n_routed_experts", default=0)
         if isinstance(experts, int) and experts > 1:
@@ -64,7 +67,7 @@ class ModelShape:
                    vocab_size=f["vocab_size"], tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
                    qkv_bias=bool(attention_bias) if attention_bias is not None else model_type in QKV_BIAS_MODEL_TYPES,
                    o_bias=bool(attention_bias), mlp_bias=bool(c.get("mlp_bias", False)),
-                   qk_norm=model_type.startswith("qwen3"), name=name or model_type)
+                   qk_norm=model_type.startswith("qwen3"), name=name or model_type, architectures=architectures)
 
     @classmethod
     def from_dir(cls, path: str | Path, binding: str = "model.name_or_path") -> "ModelShape":
@@ -85,14 +88,27 @@ class ModelShape:
         """A transformers config of this shape (what `from_config` reads back): a Qwen2 when the q/k/v
         projections alone carry a bias, else a Llama; for a shape without a config.json (the tiny
         default, the published shapes) to be checked as the trainer checks a policy's."""
-        qwen2 = self.qkv_bias and not self.o_bias
-        return {"model_type": "qwen2" if qwen2 else "llama",
-                "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        qwen2 = self._qwen2_like
+        return {"model_type": "qwen2" if qwen2 else "llama", "architectures": list(self._written_architecture),
                 "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
                 "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
                 "vocab_size": self.vocab_size, "tie_word_embeddings": self.tie_word_embeddings,
                 **({} if qwen2 else {"attention_bias": self.o_bias, "mlp_bias": self.mlp_bias})}
+
+    @property
+    def _qwen2_like(self) -> bool:
+        return self.qkv_bias and not self.o_bias
+
+    @property
+    def architecture_names(self) -> Tuple[str, ...]:
+        """The model classes it loads as: config.json's `architectures`, or for a shape without one (the tiny
+        default, the published shapes) the class `config_dict` writes: a Qwen2 or a Llama."""
+        return self.architectures or self._written_architecture
+
+    @property
+    def _written_architecture(self) -> Tuple[str, ...]:
+        return ("Qwen2ForCausalLM",) if self._qwen2_like else ("LlamaForCausalLM",)
 
     def linears(self) -> Dict[str, tuple]:
         """(in, out) features of each linear layer of one block."""

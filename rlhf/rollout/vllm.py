@@ -31,7 +31,7 @@ Why these choices (vLLM 0.24.0):
   shared by a CUDA IPC handle and its samplers are seeded in its process (rlhf/rollout/vllm_worker.py).
   The same seeds give the same tokens in both modes.
 - `model_runner` (`ppo.vllm_model_runner`): vLLM 0.24 drives the model with one of two runners, chosen
-  by architecture ('v2' for Llama, Mistral, Qwen3; 'v1' for Qwen2 and the rest). 'v2' prepares a
+  by architecture ('v2' for Llama, Mistral, Qwen3; 'v1' for Qwen2 and the rest: `uses_runner_v2`). 'v2' prepares a
   decoding step's inputs on the GPU, which matters where the rollout waits on the host (a small model
   with hundreds of sequences in flight). Both runners seed from this process's generators as above.
 
@@ -89,6 +89,11 @@ def sampled_logprobs(token_ids: Sequence[int], position_logprobs) -> List[float]
 MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 MODEL_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
 RUNNER_VALUES = {"v1": "0", "v2": "1"}  # ppo.vllm_model_runner -> the variable's value
+RUNNER_V2_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
+                                     "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM", "DeepseekV2ForCausalLM"})
+"""The architectures vLLM 0.24 drives with its second model runner unless told otherwise (its
+`DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES`; tests/rlhf/test_rollout_vllm_gpu.py checks the two agree where
+vLLM is installed), so that a plan made without vLLM knows the runner too."""
 
 
 def _truthy(value: str) -> bool:
@@ -114,6 +119,19 @@ def environment_conflict(own: bool, model_runner: str = "auto",
                 f"environment, which asks vLLM for the other runner: set ppo.vllm_model_runner = 'auto' to follow "
                 f"the variable, or unset {MODEL_RUNNER}")
     return None
+
+
+def uses_runner_v2(model_runner: str, architectures: Sequence[str],
+                   environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether vLLM drives a model of these `architectures` (config.json's) with its second runner under
+    `ppo.vllm_model_runner = model_runner`: as named; with 'auto', as the environment's
+    VLLM_USE_V2_MODEL_RUNNER says, and without it by architecture (RUNNER_V2_ARCHITECTURES)."""
+    if model_runner in RUNNER_VALUES:
+        return model_runner == "v2"
+    value = environ.get(MODEL_RUNNER)
+    if value is not None and value.strip():
+        return _truthy(value)
+    return any(name in RUNNER_V2_ARCHITECTURES for name in architectures)
 
 
 @contextlib.contextmanager

@@ -363,6 +363,29 @@ def test_vllms_second_model_runner_adds_its_state_to_every_phase_and_the_first_n
                     assert b.total - a.total == extra, (runner, own, sleep, a.name)
 
 
+def test_vllms_own_choice_of_runner_is_planned_by_the_models_architecture(monkeypatch):
+    """'auto' plans what vLLM picks: its second runner's state for a config.json naming a Llama (Mistral,
+    Qwen3), not for a Qwen2; VLLM_USE_V2_MODEL_RUNNER overrides the choice in the plan as it does in vLLM."""
+    from rlhf.memory.formulas import RUNNER_V2_BYTES
+    qwen = SHAPES["qwen2.5-0.5b"]
+    assert qwen.architecture_names == ("Qwen2ForCausalLM",)  # a published shape: the class it is written as
+    read = memory.ModelShape.from_config({**qwen.config_dict(), "architectures": ["LlamaForCausalLM"]})
+    assert read.architecture_names == ("LlamaForCausalLM",) and read.qkv_bias  # the shape as before
+    wrapped = memory.ModelShape.from_config({"model_type": "qwen2_5_vl", "text_config": qwen.config_dict(),
+                                             "architectures": ["Qwen2_5_VLForConditionalGeneration"]})
+    assert wrapped.architecture_names == ("Qwen2_5_VLForConditionalGeneration",)  # the whole model's class
+    llama = dataclasses.replace(qwen, architectures=("LlamaForCausalLM",))
+
+    def extra(runner: str) -> set:
+        cfg = run_config(vllm_sleep=True, vllm_model_runner=runner)
+        a, b = (memory.predict(cfg, s, available=H200) for s in (qwen, llama))
+        return {y.total - x.total for x, y in zip(a.phases, b.phases)}
+
+    assert extra("auto") == {RUNNER_V2_BYTES} and extra("v1") == extra("v2") == {0}
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert extra("auto") == {0}
+
+
 def test_runtime_plan_counts_the_awake_engine_and_the_predicted_activations():
     ppo = PPOConfig(rollout_backend="vllm", vllm_gpu_memory_utilization=0.3)
     # The 3B run: vLLM's pool counted in torch's allocated memory, so free + allocated looked like

@@ -20,6 +20,7 @@ from rlhf.rollout.vllm import (
     engine_environment,
     environment_conflict,
     sampled_logprobs,
+    uses_runner_v2,
 )
 
 EOS, PAD = 2, 0
@@ -194,6 +195,21 @@ def test_an_environment_that_names_the_other_model_runner_is_named(runner, value
     if refused:
         assert conflict.startswith(f"ppo.vllm_model_runner = {runner!r} is invalid with VLLM_USE_V2_MODEL_RUNNER=")
         assert "set ppo.vllm_model_runner = 'auto'" in conflict
+
+
+@pytest.mark.parametrize("runner, architectures, environ, v2", [
+    ("v2", ["Qwen2ForCausalLM"], {}, True), ("v1", ["LlamaForCausalLM"], {}, False),
+    ("v1", ["Qwen2ForCausalLM"], {"VLLM_USE_V2_MODEL_RUNNER": "1"}, False),  # a named runner is what vLLM gets
+    ("auto", ["Qwen2ForCausalLM"], {}, False), ("auto", ["LlamaForCausalLM"], {}, True),
+    ("auto", ["MistralForCausalLM"], {}, True), ("auto", ["Qwen3ForCausalLM"], {}, True),
+    ("auto", ["Phi3ForCausalLM"], {}, False), ("auto", [], {}, False),
+    ("auto", ["LlamaForCausalLM"], {"VLLM_USE_V2_MODEL_RUNNER": "0"}, False),
+    ("auto", ["Qwen2ForCausalLM"], {"VLLM_USE_V2_MODEL_RUNNER": "1"}, True),
+    ("auto", ["LlamaForCausalLM"], {"VLLM_USE_V2_MODEL_RUNNER": " "}, True)])
+def test_the_runner_vllm_drives_a_model_with_is_known_before_it_starts(runner, architectures, environ, v2):
+    """What the memory plan counts: the named runner; with 'auto', the environment's switch where it is set,
+    else vLLM's own choice by the config's architecture."""
+    assert uses_runner_v2(runner, architectures, environ) is v2
 
 
 @pytest.mark.parametrize("own, runner, inside", [

@@ -95,13 +95,17 @@ def test_both_engine_processes_give_the_same_tokens(models):
     assert torch.equal(tokens[0], tokens[1])
 
 
-@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("runner", ["auto", "v1", "v2"])
 def test_each_model_runner_repeats_its_tokens_and_takes_synced_weights(models, runner):
     """`ppo.vllm_model_runner` as a recipe names it (the tiny model is a Llama, for which vLLM itself picks
-    'v2'): either runner, in either process, repeats a seed's tokens and samples from synced weights."""
+    'v2'): the engine runs the runner the memory plan counts (`uses_runner_v2`), and either runner, in either
+    process, repeats a seed's tokens and samples from synced weights."""
+    from rlhf.rollout.vllm import uses_runner_v2
     root, tok, states = models
     for own_process in (False, True):
         rollout = build_engine(root, tok, own_process, model_runner=runner)
+        ran_v2 = rollout.llm.llm_engine.input_processor.use_v2_model_runner  # as the engine was built
+        assert ran_v2 is uses_runner_v2(runner, ["LlamaForCausalLM"]), (runner, own_process)
         a, b = (rollout.generate(PROMPTS, sampling(1.0), seed=7)["response_ids"] for _ in range(2))
         greedy = rollout.generate(PROMPTS, sampling(0.0), seed=0)["response_ids"]
         rollout.sync_weights(states[1])
@@ -109,6 +113,15 @@ def test_each_model_runner_repeats_its_tokens_and_takes_synced_weights(models, r
         assert torch.equal(a, b) and not torch.equal(greedy, other), (runner, own_process)
         del rollout
         gc.collect()
+
+
+def test_vllms_own_choice_of_runner_is_the_one_the_plan_knows():
+    """RUNNER_V2_ARCHITECTURES, which the memory plan uses without vLLM, is the installed vLLM's list."""
+    pytest.importorskip("vllm", reason="needs vLLM")
+    from vllm.config.vllm import DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES
+
+    from rlhf.rollout.vllm import RUNNER_V2_ARCHITECTURES
+    assert RUNNER_V2_ARCHITECTURES == DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES
 
 
 @pytest.mark.parametrize("own_process", [False, True], ids=["in_process", "own_process"])
