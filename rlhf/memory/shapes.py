@@ -88,8 +88,9 @@ class ModelShape:
         """A transformers config of this shape (what `from_config` reads back): a Qwen2 when the q/k/v
         projections alone carry a bias, else a Llama; for a shape without a config.json (the tiny
         default, the published shapes) to be checked as the trainer checks a policy's."""
-        qwen2 = self._qwen2_like
-        return {"model_type": "qwen2" if qwen2 else "llama", "architectures": list(self._written_architecture),
+        qwen2 = self.qkv_bias and not self.o_bias
+        return {"model_type": "qwen2" if qwen2 else "llama",
+                "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
                 "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
                 "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
@@ -97,18 +98,10 @@ class ModelShape:
                 **({} if qwen2 else {"attention_bias": self.o_bias, "mlp_bias": self.mlp_bias})}
 
     @property
-    def _qwen2_like(self) -> bool:
-        return self.qkv_bias and not self.o_bias
-
-    @property
     def architecture_names(self) -> Tuple[str, ...]:
         """The model classes it loads as: config.json's `architectures`, or for a shape without one (the tiny
-        default, the published shapes) the class `config_dict` writes: a Qwen2 or a Llama."""
-        return self.architectures or self._written_architecture
-
-    @property
-    def _written_architecture(self) -> Tuple[str, ...]:
-        return ("Qwen2ForCausalLM",) if self._qwen2_like else ("LlamaForCausalLM",)
+        default, the published shapes) the class `config_dict` writes."""
+        return self.architectures or tuple(self.config_dict()["architectures"])
 
     def linears(self) -> Dict[str, tuple]:
         """(in, out) features of each linear layer of one block."""
