@@ -191,6 +191,21 @@ CAUSAL_LM_ARCHITECTURES = ("ForCausalLM", "LMHeadModel", "WithLMHead", "ForCondi
 """How the architectures of a checkpoint with a language-model head end (config.json)."""
 
 
+def config_architectures(config: Mapping) -> Tuple[str, ...]:
+    """config.json's `architectures` as model class names: the list transformers writes, or a lone
+    string read as one name (a hand-written config.json), or none when absent or of another type."""
+    archs = config.get("architectures") if isinstance(config, Mapping) else None
+    if isinstance(archs, str):
+        return (archs,)
+    return tuple(str(a) for a in archs) if isinstance(archs, (list, tuple)) else ()
+
+
+def config_num_labels(config: Mapping) -> int:
+    """How many outputs a sequence classifier's config.json gives it: its `id2label`'s size, else
+    `num_labels`, else transformers' default of 2."""
+    return len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels", 2)
+
+
 def read_model_config(path: str | Path, binding: str, expected: str):
     """The parsed config.json of model dir `path` (named by `binding`), or a one-line ConfigError:
     no such file (`expected` says what to give instead), or not JSON."""
@@ -229,7 +244,7 @@ def check_policy_dir(path: str | Path, binding: str = "model.name_or_path", ppo=
         where = f"{binding} = {str(path)!r}: its model config"
     try:
         if isinstance(config, dict):
-            _check_architectures(config.get("architectures"), path, binding)
+            _check_architectures(config_architectures(config), path, binding)
         shape_fields(config)
     except ShapeError as err:
         raise ConfigError(f"{where} {err.predicate}") from None
@@ -238,12 +253,11 @@ def check_policy_dir(path: str | Path, binding: str = "model.name_or_path", ppo=
         _check_run_lora(transformers_config, ppo, where)
 
 
-def _check_architectures(archs, path, binding: str) -> None:
-    archs = [archs] if isinstance(archs, str) else list(archs) if isinstance(archs, (list, tuple)) else []
-    if archs and not any(str(a).endswith(CAUSAL_LM_ARCHITECTURES) for a in archs):
-        kind = "a sequence classifier (a reward model?)" if any(str(a).endswith("ForSequenceClassification")
+def _check_architectures(archs: Tuple[str, ...], path, binding: str) -> None:
+    if archs and not any(a.endswith(CAUSAL_LM_ARCHITECTURES) for a in archs):
+        kind = "a sequence classifier (a reward model?)" if any(a.endswith("ForSequenceClassification")
                                                                 for a in archs) else "not a causal LM"
-        raise ConfigError(f"{binding} = {str(path)!r} is invalid: its config.json says architectures = {archs}, "
+        raise ConfigError(f"{binding} = {str(path)!r} is invalid: its config.json says architectures = {list(archs)}, "
                           f"{kind}; loading it as the policy would start from an untrained LM head. Use a "
                           f"causal LM checkpoint (architectures ending in ForCausalLM)")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Dict, Mapping, Sequence, Tuple
 
 from rlhf.errors import ConfigError
-from rlhf.models import ShapeError, shape_fields, text_config
+from rlhf.models import ShapeError, config_architectures, shape_fields, text_config
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_LINEARS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -53,7 +53,7 @@ class ModelShape:
         (`shape_fields`) and for what it cannot model (mixture-of-experts)."""
         c = config.to_dict() if hasattr(config, "to_dict") else dict(config) if isinstance(config, Mapping) else config
         f = shape_fields(c)  # a ShapeError naming the field and what is allowed
-        architectures = tuple(str(a) for a in c.get("architectures") or ())  # the whole model's, multimodal too
+        architectures = config_architectures(c)  # the whole model's, multimodal too
         c, _ = text_config(c)
         experts = _first(c, "num_local_experts", "num_experts", "n_routed_experts", default=0)
         if isinstance(experts, int) and experts > 1:

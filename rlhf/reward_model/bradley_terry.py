@@ -32,7 +32,7 @@ from rlhf.chat import PromptRenderer, prompt_key
 from rlhf.data import PreferencePair, _unit_hash, load_pairs
 from rlhf.errors import ConfigError
 from rlhf.lr_schedule import lr_schedule
-from rlhf.models import adamw, check_vocab_fits, enable_gradient_checkpointing
+from rlhf.models import adamw, check_vocab_fits, config_architectures, config_num_labels, enable_gradient_checkpointing
 from rlhf.reward_model.config import RMTrainConfig
 from rlhf.reward_model.score import (
     encode_conversation,
@@ -86,9 +86,9 @@ def load_base_model(path: str, seed: int, dtype: torch.dtype):
     """A sequence classifier with one output: a causal LM gets a fresh head (seeded); a one-output
     classifier keeps its head; a classifier with another number of outputs is refused."""
     config = json.loads((Path(path) / "config.json").read_text())
-    archs = config.get("architectures") or []
+    archs = config_architectures(config)
     if any(a.endswith("ForSequenceClassification") for a in archs):
-        labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels", 2)
+        labels = config_num_labels(config)
         if labels != 1:
             raise ConfigError(f"rm.base_model = {path!r} is invalid: a sequence classifier with num_labels = {labels}; "
                               f"a reward model has one output")

@@ -26,15 +26,15 @@ from rlhf.errors import ConfigError
 
 def check_reward_checkpoint(path: str | Path, binding: str = "reward.model_path") -> dict:
     """Reads config.json and checks it is a one-output sequence classifier, before any weights load."""
-    from rlhf.models import read_model_config
+    from rlhf.models import config_architectures, config_num_labels, read_model_config
     path = Path(path)
     config = read_model_config(path, binding, "give an AutoModelForSequenceClassification checkpoint with "
                                               "num_labels = 1")
-    archs = config.get("architectures") or []
+    archs = config_architectures(config)
     if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
         raise ConfigError(f"{binding} = {str(path)!r} is invalid: a {', '.join(archs)} checkpoint is not a sequence "
                           f"classifier; a reward model is an AutoModelForSequenceClassification with num_labels = 1")
-    labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels", 2)
+    labels = config_num_labels(config)
     if labels != 1:
         raise ConfigError(f"{binding} = {str(path)!r} is invalid: the model has num_labels = {labels}; a reward model "
                           f"has one output (num_labels = 1)")

@@ -371,6 +371,8 @@ def test_vllms_own_choice_of_runner_is_planned_by_the_models_architecture(monkey
     assert qwen.architecture_names == ("Qwen2ForCausalLM",)  # a published shape: the class it is written as
     read = memory.ModelShape.from_config({**qwen.config_dict(), "architectures": ["LlamaForCausalLM"]})
     assert read.architecture_names == ("LlamaForCausalLM",) and read.qkv_bias  # the shape as before
+    lone = memory.ModelShape.from_config({**qwen.config_dict(), "architectures": "LlamaForCausalLM"})
+    assert lone.architecture_names == ("LlamaForCausalLM",)  # a hand-written string: one name, not its letters
     wrapped = memory.ModelShape.from_config({"model_type": "qwen2_5_vl", "text_config": qwen.config_dict(),
                                              "architectures": ["Qwen2_5_VLForConditionalGeneration"]})
     assert wrapped.architecture_names == ("Qwen2_5_VLForConditionalGeneration",)  # the whole model's class

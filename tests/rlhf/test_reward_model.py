@@ -173,6 +173,10 @@ def test_bad_reward_checkpoints_are_one_line_errors(setup, tmp_path):
                      seed=0).save_pretrained(str(tmp_path / "lm"))
     with pytest.raises(ConfigError, match="LlamaForCausalLM checkpoint is not a sequence classifier"):
         check_reward_checkpoint(tmp_path / "lm")
+    config = json.loads((tmp_path / "lm" / "config.json").read_text())
+    (tmp_path / "lm" / "config.json").write_text(json.dumps({**config, "architectures": "LlamaForCausalLM"}))
+    with pytest.raises(ConfigError, match=r"a LlamaForCausalLM checkpoint is not"):  # a lone string: one name
+        check_reward_checkpoint(tmp_path / "lm")
     with pytest.raises(ConfigError, match="no config.json"):
         check_reward_checkpoint(tmp_path / "nowhere")
     (tmp_path / "bad.jinja").write_text("{% if %}")
