@@ -29,7 +29,8 @@ Why these choices (vLLM 0.24.0):
   multiprocessing mode): its scheduler and model runner no longer share this process's interpreter
   with the trainer's output handling, while the trainer's weights reach it through a staging buffer
   shared by a CUDA IPC handle and its samplers are seeded in its process (rlhf/rollout/vllm_worker.py).
-  The same seeds give the same tokens in both modes.
+  Its scheduler is held while a rollout's requests are queued (`_generate`), so that its first step
+  sees the whole batch, as in-process. The same seeds give the same tokens in both modes.
 - `model_runner` (`ppo.vllm_model_runner`): vLLM 0.24 drives the model with one of two runners, chosen
   by architecture ('v2' for Llama, Mistral, Qwen3; 'v1' for Qwen2 and the rest: `uses_runner_v2`). 'v2' prepares a
   decoding step's inputs on the GPU, which matters where the rollout waits on the host (a small model
@@ -328,6 +329,24 @@ class VLLMRollout:
             requests.append({"prompt_token_ids": tokens})
         return prompt_ids, prompt_mask, requests
 
+    def _generate(self, requests: list, params) -> list:
+        """`LLM.generate` of every request, outputs in request order. An engine in this process steps
+        only once all of them are added. An engine in its own process steps on its own as requests
+        arrive over its socket one by one, so the first steps would see however many had arrived: the
+        batches, hence the draws of vLLM's first runner (one noise tensor over the batch) and the
+        logits' kernels of either, would follow timing. Its scheduler is held (vLLM's
+        `pause_scheduler` in mode 'keep': requests queue, nothing runs) while the requests are
+        queued, and released once all are, so that it starts from the whole batch as in this process."""
+        if not self.own_process:
+            return self.llm.generate(requests, params, use_tqdm=False)
+        core = self.llm.llm_engine.engine_core
+        core.call_utility("pause_scheduler", "keep", False)  # keep the prefix cache: reset per call above
+        try:
+            self.llm.enqueue(requests, params, use_tqdm=False)
+        finally:
+            core.call_utility("resume_scheduler")
+        return self.llm.wait_for_completion(use_tqdm=False)
+
     def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> Batch:
         return self.generate_calls([(prompts, seed)], sampling)[0]
 
@@ -352,10 +371,10 @@ class VLLMRollout:
         if self.per_request_seeds and not sampling.greedy:
             params = [self._sampling_params(sampling, derive_seed(seed, i))
                       for (_, seed), (_, _, reqs) in zip(calls, encoded) for i in range(len(reqs))]
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self._generate(requests, params)
         elif self.own_process:  # the engine's generators, in its process
             self.llm.collective_rpc("rlhf_seed", args=(int(calls[0][1]),))
-            outputs = self.llm.generate(requests, self._sampling_params(sampling, None), use_tqdm=False)
+            outputs = self._generate(requests, self._sampling_params(sampling, None))
         else:
             params = self._sampling_params(sampling, None)
             numpy_state = np.random.get_state()
@@ -366,7 +385,7 @@ class VLLMRollout:
                     # unseeded request a seed from numpy's global generator as it joins the batch.
                     torch.manual_seed(calls[0][1])
                     np.random.seed(calls[0][1] % 2**32)
-                    outputs = self.llm.generate(requests, params, use_tqdm=False)
+                    outputs = self._generate(requests, params)
             finally:
                 np.random.set_state(numpy_state)
         batches, start = [], 0

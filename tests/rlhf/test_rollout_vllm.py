@@ -85,25 +85,41 @@ def test_vllm_backend_on_cpu_fails_before_importing_vllm():
 
 
 class FakeLLM:
-    """Records what VLLMRollout asks for and answers like vllm.LLM.generate."""
+    """Records what VLLMRollout asks for and answers like vllm.LLM: `generate`, or `enqueue` then
+    `wait_for_completion`, with its engine client's utility calls (`llm_engine.engine_core`) in `events`."""
 
     def __init__(self):
-        self.calls, self.resets, self.rpcs = [], 0, []
+        self.calls, self.resets, self.rpcs, self.events, self.queued = [], 0, [], [], []
+        self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(
+            call_utility=lambda method, *args: self.events.append((method, *args))))
 
     def collective_rpc(self, method, args=()):
         self.rpcs.append((method, args))
+        self.events.append(("rpc", method))
         return [None]
 
     def reset_prefix_cache(self):
         self.resets += 1
 
+    @staticmethod
+    def outputs(requests):
+        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[r["prompt_token_ids"][-1] + 1, EOS],
+                                                                     logprobs=None)]) for r in requests]
+
     def generate(self, requests, params, use_tqdm=False):
         self.calls.append((requests, params))
-        outs = []
-        for r in requests:
-            tokens = [r["prompt_token_ids"][-1] + 1, EOS]
-            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=tokens, logprobs=None)]))
-        return outs
+        self.events.append(("generate", len(requests)))
+        return self.outputs(requests)
+
+    def enqueue(self, requests, params, use_tqdm=True):
+        self.calls.append((requests, params))
+        self.events.append(("enqueue", len(requests)))
+        self.queued += requests
+
+    def wait_for_completion(self, use_tqdm=True):
+        self.events.append(("wait", len(self.queued)))
+        requests, self.queued = self.queued, []
+        return self.outputs(requests)
 
 
 class FakeTokenizer:
@@ -319,3 +335,25 @@ def test_an_engine_of_its_own_process_is_seeded_there_once_per_rollout():
     rollout.generate(["1", "2"], sampling, seed=7)
     assert rollout.llm.rpcs == [] and [p["seed"] for p in rollout.llm.calls[0][1]] == [derive_seed(7, 0),
                                                                                      derive_seed(7, 1)]
+
+
+@pytest.mark.parametrize("per_request_seeds", [False, True])
+def test_an_engine_of_its_own_process_starts_from_the_whole_batch(per_request_seeds):
+    """Its scheduler is held while every request of the rollout is queued and released after (it would
+    otherwise step on the first arrivals, and the batches would follow timing); the outputs come back in
+    request order; a failing enqueue still releases it. In this process the engine runs one generate."""
+    sampling = SamplingParams.from_ppo(PPOConfig(max_response_length=2))
+    rollout = fake_rollout(per_request_seeds=per_request_seeds, own_process=True)
+    batches = rollout.generate_calls([(["12", "3"], 41), (["45"], 42)], sampling)
+    seeding = [] if per_request_seeds else [("rpc", "rlhf_seed")]
+    assert rollout.llm.events == [*seeding, ("pause_scheduler", "keep", False), ("enqueue", 3),
+                                  ("resume_scheduler",), ("wait", 3)]
+    assert [b["response_ids"][:, 0].tolist() for b in batches] == [[13, 14], [16]]
+    rollout.llm.events.clear()
+    rollout.llm.enqueue = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("engine gone"))
+    with pytest.raises(RuntimeError, match="engine gone"):
+        rollout.generate(["1"], sampling, seed=3)
+    assert rollout.llm.events[-2:] == [("pause_scheduler", "keep", False), ("resume_scheduler",)]
+    rollout = fake_rollout(per_request_seeds=per_request_seeds)
+    rollout.generate(["1", "2"], sampling, seed=7)
+    assert rollout.llm.events == [("generate", 2)]

@@ -36,9 +36,12 @@ def models(tmp_path_factory):
 
 
 def build_engine(root, tok, own_process: bool, model_runner: str = "auto"):
+    """An engine of the tiny model with a small share of the GPU (its KV cache needs megabytes): an engine
+    in this process keeps its memory until the process ends, and the module builds five of them before
+    the LoRA runs, which need room of their own."""
     from rlhf.rollout.vllm import VLLMRollout
     return VLLMRollout(tokenizer=tok, device=torch.device("cuda"), model_dir=str(root / "model0"), seed=0,
-                       max_model_len=64, gpu_memory_utilization=0.15, enforce_eager=True, own_process=own_process,
+                       max_model_len=64, gpu_memory_utilization=0.05, enforce_eager=True, own_process=own_process,
                        model_runner=model_runner)
 
 
@@ -99,7 +102,9 @@ def test_both_engine_processes_give_the_same_tokens(models):
 def test_each_model_runner_repeats_its_tokens_and_takes_synced_weights(models, runner):
     """`ppo.vllm_model_runner` as a recipe names it (the tiny model is a Llama, for which vLLM itself picks
     'v2'): the engine runs the runner the memory plan counts (`uses_runner_v2`), and either runner, in either
-    process, repeats a seed's tokens and samples from synced weights."""
+    process, repeats a seed's tokens and samples from synced weights. The first runner draws one noise
+    tensor over the batch, so in its own process it repeats only when its first step sees the whole
+    batch (`VLLMRollout._generate`)."""
     from rlhf.rollout.vllm import uses_runner_v2
     root, tok, states = models
     for own_process in (False, True):
