@@ -334,17 +334,16 @@ class VLLMRollout:
         only once all of them are added. An engine in its own process steps on its own as requests
         arrive over its socket one by one, so the first steps would see however many had arrived: the
         batches, hence the draws of vLLM's first runner (one noise tensor over the batch) and the
-        logits' kernels of either, would follow timing. Its scheduler is held (vLLM's
-        `pause_scheduler` in mode 'keep': requests queue, nothing runs) while the requests are
-        queued, and released once all are, so that it starts from the whole batch as in this process."""
+        logits' kernels of either, would follow timing. Its scheduler is held while the requests are
+        queued (vLLM's sleep level 0: requests queue, nothing runs, memory and prefix cache stay) and
+        released once all are, so that it starts from the whole batch as in this process."""
         if not self.own_process:
             return self.llm.generate(requests, params, use_tqdm=False)
-        core = self.llm.llm_engine.engine_core
-        core.call_utility("pause_scheduler", "keep", False)  # keep the prefix cache: reset per call above
+        self.llm.sleep(level=0, mode="keep")
         try:
             self.llm.enqueue(requests, params, use_tqdm=False)
         finally:
-            core.call_utility("resume_scheduler")
+            self.llm.wake_up(tags=["scheduling"])
         return self.llm.wait_for_completion(use_tqdm=False)
 
     def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> Batch:

@@ -86,12 +86,16 @@ def test_vllm_backend_on_cpu_fails_before_importing_vllm():
 
 class FakeLLM:
     """Records what VLLMRollout asks for and answers like vllm.LLM: `generate`, or `enqueue` then
-    `wait_for_completion`, with its engine client's utility calls (`llm_engine.engine_core`) in `events`."""
+    `wait_for_completion`; the calls that reach the engine, in order, in `events`."""
 
     def __init__(self):
         self.calls, self.resets, self.rpcs, self.events, self.queued = [], 0, [], [], []
-        self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(
-            call_utility=lambda method, *args: self.events.append((method, *args))))
+
+    def sleep(self, level=1, mode="abort"):
+        self.events.append(("sleep", level, mode))
+
+    def wake_up(self, tags=None):
+        self.events.append(("wake_up", tags))
 
     def collective_rpc(self, method, args=()):
         self.rpcs.append((method, args))
@@ -346,14 +350,14 @@ def test_an_engine_of_its_own_process_starts_from_the_whole_batch(per_request_se
     rollout = fake_rollout(per_request_seeds=per_request_seeds, own_process=True)
     batches = rollout.generate_calls([(["12", "3"], 41), (["45"], 42)], sampling)
     seeding = [] if per_request_seeds else [("rpc", "rlhf_seed")]
-    assert rollout.llm.events == [*seeding, ("pause_scheduler", "keep", False), ("enqueue", 3),
-                                  ("resume_scheduler",), ("wait", 3)]
+    assert rollout.llm.events == [*seeding, ("sleep", 0, "keep"), ("enqueue", 3), ("wake_up", ["scheduling"]),
+                                  ("wait", 3)]
     assert [b["response_ids"][:, 0].tolist() for b in batches] == [[13, 14], [16]]
     rollout.llm.events.clear()
     rollout.llm.enqueue = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("engine gone"))
     with pytest.raises(RuntimeError, match="engine gone"):
         rollout.generate(["1"], sampling, seed=3)
-    assert rollout.llm.events[-2:] == [("pause_scheduler", "keep", False), ("resume_scheduler",)]
+    assert rollout.llm.events[-2:] == [("sleep", 0, "keep"), ("wake_up", ["scheduling"])]
     rollout = fake_rollout(per_request_seeds=per_request_seeds)
     rollout.generate(["1", "2"], sampling, seed=7)
     assert rollout.llm.events == [("generate", 2)]
