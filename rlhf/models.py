@@ -243,8 +243,7 @@ def check_policy_dir(path: str | Path, binding: str = "model.name_or_path", ppo=
     else:
         where = f"{binding} = {str(path)!r}: its model config"
     try:
-        if isinstance(config, dict):
-            _check_architectures(config_architectures(config), path, binding)
+        _check_architectures(config_architectures(config), path, binding)
         shape_fields(config)
     except ShapeError as err:
         raise ConfigError(f"{where} {err.predicate}") from None
