@@ -32,7 +32,14 @@ from rlhf.chat import PromptRenderer, prompt_key
 from rlhf.data import PreferencePair, _unit_hash, load_pairs
 from rlhf.errors import ConfigError
 from rlhf.lr_schedule import lr_schedule
-from rlhf.models import adamw, check_vocab_fits, config_architectures, config_num_labels, enable_gradient_checkpointing
+from rlhf.models import (
+    adamw,
+    check_vocab_fits,
+    config_architectures,
+    config_num_labels,
+    enable_gradient_checkpointing,
+    read_model_config,
+)
 from rlhf.reward_model.config import RMTrainConfig
 from rlhf.reward_model.score import (
     encode_conversation,
@@ -85,7 +92,8 @@ def load_encoded_pairs(renderer: PromptRenderer, path: str, binding: str, prompt
 def load_base_model(path: str, seed: int, dtype: torch.dtype):
     """A sequence classifier with one output: a causal LM gets a fresh head (seeded); a one-output
     classifier keeps its head; a classifier with another number of outputs is refused."""
-    config = json.loads((Path(path) / "config.json").read_text())
+    config = read_model_config(path, "rm.base_model", "use a local checkpoint dir (a causal LM such as the SFT "
+                               "policy, or a one-output sequence classifier)")
     archs = config_architectures(config)
     if any(a.endswith("ForSequenceClassification") for a in archs):
         labels = config_num_labels(config)

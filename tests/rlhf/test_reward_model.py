@@ -3,6 +3,7 @@ non-pad token (same or different tokenizer and template, any padding and micro-b
 reward kinds, bad checkpoints, and Bradley-Terry training (accuracy, determinism, resume)."""
 
 import json
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -266,9 +267,13 @@ def test_rm_cli_bad_inputs_exit_2_with_one_line(rm_data, tmp_path, setup, capsys
     save_rm(tmp_path / "two", tok, num_labels=2)
     plain = tmp_path / "plain.jsonl"
     plain.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    torn = tmp_path / "torn"
+    shutil.copytree(tmp_path / "two", torn)
+    (torn / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"], ')  # cut short
     cases = [
         (["-b", f"rm.base_model = '{tmp_path / 'two'}'"], "num_labels = 2"),
         (["-b", f"rm.train_path = '{plain}'"], "not preference pairs"),
+        (["-b", f"rm.base_model = '{torn}'"], "is not valid JSON"),
         (["-b", f"rm.chat_template = '{tmp_path / 'missing.jinja'}'"], "rm.chat_template"),
         (["-b", "rm.batch_size = 30"], "rm.micro_batch_size"),
         (["-b", "rm.stepz = 3"], "rm.stepz"),
