@@ -42,10 +42,13 @@ cp "$last"/* "$OUT/call2/"
 cp "$VC"/batch-1/* "$OUT/call3/vllm1/" && cp -r "$PC"/* "$OUT/call3/peers/"
 cp "$VC"/batch-2/* "$OUT/call4/vllm2/"
 rm -rf "$WH" "$OUT/.batches"
-TREE=$(cd "$REPO" && { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+# The tree that travels with a carry call: reports/ and bench/results/ are moved out for those calls
+# (.cache/hold/, see bench/peers/README.md), so they do not count here.
+TREE=$(cd "$REPO" && { git ls-files -z; git ls-files -z --others --exclude-standard; } \
+  | grep -zv -e '^reports/' -e '^bench/results/' | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
 LIMIT=$((64 * 1024 * 1024))
 for c in call1 call2 call3 call4; do
   size=$(du -sb "$OUT/$c" | cut -f1)
   echo "$c: $size bytes; with the working tree: $((size + TREE)) of $LIMIT"
-  [ $((size + TREE)) -lt "$LIMIT" ] || { echo "$c does not fit one call: split the wheelhouse further"; exit 1; }
+  [ $((size + TREE)) -lt "$LIMIT" ] || { echo "$c does not fit one call (reports/ and bench/results/ moved out): split the wheelhouse further"; exit 1; }
 done
