@@ -20,6 +20,8 @@
 # PEERS_BUDGET_<PART>=..., e.g. PEERS_BUDGET_VERL_PPO=300), cut to what is left of PEERS_TOTAL_S
 # (default 575) for the whole call; a part with under 30 s left is skipped and says so. The last
 # part of each mode (the Ray placement) has the largest budget: it takes whatever the others left.
+# PEERS_ENGINE_BINDING="ppo.x = y" adds one gin binding to the engine's lora7b part (e.g. the binding the memory plan
+# names on a smaller GPU: on an 80 GB H100 `ppo.max_tokens_per_micro_batch = 8192`).
 # PEERS_SKIP="name name ..." leaves those parts out (e.g. PEERS_SKIP="trl_grpo_no_gc engine_grpo_local").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -131,7 +133,7 @@ case "$MODE" in
   lora7b)
     # The engine first (its LoRA path is the newer code), then TRL; each loads the 15 GB base and starts vLLM.
     # The engine computes the work as the shipped 7B recipe does (models/lora.gin); TRL as it runs LoRA.
-    part engine_grpo_lora7b 280 -- python3 bench/peers/engine.py --assets "$ASSETS" --shape 7b --algo grpo --placement local --recipe models/lora.gin --lora-rank "$LORA_RANK" --json "$R/engine_grpo_lora7b.json" --steps "${PEERS_STEPS_7B:-2}"
+    part engine_grpo_lora7b 280 -- python3 bench/peers/engine.py --assets "$ASSETS" --shape 7b --algo grpo --placement local --recipe models/lora.gin --lora-rank "$LORA_RANK" ${PEERS_ENGINE_BINDING:+-b "$PEERS_ENGINE_BINDING"} --json "$R/engine_grpo_lora7b.json" --steps "${PEERS_STEPS_7B:-2}"
     part trl_grpo_lora7b 280 -- python3 bench/peers/trl_grpo.py --assets "$ASSETS" --shape 7b --lora-rank "$LORA_RANK" --json "$R/trl_grpo_lora7b.json" --steps "${PEERS_TRL_STEPS_7B:-2}"
     ;;
   *) echo "unknown part $MODE"; exit 2 ;;
