@@ -230,7 +230,7 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
         "generate": hf_generate_bytes(policy, gen_rows, prompt, response, act) if ppo.rollout_backend == "hf" else 0,
         "reward_model": roles["reward_model"].forward if "reward_model" in roles else None,
         "reference": ref.forward,
-        "old_logprobs": actor.forward,
+        "old_logprobs": None if ppo.on_policy_update else actor.forward,  # an on-policy update skips the pass
         "values": roles["critic"].forward if "critic" in roles else None,
         "update_critic": roles["critic"].train if "critic" in roles else None,
         "update_actor": actor.train,

@@ -478,3 +478,23 @@ def test_each_shipped_model_recipe_fits_its_shape_on_an_h200(recipe, shape):
     cfg, _ = configurable.resolve(REPO / "recipes" / "models" / recipe, ["model.name_or_path = '/models/policy'"])
     plan = memory.check(cfg, SHAPES[shape], available=H200)
     assert plan.fits and not plan.slim, plan.verdict()
+
+
+def test_an_on_policy_update_plans_no_old_logprob_pass():
+    """GRPO with the KL as a loss, one epoch over one mini-batch (TRL's work): the trainer skips the
+    old log-prob pass (`ppo.on_policy_update`), so the plan has no such phase; PPO with the KL in the
+    reward needs it. The command's header says there is no critic."""
+    grpo = dict(adv_estimator="grpo", samples_per_prompt=8, rollout_micro_batch_size=32, mini_batch_size=256,
+                kl_mode="loss", ppo_epochs=1, lora_rank=64)
+    on = memory.predict(run_config(**grpo), SHAPES["qwen2.5-7b"], available=H200)
+    assert run_config(**grpo).ppo.on_policy_update
+    assert [p.name for p in on.phases] == ["generate", "reference", "update_actor", "sync_weights"]
+    off = memory.predict(run_config(**{**grpo, "ppo_epochs": 2}), SHAPES["qwen2.5-7b"], available=H200)
+    assert "old_logprobs" in [p.name for p in off.phases]
+    ppo = memory.predict(run_config(lora_rank=64), SHAPES["qwen2.5-7b"], available=H200)
+    assert {"old_logprobs", "values", "update_critic"} <= {p.name for p in ppo.phases}
+    out = subprocess.run([sys.executable, "-m", "rlhf.memory", "recipes/models/lora.gin", "--gpu-memory-gib", "139",
+                          "--shape", "qwen2.5-7b", "-b", "ppo.adv_estimator = 'grpo'", "-b", "ppo.samples_per_prompt = 8",
+                          "-b", "ppo.kl_mode = 'loss'"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "LoRA rank 64, no critic (grpo)," in out.stdout.splitlines()[0]
