@@ -229,11 +229,15 @@ def versions(*names: str) -> dict:
             out["gpu"] = torch.cuda.get_device_name(0)
     except Exception:
         pass
-    try:
-        out["engine_git"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                                           text=True, timeout=10).stdout.strip() or None
-    except Exception:
-        out["engine_git"] = None
+    # The device's copy of the tree may carry a stale .git: ENGINE_COMMIT, set by whoever sends the
+    # command (`ENGINE_COMMIT=$(git rev-parse HEAD)` here), names the tree's commit; else git's HEAD.
+    out["engine_git"] = os.environ.get("ENGINE_COMMIT") or None
+    if out["engine_git"] is None:
+        try:
+            out["engine_git"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                                               text=True, timeout=10).stdout.strip() or None
+        except Exception:
+            out["engine_git"] = None
     return out
 
 

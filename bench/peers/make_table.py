@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     results = load(Path(args.dir))
     settings = sorted({setting(r) for r in results}) or [("0.5b", 0)]
     shapes = ", ".join(dict.fromkeys(SHAPE_NAMES.get(s, s) for s, _ in settings))
-    out = [f"# This engine beside TRL and verl on one H200 ({shapes} shape, random weights, bf16)", "",
+    gpus = " / ".join(sorted({r["versions"]["gpu"] for r in results if (r.get("versions") or {}).get("gpu")})) or "GPU"
+    out = [f"# This engine beside TRL and verl on one {gpus} ({shapes} shape, random weights, bf16)", "",
            "Written by `bench/peers/make_table.py` from the JSON files beside it (one per system and "
            "variant, each with its exact command, versions, every step's time and the phases). All runs "
            "of one table come from one device call, one after the other on the same GPU; medians over the "
