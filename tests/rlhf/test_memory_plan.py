@@ -115,7 +115,8 @@ def test_full_fine_tuning_keeps_16_bytes_a_parameter_per_trained_role():
                                     "instruct05b_recipe_mb12k_v2_h100.json",
                                     "instruct05b_recipe_mb12k_v2_samecall_h100.json",
                                     "instruct05b_recipe_mb12k_auto_samecall_h100.json",
-                                    "instruct05b_recipe_mb12k_v2_rerun_h100.json"])
+                                    "instruct05b_recipe_mb12k_v2_rerun_h100.json",
+                                    "instruct05b_recipe_mb12k_samecall2_h100.json"])
 def test_the_plan_lands_within_10_percent_of_every_measured_phase(result):
     """The shipped recipes run through `python -m rlhf.train` on one H200 (bench/recipe_run.py): the 7B
     shape under recipes/models/lora.gin (LoRA 64, compiled layers, no checkpointing, 12288-token packed
