@@ -208,3 +208,12 @@ def test_lora_layers_cuts_a_mini_batch_as_the_engine_does():
         with pytest.raises(SystemExit) as exit_:
             lora_layers.main(["--json", "x.json", "--update-tokens", bad])
         assert exit_.value.code == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without a GPU gets")
+def test_cublas_workspace_bench_refuses_without_a_gpu_in_one_line():
+    import subprocess
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "cublas_workspace.py")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "bench/cublas_workspace.py needs a CUDA GPU: none is visible here"]
