@@ -495,7 +495,8 @@ def test_an_on_policy_update_plans_no_old_logprob_pass():
     ppo = memory.predict(run_config(lora_rank=64), SHAPES["qwen2.5-7b"], available=H200)
     assert {"old_logprobs", "values", "update_critic"} <= {p.name for p in ppo.phases}
     out = subprocess.run([sys.executable, "-m", "rlhf.memory", "recipes/models/lora.gin", "--gpu-memory-gib", "139",
-                          "--shape", "qwen2.5-7b", "-b", "ppo.adv_estimator = 'grpo'", "-b", "ppo.samples_per_prompt = 8",
-                          "-b", "ppo.kl_mode = 'loss'"], capture_output=True, text=True, cwd=REPO, timeout=120)
+                          "--shape", "qwen2.5-7b", "-b", "ppo.adv_estimator = 'grpo'",
+                          "-b", "ppo.samples_per_prompt = 8", "-b", "ppo.kl_mode = 'loss'"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "LoRA rank 64, no critic (grpo)," in out.stdout.splitlines()[0]
