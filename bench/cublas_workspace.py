@@ -6,7 +6,8 @@ memory plan's allocated figures wherever the trainer's roles run matmuls on more
 local placement submits a role's calls to a worker thread of its own, `rlhf/placement/proxy.py`). This
 runs one small matmul of each kind (bf16, fp32, fp32 with bias: cuBLAS and cuBLASLt) on the main
 thread, then on new threads one by one, then on a side stream, and prints what stayed allocated after
-each (the outputs freed), with and without `CUBLAS_WORKSPACE_CONFIG` (which `ppo.deterministic` sets).
+each (the outputs freed). The JSON records `CUBLAS_WORKSPACE_CONFIG`, which sets the workspace's size
+(`ppo.deterministic` sets it): run it once with the variable and once without to see both.
 
     python bench/cublas_workspace.py [--threads 3] [--json OUT.json]
 """
@@ -18,6 +19,7 @@ import json
 import os
 import sys
 import threading
+from pathlib import Path
 
 
 def held_after(fn, torch) -> int:
@@ -64,6 +66,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=3)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.threads < 0:
+        p.error(f"--threads {args.threads} is invalid: a count of new threads, 0 or more")
+    if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
+        p.error(f"--json {args.json} is invalid: a file path in an existing directory")
     import torch
     if not torch.cuda.is_available():
         print("bench/cublas_workspace.py needs a CUDA GPU: none is visible here", file=sys.stderr)

@@ -217,3 +217,12 @@ def test_cublas_workspace_bench_refuses_without_a_gpu_in_one_line():
                          text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "bench/cublas_workspace.py needs a CUDA GPU: none is visible here"]
+
+
+@pytest.mark.parametrize("bad, named", [(["--threads", "-1"], "--threads -1"), (["--json", "."], "--json ."),
+                                        (["--json", "no/such/dir/x.json"], "--json no/such/dir/x.json")])
+def test_cublas_workspace_bench_refuses_bad_arguments_before_any_gpu_work(bad, named, capsys):
+    import cublas_workspace
+    with pytest.raises(SystemExit) as exit_:
+        cublas_workspace.main(bad)
+    assert exit_.value.code == 2 and f"error: {named} is invalid" in capsys.readouterr().err
