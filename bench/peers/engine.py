@@ -21,17 +21,23 @@ path; `-b 'ppo.torch_compile = False'` for eager).
 --recipe models/lora.gin: the work on a shipped model recipe as a user runs it: the recipe sets how it
   is computed (its LoRA, packed token budgets, checkpointing, compiled layers, vLLM sleep); the work's
   bindings above set what is computed (and `--lora-rank`, when given, the adapters' rank and alpha).
---placement local: every role in this process; colocated: Ray ranks (world size 1)
+--placement local: every role in the run's process; colocated: Ray ranks (world size 1)
 sharing one GPU bundle (`ppo.offload_idle_models = 'auto'`, the default: every model fits here, so
-none is offloaded; `-b 'ppo.offload_idle_models = True'` forces offloading). Each iteration's
-`timing_s/*` phases come from the engine; the JSON is rewritten after every iteration.
+none is offloaded; `-b 'ppo.offload_idle_models = True'` forces offloading).
+
+The run is the user's command: the work is written as a recipe file (the model recipe included, then
+the work's bindings; `recipe_file` in the JSON) and run by `python -m rlhf.train FILE --out DIR`, with
+-b bindings passed on its command line. Each iteration's `timing_s/*` phases come from the run's
+metrics.jsonl; the JSON is rewritten as each iteration lands.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -114,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--lora-alpha", type=float, default=0.0, help="LoRA alpha (default: twice the rank)")
     p.add_argument("--recipe", default=None, help="a shipped model recipe under recipes/ (e.g. models/lora.gin) that "
                    "sets how the work is computed")
+    p.add_argument("--out", default=None, help="the run directory, kept (default: a temporary one); its recipe file "
+                   "is written beside it")
     p.add_argument("--tiny", action="store_true", help="tiny shape on the CPU, HF generate (smoke test)")
     p.add_argument("--config-only", action="store_true", help="resolve and validate the bindings, then exit")
     args = p.parse_args(argv)
@@ -124,48 +132,76 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     inputs = common.build_inputs(args.assets, tiny=args.tiny, shape=args.shape)
     common.check_assets(inputs)
-    all_bindings = (bindings(inputs, args.algo, args.placement, args.tiny, args.lora_rank, args.lora_alpha,
-                             args.recipe) + args.binding)
+    work = bindings(inputs, args.algo, args.placement, args.tiny, args.lora_rank, args.lora_alpha, args.recipe)
 
     from rlhf import configurable
 
-    recipe = REPO / "recipes" / args.recipe if args.recipe else None
-    if recipe is not None and not recipe.is_file():
+    if args.recipe and not (REPO / "recipes" / args.recipe).is_file():
         p.error(f"--recipe {args.recipe}: no such recipe under recipes/")
-    cfg, _ = configurable.resolve(recipe, all_bindings + [f"ppo.total_steps = {args.warmup + args.steps}"])
-    print(f"engine {args.algo} {args.placement}: rollout buffer {cfg.ppo.rollout_batch_size}, mini-batch "
-          f"{cfg.ppo.mini_batch_size}, micro-batch {cfg.ppo.micro_batch_size}, placement {cfg.ppo.resolved_placement}, "
-          f"critic {'yes' if cfg.ppo.uses_critic else 'no'}, shape {inputs['shape']}, lora rank "
-          f"{cfg.ppo.lora_rank}, gradient checkpointing {cfg.ppo.gradient_checkpointing}", flush=True)
-    if args.config_only:
-        return 0
+    root = str(Path(args.assets).resolve())
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(args.out).resolve() if args.out else Path(tmp) / "run"
+        if run_dir.exists() and any(run_dir.iterdir()):
+            p.error(f"--out {args.out}: not empty; give a new run directory")
+        recipe_file = run_dir.parent / f"{run_dir.name}.gin"
+        recipe_file.parent.mkdir(parents=True, exist_ok=True)
+        recipe_file.write_text(work_recipe(args.recipe, work, args.warmup + args.steps))
+        cfg, _ = configurable.resolve(recipe_file, args.binding)
+        print(f"engine {args.algo} {args.placement}: rollout buffer {cfg.ppo.rollout_batch_size}, mini-batch "
+              f"{cfg.ppo.mini_batch_size}, micro-batch {cfg.ppo.micro_batch_size}, placement "
+              f"{cfg.ppo.resolved_placement}, critic {'yes' if cfg.ppo.uses_critic else 'no'}, shape "
+              f"{inputs['shape']}, lora rank {cfg.ppo.lora_rank}, gradient checkpointing "
+              f"{cfg.ppo.gradient_checkpointing}", flush=True)
+        if args.config_only:
+            return 0
+        result = {
+            "system": "engine", "algorithm": args.algo,
+            "variant": args.variant or args.placement + (f"_lora{args.lora_rank}" if args.lora_rank else ""),
+            "placement": args.placement, "command": common.command_line(argv),
+            "work": dict(WORK[args.algo], tiny=args.tiny, shape=inputs["shape"], lora_rank=cfg.ppo.lora_rank,
+                         lora_alpha=cfg.ppo.lora_alpha if cfg.ppo.lora_rank else None,
+                         gradient_checkpointing=cfg.ppo.gradient_checkpointing, torch_compile=cfg.ppo.torch_compile,
+                         max_tokens_per_micro_batch=cfg.ppo.max_tokens_per_micro_batch),
+            "recipe": args.recipe or "",  # else the engine defaults (rlhf/config.py) and the bindings
+            "bindings": [b.replace(root, "$ASSETS") for b in work + args.binding],
+            "recipe_file": recipe_file.read_text().replace(root, "$ASSETS"),
+            "versions": common.versions("gin-config"),
+            "steps": [],
+        }
+        cmd = [sys.executable, "-m", "rlhf.train", str(recipe_file), "--out", str(run_dir), "--quiet"]
+        for b in args.binding:
+            cmd += ["-b", b]
+        result["train_command"] = " ".join(["python", "-m", "rlhf.train", recipe_file.name, "--out", run_dir.name,
+                                            "--quiet"] + [f"-b {b!r}" for b in args.binding])
+        return train_and_time(cmd, run_dir, result, args, t0)
 
-    import torch
 
-    from rlhf.trainer import PPOTrainer
+def work_recipe(recipe: str | None, bindings_: list[str], steps: int) -> str:
+    """The recipe file a user writes for the work: the shipped model recipe included (when given), then
+    the work's bindings, then the iteration count."""
+    head = [f"include '{recipe}'"] if recipe else []
+    return "\n".join(head + bindings_ + [f"ppo.total_steps = {steps}", ""])
+
+
+def train_and_time(cmd: list[str], run_dir: Path, result: dict, args, t0: float) -> int:
+    """Runs `python -m rlhf.train` (its own process, as a user runs it) and rewrites the JSON from its
+    metrics.jsonl as each iteration lands: the iteration and phase times (`timing_s/*`) are the engine's
+    own. The device-wide peak (`gpu_memory_used_peak_gb`) is sampled from here, restarted when the warm-up
+    iterations are done, so it covers the timed iterations and the final evaluation."""
+    from rlhf.metrics import read_metrics
 
     gpu = common.GPUMemorySampler().start()
-    root = str(Path(args.assets).resolve())
-    result = {
-        "system": "engine", "algorithm": args.algo,
-        "variant": args.variant or args.placement + (f"_lora{args.lora_rank}" if args.lora_rank else ""),
-        "placement": args.placement, "command": common.command_line(argv),
-        "work": dict(WORK[args.algo], tiny=args.tiny, shape=inputs["shape"], lora_rank=cfg.ppo.lora_rank,
-                     lora_alpha=cfg.ppo.lora_alpha if cfg.ppo.lora_rank else None,
-                     gradient_checkpointing=cfg.ppo.gradient_checkpointing, torch_compile=cfg.ppo.torch_compile,
-                     max_tokens_per_micro_batch=cfg.ppo.max_tokens_per_micro_batch),
-        "recipe": args.recipe or "",  # else the engine defaults (rlhf/config.py) and the bindings
-        "bindings": [b.replace(root, "$ASSETS") for b in all_bindings],
-        "versions": common.versions("gin-config"),
-        "steps": [],
-    }
 
-    def finish(partial: bool):
-        steps = result["steps"]
+    def finish(partial: bool, records: list[dict]):
+        steps = [{**{k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
+                  "gpu_memory_used_peak_gb": gpu.peak_gb if i >= args.warmup else None}
+                 for i, r in enumerate(records)]
+        result["steps"] = steps
         result.update(common.summarize([s["timing_s/step"] for s in steps], args.warmup))
         timed = steps[args.warmup:]
         if timed:
-            keys = sorted({k for s in timed for k in s if k.startswith("timing_s/")})
+            # the final evaluation is timed apart from its iteration (timing_s/eval), not a phase of the work
+            keys = sorted({k for s in timed for k in s if k.startswith("timing_s/") and k != "timing_s/eval"})
             result["median_phases_s"] = {k.split("/", 1)[1]: statistics.median(s[k] for s in timed if k in s)
                                          for k in keys}
             result["tokens_per_s"] = statistics.median(s["perf/tokens_per_s"] for s in timed)
@@ -173,41 +209,47 @@ def main(argv=None) -> int:
             result["response_length_mean"] = statistics.mean(s["response_length_mean"] for s in timed)
             mem = [s["perf/max_memory_allocated_gb"] for s in timed if "perf/max_memory_allocated_gb" in s]
             result["max_memory_allocated_gb"] = max(mem) if mem else None
-            used = [s.get("gpu_memory_used_peak_gb") for s in timed if s.get("gpu_memory_used_peak_gb")]
-            result["gpu_memory_used_peak_gb"] = max(used) if used else None
+            result["gpu_memory_used_peak_gb"] = gpu.peak_gb or None
         result["partial"] = partial
         common.write_json(args.json, result)
 
-    with tempfile.TemporaryDirectory() as out:
-        trainer = PPOTrainer(cfg, out, log=lambda m: print(m, file=sys.stderr, flush=True))
-        result["setup_s"] = time.perf_counter() - t0
-        print(f"trainer ready in {result['setup_s']:.1f} s", flush=True)
-        try:
-            for i in range(args.warmup + args.steps):
-                if i == args.warmup:
-                    if args.placement == "local" and torch.cuda.is_available():  # the driver of Ray ranks holds no GPU
-                        torch.cuda.reset_peak_memory_stats()
+    def records() -> list[dict]:
+        path = run_dir / "metrics.jsonl"
+        return [r for r in read_metrics(path) if r.get("step", 0) > 0] if path.is_file() else []
+
+    print(f"[engine] {' '.join(cmd)}", flush=True)
+    # In this script's process group, so that a part's time limit (`timeout`, a group kill) stops the run
+    # too; a SIGTERM to this script alone stops it through the `finally` below.
+    proc = subprocess.Popen(cmd, cwd=str(REPO))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    seen: list[dict] = []
+    try:
+        while proc.poll() is None:
+            time.sleep(1.0)
+            now = records()
+            if len(now) > len(seen):
+                if not seen:  # the first iteration's end less its own time: building the roles, vLLM, evaluation
+                    result["setup_s"] = round(time.perf_counter() - t0 - now[0]["timing_s/step"], 1)
+                if len(seen) < args.warmup <= len(now):
                     gpu.reset()
-                trainer.step += 1
-                record = trainer.train_step()
-                keep = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-                keep["step"] = trainer.step
-                keep["gpu_memory_used_peak_gb"] = gpu.peak_gb
-                result["steps"].append(keep)
-                print(f"step {trainer.step}: {record['timing_s/step']:.2f} s", flush=True)
-                finish(partial=True)
-        finally:
-            close = getattr(trainer, "close", None)
-            if callable(close):
-                try:
-                    close()
-                except Exception as err:  # the figures are written already
-                    print(f"close: {err!r}", file=sys.stderr)
+                for r in now[len(seen):]:
+                    print(f"step {r['step']}: {r['timing_s/step']:.2f} s", flush=True)
+                seen = now
+                finish(True, seen)
+    finally:
+        if proc.poll() is None:  # this script stopped (a part's time limit): stop the run with it
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     gpu.stop()
-    finish(partial=False)
+    result["exit_code"] = proc.returncode
+    finish(proc.returncode != 0, records())
     print(f"engine {args.algo} ({result['variant']}): median {result.get('median_step_s')} s per iteration over "
-          f"{result.get('timed_steps')}; wrote {args.json}", flush=True)
-    return 0
+          f"{result.get('timed_steps')}; rlhf.train exit {proc.returncode}; wrote {args.json}", flush=True)
+    return proc.returncode
 
 
 if __name__ == "__main__":

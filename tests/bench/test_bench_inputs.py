@@ -136,6 +136,35 @@ def test_peer_work_on_the_shipped_lora_recipe():
     assert plan.fits
 
 
+def test_the_peers_engine_row_is_the_users_command(tmp_path):
+    """`bench/peers/engine.py --recipe models/lora.gin` on the CPU (tiny shape, HF rollouts): the work is a
+    recipe file that includes the shipped recipe, run by `python -m rlhf.train`; a -b binding reaches the
+    run, the JSON's iterations are the run's metrics.jsonl, and the median leaves out the warm-up."""
+    import statistics
+    import subprocess
+    run = tmp_path / "runs" / "grpo"
+    args = [sys.executable, str(REPO / "bench" / "peers" / "engine.py"), "--tiny", "--algo", "grpo",
+            "--recipe", "models/lora.gin", "--lora-rank", "16", "--assets", str(tmp_path / "assets"),
+            "--json", str(tmp_path / "engine.json"), "--steps", "2", "--out", str(run), "-b", "ppo.seed = 3"]
+    done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "engine.json").read_text())
+    assert result["exit_code"] == 0 and not result["partial"]
+    assert result["train_command"].startswith("python -m rlhf.train grpo.gin --out grpo")
+    assert result["recipe_file"].startswith("include 'models/lora.gin'\n")
+    assert "ppo.adv_estimator = 'grpo'" in result["recipe_file"] and "ppo.total_steps = 3" in result["recipe_file"]
+    assert (run.parent / "grpo.gin").read_text().replace(str((tmp_path / "assets").resolve()), "$ASSETS") == \
+        result["recipe_file"]
+    config = (run / "config.gin").read_text()
+    assert "ppo.seed = 3" in config and "ppo.lora_rank = 16" in config and "ppo.adv_estimator = 'grpo'" in config
+    from rlhf.metrics import read_metrics
+    steps = [r for r in read_metrics(run) if r["step"] > 0]
+    assert [s["timing_s/step"] for s in result["steps"]] == [r["timing_s/step"] for r in steps]
+    assert result["median_step_s"] == statistics.median(r["timing_s/step"] for r in steps[1:])
+    assert "eval" not in result["median_phases_s"] and result["median_phases_s"]["update_actor"] > 0
+    assert result["timed_steps"] == 2 and result["setup_s"] > 0
+
+
 def test_recipe_run_times_a_shipped_recipe_through_the_users_command(tmp_path):
     """bench/recipe_run.py on the CPU (the tiny shape, HF rollouts): the recipe file a user writes, run by
     `python -m rlhf.train`, resumed on a second call, summarised with the plan beside each phase; the
