@@ -5,8 +5,9 @@ workspace from its caching allocator: it counts in `torch.cuda.memory_allocated`
 memory plan's allocated figures wherever the trainer's roles run matmuls on more than one thread (a
 local placement submits a role's calls to a worker thread of its own, `rlhf/placement/proxy.py`). This
 runs one small matmul of each kind (bf16, fp32, fp32 with bias: cuBLAS and cuBLASLt) on the main
-thread, then on new threads one by one, then on a side stream, and prints what stayed allocated after
-each (the outputs freed). The JSON records `CUBLAS_WORKSPACE_CONFIG`, which sets the workspace's size
+thread, then on new threads one by one, then on a side stream, then a backward pass (autograd runs it on
+a thread of its own) on the default stream and on the side stream, and prints what stayed allocated after
+each (the outputs and the gradient freed). The JSON records `CUBLAS_WORKSPACE_CONFIG`, which sets the workspace's size
 (`ppo.deterministic` sets it): run it once with the variable and once without to see both.
 
     python bench/cublas_workspace.py [--threads 3] [--json OUT.json]
@@ -57,6 +58,13 @@ def measure(threads: int) -> dict:
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         out["side_stream"] = held_after(run, torch)
+    # Backward runs on autograd's own thread for the device: a matmul's gradient is another thread's.
+    w = torch.randn(256, 256, device="cuda", requires_grad=True)
+    x = torch.randn(256, 256, device="cuda")
+    out["backward"] = held_after(lambda: (x @ w).sum().backward(), torch) - w.numel() * 4  # less w.grad
+    with torch.cuda.stream(side):
+        w.grad = None
+        out["backward_side_stream"] = held_after(lambda: (x @ w).sum().backward(), torch) - w.numel() * 4
     out["allocated_total"] = torch.cuda.memory_allocated()
     return out
 

@@ -255,3 +255,49 @@ def test_cublas_workspace_bench_refuses_bad_arguments_before_any_gpu_work(bad, n
     with pytest.raises(SystemExit) as exit_:
         cublas_workspace.main(bad)
     assert exit_.value.code == 2 and f"error: {named} is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without a GPU gets")
+def test_memory_snapshot_bench_refuses_without_a_gpu_in_one_line(tmp_path):
+    import subprocess
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "memory_snapshot.py"), "--assets", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "bench/memory_snapshot.py needs a CUDA GPU: none is visible here"]
+    assert not any(tmp_path.iterdir())  # nothing built before the refusal
+
+
+@pytest.mark.parametrize("bad, named", [(["--steps", "0"], "--steps 0 is invalid"),
+                                        (["--recipe", "models/none.gin"], "--recipe models/none.gin: no such recipe"),
+                                        (["--json", "."], "--json . is invalid")])
+def test_memory_snapshot_bench_refuses_bad_arguments_before_any_gpu_work(bad, named, capsys):
+    import memory_snapshot
+    with pytest.raises(SystemExit) as exit_:
+        memory_snapshot.main(["--assets", "/nonexistent"] + bad)
+    assert exit_.value.code == 2 and f"error: {named}" in capsys.readouterr().err
+
+
+def test_memory_snapshot_groups_live_blocks_by_where_they_were_allocated():
+    """The allocator's snapshot format (torch.cuda.memory._snapshot()): live blocks grouped by their
+    innermost frame under rlhf/, free bytes per segment, the counters in MiB."""
+    import memory_snapshot
+    mib = 2 ** 20
+    here = {"filename": "/x/rlhf/roles/actor.py", "line": 12, "name": "update"}
+    torch_frame = {"filename": "/site/torch/nn/modules/linear.py", "line": 125, "name": "forward"}
+    snapshot = {"segments": [
+        {"total_size": 100 * mib, "stream": 0, "segment_type": "large", "blocks": [
+            {"size": 32 * mib, "state": "active_allocated", "frames": [torch_frame, here]},
+            {"size": 32 * mib, "state": "active_allocated", "frames": [torch_frame, here]},
+            {"size": 36 * mib, "state": "inactive"}]},
+        {"total_size": 2 * mib, "stream": 7, "segment_type": "small", "blocks": [
+            {"size": mib, "state": "active_allocated", "frames": [torch_frame]},
+            {"size": mib, "state": "active_allocated"}]}]}
+    stats = {"allocated_bytes.all.current": 66 * mib, "reserved_bytes.all.current": 102 * mib,
+             "inactive_split_bytes.all.current": 36 * mib}
+    out = memory_snapshot.summarize(snapshot, stats)
+    assert (out["allocated_mib"], out["reserved_mib"], out["inactive_split_mib"], out["segments"]) == (66, 102, 36, 2)
+    assert out["free_in_segments_mib"] == 36 and out["segments_most_free"][0]["free_mib"] == 36
+    assert out["allocated_by_origin"] == [
+        {"origin": "rlhf/roles/actor.py:12 update", "mib": 64.0, "sizes_mib": {"32.00": 2}},
+        {"origin": "linear.py:125 forward", "mib": 1.0, "sizes_mib": {"1.00": 1}},
+        {"origin": "not recorded", "mib": 1.0, "sizes_mib": {"1.00": 1}}]
