@@ -2,16 +2,16 @@
 
 The memory plan counts each phase's resident roles, micro-batch and a reserve (rlhf/memory/plan.py); a
 measured phase can sit above it by what no formula names. This runs the recipe file bench/recipe_run.py
-writes, in this process (`rlhf.trainer.PPOTrainer`, as `python -m rlhf.train` builds it), for --steps
-iterations with torch's allocator history on (Python stacks), then reads the allocator's snapshot at the
-end of the last iteration, once every phase has given its cached blocks back: the state the next rollout
-starts from. It prints and writes (--json):
+writes, in this process (`rlhf.trainer.PPOTrainer` with the allocator's settings, rlhf/allocator.py, as
+`python -m rlhf.train` builds it), for --steps iterations (with `--stacks python`, torch's allocator
+history on), then reads the allocator's snapshot at the end of the last iteration, once every phase has
+given its cached blocks back: the state the next rollout starts from. It prints and writes (--json):
 
 - torch's counters: allocated, reserved, inactive split bytes, segments;
 - the memory held but not allocated, by segment (what empty_cache could not give back);
-- the live blocks grouped by where they were allocated (the deepest frame under rlhf/, else the deepest
-  frame; blocks the history did not see are 'not recorded'), largest first, with their sizes: a
-  workspace (cuBLAS's 32 MiB on Hopper) shows as blocks of one size beside a matmul's line.
+- the live blocks by size, and (`--stacks python`) grouped by where they were allocated (the deepest
+  frame under rlhf/, else the deepest frame; blocks the history did not see are 'not recorded'),
+  largest first, with their sizes: a workspace (cuBLAS's 32 MiB on Hopper) shows as blocks of one size.
 
     python bench/memory_snapshot.py --recipe models/instruct.gin --shape 0.5b --assets DIR \
         [--steps 2] [-b BINDING]... [--json OUT.json]
@@ -46,6 +46,7 @@ def origin(frames: list[dict]) -> str:
 def summarize(snapshot: dict, stats: dict, top: int = 25) -> dict:
     """The allocator's snapshot (torch.cuda.memory._snapshot()) and memory_stats() as figures in MiB."""
     groups: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    sizes: collections.Counter = collections.Counter()
     segments = []
     for seg in snapshot["segments"]:
         held = sum(b["size"] for b in seg["blocks"] if b["state"] == "active_allocated")
@@ -55,6 +56,7 @@ def summarize(snapshot: dict, stats: dict, top: int = 25) -> dict:
         for b in seg["blocks"]:
             if b["state"] == "active_allocated":
                 groups[origin(b.get("frames") or [])][b["size"]] += 1
+                sizes[b["size"]] += 1
     by_origin = sorted(({"origin": k, "mib": round(sum(s * n for s, n in c.items()) / MIB, 1),
                          "sizes_mib": {f"{s / MIB:.2f}": n for s, n in c.most_common(4)}}
                         for k, c in groups.items()), key=lambda g: -g["mib"])
@@ -67,6 +69,8 @@ def summarize(snapshot: dict, stats: dict, top: int = 25) -> dict:
         "free_in_segments_mib": round(sum(s["free_mib"] for s in segments), 1),
         "segments_most_free": segments[:10],
         "allocated_by_origin": by_origin[:top],
+        "allocated_by_size": [{"size_mib": round(s / MIB, 2), "blocks": n, "mib": round(s * n / MIB, 1)}
+                              for s, n in sorted(sizes.items(), key=lambda kv: -kv[0] * kv[1])[:top]],
     }
 
 
@@ -79,6 +83,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("-b", "--binding", action="append", default=[])
     p.add_argument("--json", default=None)
+    p.add_argument("--stacks", choices=("none", "python"), default="none",
+                   help="record where each block was allocated (torch's allocator history with Python stacks; "
+                        "torch 2.11 fails inside a compiled autograd function with it: add "
+                        "-b 'ppo.torch_compile = False')")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps {args.steps} is invalid: 1 or more iterations")
@@ -86,6 +94,8 @@ def main(argv=None) -> int:
         p.error(f"--recipe {args.recipe}: no such recipe under recipes/")
     if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
         p.error(f"--json {args.json} is invalid: a file path in an existing directory")
+    from rlhf import allocator
+    alloc_conf = allocator.configure()  # as `python -m rlhf.train` sets it, before CUDA starts
     import torch
     if not torch.cuda.is_available():
         print("bench/memory_snapshot.py needs a CUDA GPU: none is visible here", file=sys.stderr)
@@ -100,7 +110,8 @@ def main(argv=None) -> int:
         recipe = Path(tmp) / "recipe.gin"
         recipe.write_text(recipe_run.recipe_text(args.recipe, inputs, args.steps, args.prompts))
         cfg, _ = configurable.resolve(recipe, args.binding)
-        torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
+        if args.stacks == "python":
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
         trainer = PPOTrainer(cfg, Path(tmp) / "run", log=lambda m: print(m, file=sys.stderr, flush=True))
         while trainer.step < args.steps:
             trainer.step += 1
@@ -109,7 +120,7 @@ def main(argv=None) -> int:
         trainer.drain()
         torch.cuda.synchronize()
         result = {"recipe": args.recipe, "shape": args.shape, "bindings": args.binding, "steps": args.steps,
-                  "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                  "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "alloc_conf": alloc_conf,
                   **summarize(torch.cuda.memory._snapshot(), torch.cuda.memory_stats())}
         close = getattr(trainer, "close", None)
         if callable(close):

@@ -83,16 +83,16 @@ def planned_by_phase(recipe_file_text: str, shape: str, available_gib: float, to
     """({phase: GiB} allocated, {phase: GiB} reserved): what the memory plan of this code predicts torch
     holds at each phase's peak for the run's recipe file and bindings on a GPU of `total_gib`
     (`available_gib` free at the start), the data's longest prompt as the run measured it (`longest_prompt`,
-    None: ppo.max_prompt_length). Allocated: resident roles, the engine when awake and the
-    phase's micro-batch; reserved: that plus the allocator's share of the plan's reserve (not the CUDA
-    context's, which torch does not count). With `ppo.vllm_own_process` the engine's memory is another
-    process's, outside what torch measures here: the figures are the trainer's share of the plan (resident
-    roles and micro-batch, reserved with their fragmentation), and the engine's is left to a device-wide
-    measurement."""
+    None: ppo.max_prompt_length). Allocated: resident roles, the engine when awake, the phase's
+    micro-batch and the trainer's cuBLAS workspaces; reserved: that plus the allocator's share of the
+    plan's reserve (not the CUDA context's, which torch does not count). With `ppo.vllm_own_process` the
+    engine's memory is another process's, outside what torch measures here: the figures are the
+    trainer's share of the plan (resident roles, micro-batch and workspaces, reserved with the first
+    two's fragmentation), and the engine's is left to a device-wide measurement."""
     import tempfile
 
     from rlhf import configurable, memory
-    from rlhf.memory.plan import FRAGMENTATION, RESERVE_BYTES
+    from rlhf.memory.plan import RESERVE_BYTES, fragmentation_bytes
     with tempfile.TemporaryDirectory() as tmp:
         recipe = Path(tmp) / "recipe.gin"
         recipe.write_text(recipe_file_text)
@@ -100,9 +100,10 @@ def planned_by_phase(recipe_file_text: str, shape: str, available_gib: float, to
     plan = memory.predict(cfg, memory.KNOWN_SHAPES[SHAPES[shape]], available=int(available_gib * memory.GIB),
                           device_total=int(total_gib * memory.GIB), longest_prompt=longest_prompt)
     if cfg.ppo.vllm_own_process:
-        return ({p.name: round((p.resident + p.transient) / memory.GIB, 2) for p in plan.phases},
-                {p.name: round((1 + FRAGMENTATION) * (p.resident + p.transient) / memory.GIB, 2) for p in plan.phases})
-    return ({p.name: round((p.resident + p.engine + p.transient) / memory.GIB, 2) for p in plan.phases},
+        return ({p.name: round((p.allocated - p.engine) / memory.GIB, 2) for p in plan.phases},
+                {p.name: round((p.allocated - p.engine + fragmentation_bytes(p.resident, p.transient)) / memory.GIB, 2)
+                 for p in plan.phases})
+    return ({p.name: round(p.allocated / memory.GIB, 2) for p in plan.phases},
             {p.name: round((p.total - RESERVE_BYTES) / memory.GIB, 2) for p in plan.phases})
 
 

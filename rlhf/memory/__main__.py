@@ -145,10 +145,12 @@ def render(plan, cfg, policy, recipe: str, where: str) -> str:
         lines.append(f"{r.name:<18}{_gib(r.weights):>9}{_gib(r.grads):>9}{_gib(r.optimizer):>11}"
                      f"{_gib(r.resident):>10}{_gib(r.train):>11}{_gib(r.forward):>12}  {r.note}"
                      + (f" (+ rollout replica {_gib(r.replica)})" if r.replica else ""))
-    lines += ["", f"{'phase (GiB)':<18}{'resident':>10}{'vLLM':>8}{'micro-batch':>13}{'reserve':>9}{'total':>8}"]
+    lines += ["", f"{'phase (GiB)':<18}{'resident':>10}{'vLLM':>8}{'micro-batch':>13}{'cuBLAS':>8}{'reserve':>9}"
+                  f"{'total':>8}"]
     for p in plan.phases:
         lines.append(f"{p.name:<18}{_gib(p.resident):>10}{_gib(p.engine):>8}{_gib(p.transient):>13}"
-                     f"{_gib(p.reserve):>9}{_gib(p.total):>8}" + ("  <- peak" if p is plan.peak else ""))
+                     f"{_gib(p.workspaces):>8}{_gib(p.reserve):>9}{_gib(p.total):>8}"
+                     + ("  <- peak" if p is plan.peak else ""))
     def how(setting) -> str:
         return "'auto', decided as the runtime decides" if setting == "auto" else f"set to {setting!r}"
     lines += ["", f"offload idle models: {'on' if plan.offload else 'off'} ({how(ppo.offload_idle_models)}); "

@@ -161,6 +161,27 @@ def engine_bytes(ppo, device_total: int) -> int:
     return int(ppo.vllm_gpu_memory_utilization * device_total)
 
 
+CUBLAS_WORKSPACE_BYTES = 33 * 2**20
+"""torch's cuBLAS workspace (32 MiB on Hopper, `CUBLAS_WORKSPACE_CONFIG` = ':4096:8' or unset) and cuBLASLt's
+(1 MiB) for one thread and CUDA stream that run matmuls, taken from torch's caching allocator (so counted as
+allocated) and kept for the process's life. Measured on an H100 with torch 2.11 (bench/results/
+cublas_workspace_h100.json): 33 MiB for each new thread or stream, the same with the variable set; older GPUs
+take less."""
+
+
+def cublas_workspace_bytes(device_roles: Sequence[str], gpu: bool) -> int:
+    """The cuBLAS workspaces of the trainer's roles on one GPU: the calling thread and autograd's backward
+    thread, each on the default stream, and with a critic the same two on its update's stream
+    (rlhf/roles/critic.py): 4 x 33 MiB in the 0.5B recipe's trainer (bench/results/memory_snapshot/
+    instruct05b_own_process_h100.json: four 32 MiB blocks between iterations). A forward-only role's GPU: the
+    calling thread's alone."""
+    if not gpu:
+        return 0
+    trains = any(r in ("actor", "critic") for r in device_roles)
+    pairs = (2 if trains else 1) + (2 if "critic" in device_roles else 0)
+    return pairs * CUBLAS_WORKSPACE_BYTES
+
+
 ENGINE_PROCESS_BYTES = 512 * 2**20
 """What a vLLM engine in a process of its own (`ppo.vllm_own_process`) holds beyond its share, awake or
 asleep: that process's CUDA context and cuBLAS workspace."""

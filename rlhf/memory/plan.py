@@ -24,6 +24,7 @@ from rlhf.memory.formulas import (
     GIB,
     RoleMemory,
     compiled,
+    cublas_workspace_bytes,
     engine_bytes,
     engine_side_bytes,
     forward_peak_bytes,
@@ -40,8 +41,21 @@ from rlhf.models import check_policy_dir
 
 RESERVE_BYTES = 1 * GIB
 """Kept free on every GPU for what torch does not count: the CUDA context, cuBLAS and NCCL workspaces."""
-FRAGMENTATION = 0.05
-"""Share of a phase's torch memory added for the caching allocator's fragmentation."""
+FRAGMENTATION = 0.04
+"""Share of a phase's micro-batch added for the caching allocator's fragmentation."""
+RESIDENT_FRAGMENTATION = 0.06
+"""Share of the resident roles' state added for the allocator's fragmentation. It stays between phases:
+with expandable segments, after each phase's `empty_cache`, the 0.5B recipe's trainer held 0.92 GiB
+reserved beside 16.69 allocated (5.5%), in pages that live blocks keep mapped
+(bench/results/memory_snapshot/instruct05b_own_process_h100.json; 2.43 GiB with torch's fixed segments,
+*_no_expandable_h100.json). At a phase's peak the micro-batch's blocks fill much of that: the updates
+reserved 1.8-1.9% above their allocation (instruct05b_recipe_mb12k_own_process_samecall2_h100.json)."""
+
+
+def fragmentation_bytes(resident: int, transient: int) -> int:
+    """What the caching allocator holds beyond a phase's allocation: RESIDENT_FRAGMENTATION of the roles'
+    resident state and FRAGMENTATION of the micro-batch."""
+    return int(RESIDENT_FRAGMENTATION * resident + FRAGMENTATION * transient)
 ENGINE_FRAGMENTATION = 0.02
 """Share of an awake vLLM engine's memory added for what torch reserves beyond it (its sleep-mode pool
 and sampling buffers). Measured at the Qwen2.5-7B shape while generating, torch reserved 1.8 GiB above
@@ -69,9 +83,9 @@ def resolve_auto(offload_mode, sleep_mode, fits: bool, can_offload: bool) -> tup
 @dataclasses.dataclass
 class Phase:
     """One phase of a PPO step on one GPU: the roles resident, the vLLM engine when awake, what the
-    phase's micro-batch adds, and the reserve (RESERVE_BYTES + FRAGMENTATION of torch's share +
-    ENGINE_FRAGMENTATION of an awake engine + what the engine holds beyond its share, awake or asleep:
-    `engine_side_bytes`)."""
+    phase's micro-batch adds, the trainer's cuBLAS workspaces (`cublas_workspace_bytes`), and the reserve
+    (RESERVE_BYTES + FRAGMENTATION of torch's share + ENGINE_FRAGMENTATION of an awake engine + what the
+    engine holds beyond its share, awake or asleep: `engine_side_bytes`)."""
 
     name: str
     role: str
@@ -80,10 +94,16 @@ class Phase:
     engine: int
     transient: int
     reserve: int
+    workspaces: int = 0
+
+    @property
+    def allocated(self) -> int:
+        """What torch allocates in the phase at its peak: everything but the reserve."""
+        return self.resident + self.engine + self.transient + self.workspaces
 
     @property
     def total(self) -> int:
-        return self.resident + self.engine + self.transient + self.reserve
+        return self.allocated + self.reserve
 
 
 PHASES = ("generate", "reward_model", "reference", "old_logprobs", "values", "update_critic", "update_actor",
@@ -135,6 +155,8 @@ class MemoryPlan:
             parts.append(f"vLLM {p.engine / GIB:.1f}")
         if p.transient:
             parts.append(f"{p.name} micro-batch {p.transient / GIB:.1f}")
+        if p.workspaces:
+            parts.append(f"cuBLAS {p.workspaces / GIB:.1f}")
         parts.append(f"reserve {p.reserve / GIB:.1f}")
         return f"at {p.name}: " + ", ".join(parts)
 
@@ -166,7 +188,8 @@ class MemoryPlan:
                               "train_micro_batch_gb": gb(r.train), "forward_micro_batch_gb": gb(r.forward)}
                           for n, r in self.roles.items()},
                 "phases": {p.name: {"total_gb": gb(p.total), "resident_gb": gb(p.resident), "engine_gb": gb(p.engine),
-                                    "micro_batch_gb": gb(p.transient), "reserve_gb": gb(p.reserve)}
+                                    "micro_batch_gb": gb(p.transient), "cublas_gb": gb(p.workspaces),
+                                    "reserve_gb": gb(p.reserve)}
                            for p in self.phases},
                 "verdict": self.verdict()}
 
@@ -248,6 +271,7 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
 
     def phases_of(device: tuple, offload: bool, sleep: bool) -> List[Phase]:
         out = []
+        workspaces = cublas_workspace_bytes(device, gpu)
         for name in PHASES:
             role = active.get(name, "actor")
             if transient[name] is None or role not in device:
@@ -255,9 +279,9 @@ def predict(cfg: RunConfig, policy: ModelShape, reward_model: Optional[ModelShap
             on = (role,) if offload else device
             resident = sum(roles[r].resident for r in on)
             awake = engine if "actor" in device and (name in ("generate", "sync_weights") or not sleep) else 0
-            reserve = int(RESERVE_BYTES + FRAGMENTATION * (resident + transient[name])
+            reserve = int(RESERVE_BYTES + fragmentation_bytes(resident, transient[name])
                           + ENGINE_FRAGMENTATION * awake + (engine_side if "actor" in device else 0)) if gpu else 0
-            out.append(Phase(name, role, on, resident, awake, transient[name], reserve))
+            out.append(Phase(name, role, on, resident, awake, transient[name], reserve, workspaces))
         return out
 
     def busiest(offload: bool, sleep: bool) -> List[Phase]:
