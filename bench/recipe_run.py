@@ -140,11 +140,9 @@ def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dic
         return (round(statistics.median([r[key] for r in steady if key in r]), 3)
                 if any(key in r for r in steady) else None)
     phases = sorted({k[len("timing_s/"):] for r in steady for k in r if k.startswith("timing_s/")})
-    provenance_path = run_dir / "provenance.json"
-    provenance = json.loads(provenance_path.read_text()) if provenance_path.is_file() else {}
-    predicted = (provenance.get("placement") or {}).get("memory_predicted") or {}
-    gpu = {"gpu_available_gib": predicted.get("available_gb"),
-           "gpu_total_gib": (provenance.get("hardware") or {}).get("gpu_memory_gb")}
+    import common
+    recorded = common.run_plan(run_dir)
+    gpu = {k: recorded[k] for k in ("gpu_available_gib", "gpu_total_gib")}
     measured, reserved = {}, {}
     for r in records:
         for k, v in r.items():
@@ -152,7 +150,7 @@ def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dic
                 if k.startswith(prefix):
                     name = k[len(prefix):]
                     into[name] = round(max(into.get(name, 0.0), v), 2)  # GiB, as the plan's
-    longest = (predicted.get("settings") or {}).get("prompt_tokens")  # the run's plan: its data's longest prompt
+    longest = recorded["longest_prompt"]  # the run's plan: its data's longest prompt
     planned = planned_by_phase(recipe_file, extra["shape"], gpu["gpu_available_gib"], gpu["gpu_total_gib"],
                                extra.get("bindings", ()), longest) \
         if gpu["gpu_available_gib"] and gpu["gpu_total_gib"] else ({}, {})
@@ -169,7 +167,7 @@ def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dic
         "gpu_utilization_median": med("perf/gpu_utilization"),
         "max_memory_allocated_gb": max((r.get("perf/max_memory_allocated_gb", 0) for r in records), default=None),
         "memory_by_phase": memory_by_phase(planned, measured, reserved),
-        "memory_plan_verdict": predicted.get("verdict"),
+        "memory_plan_verdict": recorded["memory_plan_verdict"],
         "longest_prompt": longest,
         **gpu,
         "reward_mean": [r.get("reward_mean") for r in records],

@@ -247,6 +247,19 @@ def command_line(argv=None) -> str:
     return "python " + " ".join(shlex.quote(a) for a in [script, *args[1:]])
 
 
+def run_plan(run_dir: str | Path) -> dict:
+    """The GPU and the memory plan a `python -m rlhf.train` run recorded (its provenance.json): what it
+    takes to recompute the plan of the run's recipe file on the same GPU. Nones where the run recorded
+    none (a CPU run, or one stopped before its start was written)."""
+    path = Path(run_dir) / "provenance.json"
+    provenance = json.loads(path.read_text()) if path.is_file() else {}
+    predicted = (provenance.get("placement") or {}).get("memory_predicted") or {}
+    return {"gpu_total_gib": (provenance.get("hardware") or {}).get("gpu_memory_gb"),
+            "gpu_available_gib": predicted.get("available_gb"),
+            "longest_prompt": (predicted.get("settings") or {}).get("prompt_tokens"),  # the data's, as measured
+            "memory_plan_verdict": predicted.get("verdict")}
+
+
 def summarize(step_times: list[float], warmup: int) -> dict:
     import statistics
     timed = step_times[warmup:]

@@ -246,6 +246,7 @@ def train_and_time(cmd: list[str], run_dir: Path, result: dict, args, t0: float)
                 proc.wait()
     gpu.stop()
     result["exit_code"] = proc.returncode
+    result.update(common.run_plan(run_dir))
     finish(proc.returncode != 0, records())
     print(f"engine {args.algo} ({result['variant']}): median {result.get('median_step_s')} s per iteration over "
           f"{result.get('timed_steps')}; rlhf.train exit {proc.returncode}; wrote {args.json}", flush=True)

@@ -163,6 +163,9 @@ def test_the_peers_engine_row_is_the_users_command(tmp_path):
     assert result["median_step_s"] == statistics.median(r["timing_s/step"] for r in steps[1:])
     assert "eval" not in result["median_phases_s"] and result["median_phases_s"]["update_actor"] > 0
     assert result["timed_steps"] == 2 and result["setup_s"] > 0
+    # the run's recorded plan (a CPU run: no GPU figures, prompts measured in the data)
+    assert result["gpu_total_gib"] is None and result["longest_prompt"] > 0
+    assert result["memory_plan_verdict"].startswith("needs ")
 
 
 def test_recipe_run_times_a_shipped_recipe_through_the_users_command(tmp_path):
