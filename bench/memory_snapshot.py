@@ -90,6 +90,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps {args.steps} is invalid: 1 or more iterations")
+    if args.prompts < 8 or args.prompts % 8:
+        p.error(f"--prompts {args.prompts} is invalid: a multiple of 8 (8 generation calls an iteration)")
+    if Path(args.assets).exists() and not Path(args.assets).is_dir():
+        p.error(f"--assets {args.assets} is invalid: a file; give the inputs' directory (built there if missing)")
     if not (HERE.parent / "recipes" / args.recipe).is_file():
         p.error(f"--recipe {args.recipe}: no such recipe under recipes/")
     if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):

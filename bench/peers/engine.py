@@ -129,24 +129,32 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    # What the user gave is checked before the inputs are built (minutes at 7B).
+    if args.recipe and not (REPO / "recipes" / args.recipe).is_file():
+        p.error(f"--recipe {args.recipe}: no such recipe under recipes/")
+    if args.out and Path(args.out).exists() and (not Path(args.out).is_dir() or any(Path(args.out).iterdir())):
+        p.error(f"--out {args.out}: {'not empty' if Path(args.out).is_dir() else 'a file'}; give a new run directory")
+    if Path(args.assets).exists() and not Path(args.assets).is_dir():
+        p.error(f"--assets {args.assets}: a file; give the inputs' directory (built there if missing)")
+
     t0 = time.perf_counter()
     inputs = common.build_inputs(args.assets, tiny=args.tiny, shape=args.shape)
     common.check_assets(inputs)
     work = bindings(inputs, args.algo, args.placement, args.tiny, args.lora_rank, args.lora_alpha, args.recipe)
 
     from rlhf import configurable
+    from rlhf.errors import ConfigError
 
-    if args.recipe and not (REPO / "recipes" / args.recipe).is_file():
-        p.error(f"--recipe {args.recipe}: no such recipe under recipes/")
     root = str(Path(args.assets).resolve())
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(args.out).resolve() if args.out else Path(tmp) / "run"
-        if run_dir.exists() and any(run_dir.iterdir()):
-            p.error(f"--out {args.out}: not empty; give a new run directory")
         recipe_file = run_dir.parent / f"{run_dir.name}.gin"
         recipe_file.parent.mkdir(parents=True, exist_ok=True)
         recipe_file.write_text(work_recipe(args.recipe, work, args.warmup + args.steps))
-        cfg, _ = configurable.resolve(recipe_file, args.binding)
+        try:
+            cfg, _ = configurable.resolve(recipe_file, args.binding)
+        except ConfigError as err:
+            p.error(f"-b: {err}")
         print(f"engine {args.algo} {args.placement}: rollout buffer {cfg.ppo.rollout_batch_size}, mini-batch "
               f"{cfg.ppo.mini_batch_size}, micro-batch {cfg.ppo.micro_batch_size}, placement "
               f"{cfg.ppo.resolved_placement}, critic {'yes' if cfg.ppo.uses_critic else 'no'}, shape "

@@ -272,12 +272,37 @@ def test_memory_snapshot_bench_refuses_without_a_gpu_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("bad, named", [(["--steps", "0"], "--steps 0 is invalid"),
                                         (["--recipe", "models/none.gin"], "--recipe models/none.gin: no such recipe"),
-                                        (["--json", "."], "--json . is invalid")])
+                                        (["--json", "."], "--json . is invalid"),
+                                        (["--prompts", "12"], "--prompts 12 is invalid"),
+                                        (["--assets", str(REPO / "README.md")], "--assets "),
+                                        ])
 def test_memory_snapshot_bench_refuses_bad_arguments_before_any_gpu_work(bad, named, capsys):
     import memory_snapshot
     with pytest.raises(SystemExit) as exit_:
         memory_snapshot.main(["--assets", "/nonexistent"] + bad)
     assert exit_.value.code == 2 and f"error: {named}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad, named", [(["--recipe", "models/none.gin"], "--recipe models/none.gin: no such recipe"),
+                                        (["--out", "README.md"], "--out README.md: a file"),
+                                        (["--out", "bench"], "--out bench: not empty"),
+                                        (["--assets", "README.md"], "--assets README.md: a file")])
+def test_the_peers_engine_refuses_bad_arguments_before_building_inputs(bad, named, tmp_path, capsys, monkeypatch):
+    import engine
+    monkeypatch.chdir(REPO)
+    args = ["--algo", "grpo", "--tiny", "--json", str(tmp_path / "x.json"), "--assets", str(tmp_path / "assets")]
+    with pytest.raises(SystemExit) as exit_:
+        engine.main(args + bad)
+    assert exit_.value.code == 2 and f"error: {named}" in capsys.readouterr().err
+    assert not (tmp_path / "assets").exists()  # nothing built
+
+
+def test_the_peers_engine_refuses_a_bad_binding_in_one_line(tmp_path, capsys):
+    import engine
+    with pytest.raises(SystemExit) as exit_:
+        engine.main(["--algo", "grpo", "--tiny", "--json", str(tmp_path / "x.json"), "--assets", str(tmp_path / "a"),
+                     "-b", "ppo.seed = 'x'"])
+    assert exit_.value.code == 2 and "error: -b: ppo.seed = 'x' is invalid" in capsys.readouterr().err
 
 
 def test_memory_snapshot_groups_live_blocks_by_where_they_were_allocated():
