@@ -126,13 +126,17 @@ def render(plan, cfg, policy, recipe: str, where: str) -> str:
     budget = f"{ppo.max_tokens_per_micro_batch} tokens a micro-batch (packed)" if ppo.max_tokens_per_micro_batch \
         else f"micro-batch {ppo.micro_batch_size} x {prompt + ppo.max_response_length} tokens"
     longest = f" (the longest; ppo.max_prompt_length {ppo.max_prompt_length})" if prompt < ppo.max_prompt_length else ""
+    if not ppo.uses_critic:
+        trained = f"LoRA rank {ppo.lora_rank}" if ppo.lora_rank else "full fine-tuning"
+        trained += f", no critic ({ppo.adv_estimator})"
+    elif ppo.lora_rank:
+        trained = f"LoRA rank {ppo.lora_rank} (critic {ppo.resolved_critic_lora_rank})"
+    elif ppo.resolved_critic_lora_rank:
+        trained = f"full fine-tuning (critic LoRA {ppo.resolved_critic_lora_rank})"
+    else:
+        trained = "full fine-tuning"
     lines = [f"{recipe}: policy {policy.name or 'model'} ({s['policy_params'] / 1e9:.2f}B parameters), prompt "
-             f"{prompt}{longest} + response {ppo.max_response_length}, "
-             + (f"LoRA rank {ppo.lora_rank}" + (f" (critic {ppo.resolved_critic_lora_rank})" if ppo.uses_critic else "")
-                if ppo.lora_rank
-                else f"full fine-tuning (critic LoRA {ppo.resolved_critic_lora_rank})"
-                if ppo.uses_critic and ppo.resolved_critic_lora_rank else "full fine-tuning")
-             + ("" if ppo.uses_critic else f", no critic ({ppo.adv_estimator})")
+             f"{prompt}{longest} + response {ppo.max_response_length}, {trained}"
              + f", gradient checkpointing {'on' if ppo.gradient_checkpointing else 'off'}, {budget}, world_size "
                f"{ppo.world_size} ({ppo.resolved_placement}, {plan.gpus} GPU{'s' if plan.gpus > 1 else ''}), "
                f"rollouts {ppo.rollout_backend}"

@@ -50,17 +50,11 @@ reserved beside 16.69 allocated (5.5%), in pages that live blocks keep mapped
 (bench/results/memory_snapshot/instruct05b_own_process_h100.json; 2.43 GiB with torch's fixed segments,
 *_no_expandable_h100.json). At a phase's peak the micro-batch's blocks fill much of that: the updates
 reserved 1.8-1.9% above their allocation (instruct05b_recipe_mb12k_own_process_samecall2_h100.json)."""
-
-
-def fragmentation_bytes(resident: int, transient: int) -> int:
-    """What the caching allocator holds beyond a phase's allocation: RESIDENT_FRAGMENTATION of the roles'
-    resident state and FRAGMENTATION of the micro-batch."""
-    return int(RESIDENT_FRAGMENTATION * resident + FRAGMENTATION * transient)
 ENGINE_FRAGMENTATION = 0.02
 """Share of an awake vLLM engine's memory added for what torch reserves beyond it (its sleep-mode pool
 and sampling buffers). Measured at the Qwen2.5-7B shape while generating, torch reserved 1.8 GiB above
 what it allocated (bench/results/lora7b_recipe_addmm_h200.json) and 2.15 in a later run
-(lora7b_recipe_h200.json), where the roles' 5% covers 1.6."""
+(lora7b_recipe_h200.json), where the roles' fragmentation covers 1.6."""
 SAFETY_MARGIN = 0.05
 """Share of the GPU a run must leave spare to count as fitting: whole steps can take more than the
 per-phase estimate, and a run predicted with less spare ran out of memory (bench/results/gpu_h200.md),
@@ -69,6 +63,12 @@ SLIM_MARGIN = 0.10
 """A run that fits with less than this share of the GPU to spare is flagged as a slim fit."""
 LORA_SUGGESTION = 64
 """The LoRA rank the suggestions try (verl's and OpenRLHF's examples commonly use 32-64)."""
+
+
+def fragmentation_bytes(resident: int, transient: int) -> int:
+    """What the caching allocator holds beyond a phase's allocation: RESIDENT_FRAGMENTATION of the roles'
+    resident state and FRAGMENTATION of the micro-batch."""
+    return int(RESIDENT_FRAGMENTATION * resident + FRAGMENTATION * transient)
 
 
 def resolve_auto(offload_mode, sleep_mode, fits: bool, can_offload: bool) -> tuple:
@@ -84,8 +84,9 @@ def resolve_auto(offload_mode, sleep_mode, fits: bool, can_offload: bool) -> tup
 class Phase:
     """One phase of a PPO step on one GPU: the roles resident, the vLLM engine when awake, what the
     phase's micro-batch adds, the trainer's cuBLAS workspaces (`cublas_workspace_bytes`), and the reserve
-    (RESERVE_BYTES + FRAGMENTATION of torch's share + ENGINE_FRAGMENTATION of an awake engine + what the
-    engine holds beyond its share, awake or asleep: `engine_side_bytes`)."""
+    (RESERVE_BYTES + the allocator's fragmentation of the roles and the micro-batch, `fragmentation_bytes`,
+    + ENGINE_FRAGMENTATION of an awake engine + what the engine holds beyond its share, awake or asleep:
+    `engine_side_bytes`)."""
 
     name: str
     role: str
