@@ -20,8 +20,8 @@
 # PEERS_BUDGET_<PART>=..., e.g. PEERS_BUDGET_VERL_PPO=300), cut to what is left of PEERS_TOTAL_S
 # (default 575) for the whole call; a part with under 30 s left is skipped and says so. The last
 # part of each mode (the Ray placement) has the largest budget: it takes whatever the others left.
-# PEERS_ENGINE_BINDING="ppo.x = y" adds one gin binding to the engine's lora7b part (e.g. the binding the memory plan
-# names on a smaller GPU: on an 80 GB H100 `ppo.max_tokens_per_micro_batch = 8192`).
+# PEERS_ENGINE_BINDING="ppo.x = y" adds one gin binding to the engine's lora7b and ppo parts (e.g. the binding the
+# memory plan names on a smaller GPU: on an 80 GB H100 `ppo.max_tokens_per_micro_batch = 8192` for lora7b, 12288 for ppo).
 # PEERS_SKIP="name name ..." leaves those parts out (e.g. PEERS_SKIP="trl_grpo_no_gc engine_grpo_local").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -119,8 +119,10 @@ case "$MODE" in
     if failed_early "$R/verl_ppo.json" 150; then
       RAY_PART=1 part verl_ppo_v0 300 PYTHONPATH=/tmp/site-verl:/tmp/site -- python3 bench/peers/verl_ppo.py --assets "$ASSETS" --json "$R/verl_ppo_v0.json" --steps "$ST" --trainer v0
     fi
-    part engine_ppo_local 150 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement local --json "$R/engine_ppo_local.json" --steps "$ST"
-    RAY_PART=1 part engine_ppo_colocated 250 -- python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --placement colocated --json "$R/engine_ppo_colocated.json" --steps "$ST"
+    # The engine as the shipped 0.5B recipe computes the work (models/instruct.gin: packed micro-batches, compile)
+    ENG=(python3 bench/peers/engine.py --assets "$ASSETS" --algo ppo --recipe models/instruct.gin ${PEERS_ENGINE_BINDING:+-b "$PEERS_ENGINE_BINDING"} --steps "$ST")
+    part engine_ppo_local 150 -- "${ENG[@]}" --placement local --json "$R/engine_ppo_local.json"
+    RAY_PART=1 part engine_ppo_colocated 250 -- "${ENG[@]}" --placement colocated --json "$R/engine_ppo_colocated.json"
     ;;
   verl_lora7b)
     # verl's LoRA path (the adapter as a vLLM LoRA request); if it fails early, its merged path
