@@ -136,27 +136,34 @@ def test_peer_work_on_the_shipped_lora_recipe():
     assert plan.fits
 
 
-def test_the_peers_engine_row_is_the_users_command(tmp_path):
-    """`bench/peers/engine.py --recipe models/lora.gin` on the CPU (tiny shape, HF rollouts): the work is a
-    recipe file that includes the shipped recipe, run by `python -m rlhf.train`; a -b binding reaches the
+@pytest.mark.parametrize("algo, recipe, extra", [
+    ("grpo", "models/lora.gin", ["--lora-rank", "16"]),          # the 7B GRPO row (bench/peers/run_h200.sh lora7b)
+    ("ppo", "models/instruct.gin", []),                           # the 0.5B PPO row beside verl (run_h200.sh ppo)
+])
+def test_the_peers_engine_row_is_the_users_command(tmp_path, algo, recipe, extra):
+    """`bench/peers/engine.py --recipe <a shipped model recipe>` on the CPU (tiny shape, HF rollouts): the work
+    is a recipe file that includes the shipped recipe, run by `python -m rlhf.train`; a -b binding reaches the
     run, the JSON's iterations are the run's metrics.jsonl, and the median leaves out the warm-up."""
     import statistics
     import subprocess
-    run = tmp_path / "runs" / "grpo"
-    args = [sys.executable, str(REPO / "bench" / "peers" / "engine.py"), "--tiny", "--algo", "grpo",
-            "--recipe", "models/lora.gin", "--lora-rank", "16", "--assets", str(tmp_path / "assets"),
+    run = tmp_path / "runs" / algo
+    args = [sys.executable, str(REPO / "bench" / "peers" / "engine.py"), "--tiny", "--algo", algo,
+            "--recipe", recipe, *extra, "--assets", str(tmp_path / "assets"),
             "--json", str(tmp_path / "engine.json"), "--steps", "2", "--out", str(run), "-b", "ppo.seed = 3"]
     done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((tmp_path / "engine.json").read_text())
     assert result["exit_code"] == 0 and not result["partial"]
-    assert result["train_command"].startswith("python -m rlhf.train grpo.gin --out grpo")
-    assert result["recipe_file"].startswith("include 'models/lora.gin'\n")
-    assert "ppo.adv_estimator = 'grpo'" in result["recipe_file"] and "ppo.total_steps = 3" in result["recipe_file"]
-    assert (run.parent / "grpo.gin").read_text().replace(str((tmp_path / "assets").resolve()), "$ASSETS") == \
+    assert result["train_command"].startswith(f"python -m rlhf.train {algo}.gin --out {algo}")
+    assert result["recipe_file"].startswith(f"include '{recipe}'\n")
+    estimator = {"grpo": "'grpo'", "ppo": "'gae'"}[algo]
+    assert f"ppo.adv_estimator = {estimator}" in result["recipe_file"]
+    assert "ppo.total_steps = 3" in result["recipe_file"]
+    assert (run.parent / f"{algo}.gin").read_text().replace(str((tmp_path / "assets").resolve()), "$ASSETS") == \
         result["recipe_file"]
     config = (run / "config.gin").read_text()
-    assert "ppo.seed = 3" in config and "ppo.lora_rank = 16" in config and "ppo.adv_estimator = 'grpo'" in config
+    assert "ppo.seed = 3" in config and f"ppo.adv_estimator = {estimator}" in config
+    assert ("ppo.lora_rank = 16" in config) == (algo == "grpo")
     from rlhf.metrics import read_metrics
     steps = [r for r in read_metrics(run) if r["step"] > 0]
     assert [s["timing_s/step"] for s in result["steps"]] == [r["timing_s/step"] for r in steps]
