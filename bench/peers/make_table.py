@@ -166,7 +166,8 @@ def main(argv=None) -> int:
     out = [f"# This engine beside TRL and verl on one {gpus} ({shapes} shape, random weights, bf16)", "",
            "Written by `bench/peers/make_table.py` from the JSON files beside it (one per system and "
            "variant, each with its exact command, versions, every step's time and the phases). All runs "
-           "of one table come from one device call, one after the other on the same GPU; medians over the "
+           "of one table come from one machine, one after the other on the same GPU (one device call unless "
+           "the notes below say otherwise); medians over the "
            "steps after the warm-up. Memory: `torch.cuda.max_memory_allocated` of the process that trains "
            "(not reported for the Ray placements, whose ranks hold the GPU) and the device's peak memory in "
            "use (NVML, every process, vLLM's reservation of 0.3 of the GPU included).", ""]
@@ -175,9 +176,9 @@ def main(argv=None) -> int:
         title, peer, work = WORKS[algo]
         rows = sorted([r for r in results if r.get("algorithm") == algo and setting(r) == (shape, lora)],
                       key=lambda r: (ORDER[r["system"]], r.get("variant", "")))
+        if not rows and results:  # a work nobody ran in this call (a table of no results keeps its sections)
+            continue
         if len(settings) > 1 or settings[0] != ("0.5b", 0):
-            if not rows:
-                continue
             title += f" ({SHAPE_NAMES.get(shape, shape)} shape" + (f", LoRA rank {lora}" if lora else "") + ")"
             if lora:
                 work += (f"; LoRA rank {lora} on a frozen bf16 base (peft, every linear layer), reference = the base "

@@ -95,6 +95,23 @@ def test_table_puts_verl_beside_trl_and_the_engine(tmp_path):
     assert "1.20x TRL GRPOTrainer (lora64_gc); 1.80x verl main_ppo (lora64_gc_v1)" in text
 
 
+def test_table_leaves_out_a_work_nobody_ran(tmp_path):
+    """verl's PPO work beside the engine, no GRPO rows: the table has the PPO section only."""
+    work = {"shape": "0.5b", "lora_rank": 0}
+    for system, variant, step_s in (("verl", "fsdp_vllm_v1", 50.0), ("engine", "local", 5.0)):
+        (tmp_path / f"{system}.json").write_text(json.dumps(
+            {**result(system, variant, step_s), "algorithm": "ppo", "work": work}))
+    out = tmp_path / "table.md"
+    assert make_table.main([str(tmp_path), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## PPO: verl's work" in text and "GRPO" not in text and "No results yet" not in text
+    assert "| **10.00x** |" in text
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert make_table.main([str(empty), "--out", str(out)]) == 0  # nothing run yet: every work, no rows
+    assert out.read_text().count("No results yet.") == 2
+
+
 def test_bad_lora_rank_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         verl_ppo.main(["--assets", str(tmp_path), "--json", str(tmp_path / "r.json"), "--lora-rank", "-1"])
