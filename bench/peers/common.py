@@ -156,17 +156,44 @@ def check_assets(inputs: dict) -> None:
             raise SystemExit(f"tokenizer in {d} does not round-trip or has other special ids")
 
 
+def process_name(pid: int, width: int = 160) -> str | None:
+    """The command line of process `pid` as one string (cut to `width`), or None where this process
+    cannot see it (NVML may report the host's pids inside a container)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:width] or None
+
+
+def parse_compute_apps(text: str) -> list[tuple[int, float]]:
+    """`nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits` as (pid, MiB)."""
+    out = []
+    for line in text.strip().splitlines():
+        pid, _, mib = line.partition(",")
+        try:
+            out.append((int(pid), float(mib)))
+        except ValueError:  # "[N/A]" where the driver does not say
+            continue
+    return out
+
+
 class GPUMemorySampler:
     """Peak GPU memory in use on the device (NVML or nvidia-smi), sampled every `period` s.
 
     It sees every process (vLLM's reservation, Ray workers), so it is the figure comparable
     across peers; torch.cuda.max_memory_allocated only sees the calling process's allocator.
+    At each new peak it also notes when (`peak_at`, time.perf_counter) and which processes held
+    the device (`peak_processes`: pid, MiB, command line), so a peak above a run's own allocation
+    can be traced to its process and phase.
     """
 
     def __init__(self, period: float = 0.5):
         self.period, self.peak_mib, self.source = period, 0.0, None
+        self.peak_at: float | None = None
+        self.peak_processes: list[dict] = []
         self._stop = threading.Event()
-        self._read = self._reader()
+        self._read, self._apps = self._reader()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _reader(self):
@@ -175,25 +202,32 @@ class GPUMemorySampler:
             pynvml.nvmlInit()
             handle = pynvml.nvmlDeviceGetHandleByIndex(0)
             self.source = "nvml"
-            return lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
+            return (lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20,
+                    lambda: [(p.pid, (p.usedGpuMemory or 0) / 2**20)
+                             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)])
         except Exception:
             pass
 
-        def smi():
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                  "-i", "0"], capture_output=True, text=True, timeout=10).stdout
-            return float(out.strip().splitlines()[0])
+        def smi(*query):
+            return subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits", "-i", "0"],
+                                  capture_output=True, text=True, timeout=10).stdout
+
         try:
-            smi()
+            float(smi("--query-gpu=memory.used").strip().splitlines()[0])
             self.source = "nvidia-smi"
-            return smi
+            return (lambda: float(smi("--query-gpu=memory.used").strip().splitlines()[0]),
+                    lambda: parse_compute_apps(smi("--query-compute-apps=pid,used_memory")))
         except Exception:
-            return None
+            return None, None
 
     def _run(self):
         while not self._stop.is_set():
             try:
-                self.peak_mib = max(self.peak_mib, self._read())
+                used = self._read()
+                if used > self.peak_mib:
+                    self.peak_mib, self.peak_at = used, time.perf_counter()
+                    self.peak_processes = [{"pid": pid, "mib": round(mib, 1), "command": process_name(pid)}
+                                           for pid, mib in self._apps()]
             except Exception:
                 pass
             self._stop.wait(self.period)
@@ -204,7 +238,7 @@ class GPUMemorySampler:
         return self
 
     def reset(self):
-        self.peak_mib = 0.0
+        self.peak_mib, self.peak_at, self.peak_processes = 0.0, None, []
 
     def stop(self):
         self._stop.set()

@@ -195,14 +195,16 @@ def train_and_time(cmd: list[str], run_dir: Path, result: dict, args, t0: float)
     """Runs `python -m rlhf.train` (its own process, as a user runs it) and rewrites the JSON from its
     metrics.jsonl as each iteration lands: the iteration and phase times (`timing_s/*`) are the engine's
     own. The device-wide peak (`gpu_memory_used_peak_gb`) is sampled from here, restarted when the warm-up
-    iterations are done, so it covers the timed iterations and the final evaluation."""
+    iterations are done, so it covers the timed iterations and the final evaluation; the JSON says when it
+    came (`gpu_memory_peak_at_s`, beside each step's `seen_at_s`) and which processes held the device then."""
     from rlhf.metrics import read_metrics
 
     gpu = common.GPUMemorySampler().start()
 
     def finish(partial: bool, records: list[dict]):
         steps = [{**{k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
-                  "gpu_memory_used_peak_gb": gpu.peak_gb if i >= args.warmup else None}
+                  "gpu_memory_used_peak_gb": gpu.peak_gb if i >= args.warmup else None,
+                  "seen_at_s": seen_at.get(r["step"])}
                  for i, r in enumerate(records)]
         result["steps"] = steps
         result.update(common.summarize([s["timing_s/step"] for s in steps], args.warmup))
@@ -218,6 +220,10 @@ def train_and_time(cmd: list[str], run_dir: Path, result: dict, args, t0: float)
             mem = [s["perf/max_memory_allocated_gb"] for s in timed if "perf/max_memory_allocated_gb" in s]
             result["max_memory_allocated_gb"] = max(mem) if mem else None
             result["gpu_memory_used_peak_gb"] = gpu.peak_gb or None
+            # when the device's peak came (seconds from the command's start, beside each step's `seen_at_s`)
+            # and which processes held the device then
+            result["gpu_memory_peak_at_s"] = round(gpu.peak_at - t0, 1) if gpu.peak_at else None
+            result["gpu_memory_peak_processes"] = gpu.peak_processes
         result["partial"] = partial
         common.write_json(args.json, result)
 
@@ -231,6 +237,7 @@ def train_and_time(cmd: list[str], run_dir: Path, result: dict, args, t0: float)
     proc = subprocess.Popen(cmd, cwd=str(REPO))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     seen: list[dict] = []
+    seen_at: dict[int, float] = {}  # step -> seconds from t0 when this script saw it in metrics.jsonl
     try:
         while proc.poll() is None:
             time.sleep(1.0)
@@ -241,6 +248,7 @@ def train_and_time(cmd: list[str], run_dir: Path, result: dict, args, t0: float)
                 if len(seen) < args.warmup <= len(now):
                     gpu.reset()
                 for r in now[len(seen):]:
+                    seen_at[r["step"]] = round(time.perf_counter() - t0, 1)
                     print(f"step {r['step']}: {r['timing_s/step']:.2f} s", flush=True)
                 seen = now
                 finish(True, seen)

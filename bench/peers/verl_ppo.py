@@ -301,6 +301,7 @@ def main(argv=None) -> int:
             mem = [s["perf/max_memory_allocated_gb"] for s in timed if "perf/max_memory_allocated_gb" in s]
             result["max_memory_allocated_gb"] = max(mem) if mem else None
             result["gpu_memory_used_peak_gb"] = gpu.peak_gb
+            result["gpu_memory_peak_processes"] = gpu.peak_processes  # verl's Ray workers and vLLM server at the peak
         result.pop("error", None)
         if not steps:
             tail = log_path.read_text(errors="replace")[-6000:] if log_path.is_file() else ""

@@ -170,9 +170,30 @@ def test_the_peers_engine_row_is_the_users_command(tmp_path, algo, recipe, extra
     assert result["median_step_s"] == statistics.median(r["timing_s/step"] for r in steps[1:])
     assert "eval" not in result["median_phases_s"] and result["median_phases_s"]["update_actor"] > 0
     assert result["timed_steps"] == 2 and result["setup_s"] > 0
+    seen = [s["seen_at_s"] for s in result["steps"]]  # when each iteration landed, from the command's start
+    assert all(t is not None for t in seen) and seen == sorted(seen) and seen[0] > result["setup_s"]
+    if result["gpu_memory_used_peak_gb"] is None:  # no GPU to sample: no peak, so no time or processes for it
+        assert result["gpu_memory_peak_at_s"] is None and result["gpu_memory_peak_processes"] == []
     # the run's recorded plan (a CPU run: no GPU figures, prompts measured in the data)
     assert result["gpu_total_gib"] is None and result["longest_prompt"] > 0
     assert result["memory_plan_verdict"].startswith("needs ")
+
+
+def test_the_device_peak_names_its_processes():
+    """What the peers' GPU sampler notes at a peak: nvidia-smi's compute apps as (pid, MiB), rows the
+    driver leaves blank skipped, and each pid's command line where this process can read it."""
+    import os
+
+    import common
+    assert common.parse_compute_apps("1234, 40960\n77, [N/A]\n\n5, 512\n") == [(1234, 40960.0), (5, 512.0)]
+    assert common.parse_compute_apps("") == []
+    me = common.process_name(os.getpid())
+    assert me is not None and "python" in me.lower()
+    assert common.process_name(2**22 + 7) is None  # above Linux's pid limit: no such process
+    sampler = common.GPUMemorySampler()
+    sampler.peak_mib, sampler.peak_at, sampler.peak_processes = 5.0, 1.0, [{"pid": 1}]
+    sampler.reset()
+    assert (sampler.peak_mib, sampler.peak_at, sampler.peak_processes) == (0.0, None, [])
 
 
 def test_recipe_run_times_a_shipped_recipe_through_the_users_command(tmp_path):
