@@ -265,6 +265,11 @@ def versions(*names: str) -> dict:
         pass
     # The device's copy of the tree may carry a stale .git: ENGINE_COMMIT, set by whoever sends the
     # command (`ENGINE_COMMIT=$(git rev-parse HEAD)` here), names the tree's commit; else git's HEAD.
+    try:  # the content of the engine's files, as the manager's run hash reads it: right whatever .git says
+        from experiments.plan import code_version
+        out["engine_sha256"] = code_version()["engine_sha256"]
+    except Exception:
+        out["engine_sha256"] = None
     out["engine_git"] = os.environ.get("ENGINE_COMMIT") or None
     if out["engine_git"] is None:
         try:

@@ -209,9 +209,11 @@ def main(argv=None) -> int:
                     vers.setdefault(k, set()).add(str(v))
         if vers:
             out += ["", "Versions: " + ", ".join(f"{k} {'/'.join(sorted(v))}" for k, v in sorted(vers.items())
-                                                if k not in ("engine_git",))]
+                                                if k not in ("engine_git", "engine_sha256"))]
             if "engine_git" in vers:
                 out.append(f"Engine commit: {', '.join(sorted(vers['engine_git']))}")
+            if "engine_sha256" in vers:  # the engine's files (experiments.plan.code_version), whatever .git said
+                out.append(f"Engine files sha256: {', '.join(sorted(vers['engine_sha256']))}")
         out.append("")
     if skipped(Path(args.dir)):
         out += ["Skipped for lack of time in the call: " + ", ".join(skipped(Path(args.dir))), ""]

@@ -170,6 +170,8 @@ def test_the_peers_engine_row_is_the_users_command(tmp_path, algo, recipe, extra
     assert result["median_step_s"] == statistics.median(r["timing_s/step"] for r in steps[1:])
     assert "eval" not in result["median_phases_s"] and result["median_phases_s"]["update_actor"] > 0
     assert result["timed_steps"] == 2 and result["setup_s"] > 0
+    from experiments.plan import code_version
+    assert result["versions"]["engine_sha256"] == code_version()["engine_sha256"]  # the engine's files, not .git
     seen = [s["seen_at_s"] for s in result["steps"]]  # when each iteration landed, from the command's start
     assert all(t is not None for t in seen) and seen == sorted(seen) and seen[0] > result["setup_s"]
     if result["gpu_memory_used_peak_gb"] is None:  # no GPU to sample: no peak, so no time or processes for it
