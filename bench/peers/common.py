@@ -212,11 +212,13 @@ class GPUMemorySampler:
             return subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits", "-i", "0"],
                                   capture_output=True, text=True, timeout=10).stdout
 
+        def used():
+            return float(smi("--query-gpu=memory.used").strip().splitlines()[0])
+
         try:
-            float(smi("--query-gpu=memory.used").strip().splitlines()[0])
+            used()
             self.source = "nvidia-smi"
-            return (lambda: float(smi("--query-gpu=memory.used").strip().splitlines()[0]),
-                    lambda: parse_compute_apps(smi("--query-compute-apps=pid,used_memory")))
+            return used, lambda: parse_compute_apps(smi("--query-compute-apps=pid,used_memory"))
         except Exception:
             return None, None
 
@@ -263,13 +265,13 @@ def versions(*names: str) -> dict:
             out["gpu"] = torch.cuda.get_device_name(0)
     except Exception:
         pass
-    # The device's copy of the tree may carry a stale .git: ENGINE_COMMIT, set by whoever sends the
-    # command (`ENGINE_COMMIT=$(git rev-parse HEAD)` here), names the tree's commit; else git's HEAD.
     try:  # the content of the engine's files, as the manager's run hash reads it: right whatever .git says
         from experiments.plan import code_version
         out["engine_sha256"] = code_version()["engine_sha256"]
     except Exception:
         out["engine_sha256"] = None
+    # The device's copy of the tree may carry a stale .git: ENGINE_COMMIT, set by whoever sends the
+    # command (`ENGINE_COMMIT=$(git rev-parse HEAD)` here), names the tree's commit; else git's HEAD.
     out["engine_git"] = os.environ.get("ENGINE_COMMIT") or None
     if out["engine_git"] is None:
         try:
