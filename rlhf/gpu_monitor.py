@@ -1,4 +1,5 @@
-"""GPU utilisation over each PPO step, sampled from NVML in a background thread.
+"""What the GPU did over each PPO step: its utilisation, sampled from NVML in a background thread,
+and the memory torch held in each phase (`PhaseMemory`), in whichever process the phase ran.
 
 `perf/gpu_utilization` (a fraction, 0-1) is the mean of NVML's "percent of time a kernel was
 running" readings taken every `interval_s` during the step: the signal the tuning guide reads
@@ -9,10 +10,17 @@ with vLLM); without it, or without a GPU, the monitor is off and the metric is n
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
+
+from rlhf.memory.formulas import GIB
+
+PHASE_KEYS = ("perf/memory_gb/", "perf/memory_reserved_gb/")
+"""The step record's keys of a phase's peak memory, allocated and reserved: prefix + phase name."""
+
 
 
 def nvml_reader(device: torch.device) -> Optional[Callable[[], float]]:
@@ -78,6 +86,56 @@ class UtilizationMonitor:
             self._thread = None
 
 
+class PhaseMemory:
+    """The most memory torch held on `device` during each phase, allocated
+    (`torch.cuda.max_memory_allocated`) and reserved by its caching allocator (`max_memory_reserved`),
+    both reset as each phase starts: what the memory plan's phases predict (rlhf/memory/plan.py), kept
+    by phase name in `allocated` and `reserved` (GiB), less what a sleeping vLLM engine's pool keeps
+    counted though its memory is released (`off_device()`, bytes). Each phase gives its cached blocks
+    back as it ends (`torch.cuda.empty_cache`), so the next phase's reserve is its own and the awake
+    vLLM engine finds the memory it was promised. The process that holds the roles measures: the
+    controller's `PhaseTimer` in the local placement, each rank's host on Ray. Off a GPU it does nothing."""
+
+    def __init__(self, device: torch.device | None, off_device: Callable[[], int] | None = None):
+        self.device = device if device is not None and device.type == "cuda" else None
+        self.off_device = off_device or (lambda: 0)
+        self.allocated: Dict[str, float] = {}
+        self.reserved: Dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def measure(self, name: Optional[str]):
+        """Measures the code inside as the phase `name` (None: the peaks reset and the cache emptied,
+        nothing kept). Yields the function `peaks()` giving (allocated, reserved) GiB so far, for a
+        phase that fails (None, None off a GPU)."""
+        if self.device is None:
+            yield lambda: (None, None)
+            return
+        torch.cuda.reset_peak_memory_stats(self.device)
+        off = self.off_device()  # a sleeping engine's pool: counted by torch, not held
+        try:
+            yield lambda: self._peaks(off)
+        finally:
+            # An engine asleep through the phase: its pool was off the device all along. One that
+            # woke (or went to sleep) in it held its memory at some point: nothing to take off.
+            allocated, reserved = self._peaks(min(off, self.off_device()) if off else 0)
+            if name is not None:
+                self.allocated[name] = max(self.allocated.get(name, 0.0), allocated)
+                self.reserved[name] = max(self.reserved.get(name, 0.0), reserved)
+            torch.cuda.empty_cache()
+
+    def _peaks(self, off: int) -> tuple[float, float]:
+        """This phase's peak (allocated, reserved) GiB on the device, less `off` bytes counted but not held."""
+        return ((torch.cuda.max_memory_allocated(self.device) - off) / GIB,
+                (torch.cuda.max_memory_reserved(self.device) - off) / GIB)
+
+    def take(self) -> Dict[str, float]:
+        """The phases measured since the last call, as step-record keys (`PHASE_KEYS`), and forgets them."""
+        out = {f"{PHASE_KEYS[0]}{k}": v for k, v in self.allocated.items()}
+        out.update({f"{PHASE_KEYS[1]}{k}": v for k, v in self.reserved.items()})
+        self.allocated, self.reserved = {}, {}
+        return out
+
+
 class DeviceMonitor:
     """What the advisor's GPU rules read, for one process's device: peak memory allocated since
     the last `take()` and the mean utilisation over that window. On CPU `take()` returns {}."""
@@ -104,11 +162,13 @@ class DeviceMonitor:
 
 
 def merge_device_reports(reports: list) -> dict:
-    """Over several processes: the largest peak memory and the mean utilisation."""
+    """Over several processes: the largest peak memory, overall and of each phase a process measured
+    (`PhaseMemory.take`), and the mean utilisation."""
     out = {}
-    memory = [r["perf/max_memory_allocated_gb"] for r in reports if "perf/max_memory_allocated_gb" in r]
-    if memory:
-        out["perf/max_memory_allocated_gb"] = max(memory)
+    for report in reports:
+        for key, value in report.items():
+            if key.startswith(PHASE_KEYS) or key == "perf/max_memory_allocated_gb":
+                out[key] = max(out.get(key, value), value)
     util = [r["perf/gpu_utilization"] for r in reports if "perf/gpu_utilization" in r]
     if util:
         out["perf/gpu_utilization"] = sum(util) / len(util)

@@ -33,18 +33,18 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import contextvars
 import functools
 import gzip
 import json
 import math
 import re
 import shutil
-import threading
 import traceback
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -230,27 +230,37 @@ def summary_path(out_dir: Path, step: int) -> Path:
     return Path(out_dir) / f"step_{step}.json"
 
 
-_open_phases = threading.local()
+_phase: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("phase", default=None)
+
+
+@contextlib.contextmanager
+def in_phase(name: str) -> Iterator[None]:
+    """The code inside runs as the trainer phase `name` (rlhf/trainer.py `PhaseTimer` opens each): what
+    `sync_sites` files this thread's host waits under, and the name a placement sends with each call
+    to a rank's process, which measures the phase's memory there (rlhf/placement/proxy.py `ray_proxy`)."""
+    token = _phase.set(name)
+    try:
+        yield
+    finally:
+        _phase.reset(token)
 
 
 @contextlib.contextmanager
 def phase_range(name: str) -> Iterator[None]:
-    """A trainer phase while one iteration is profiled: a named range of torch.profiler, and the phase
-    that `sync_sites` files this thread's host waits under."""
+    """A trainer phase while one iteration is profiled: `in_phase`, and a named range of torch.profiler."""
     from torch.profiler import record_function
-    stack = _open_phases.__dict__.setdefault("stack", [])
-    stack.append(name)
-    try:
-        with record_function(name):
-            yield
-    finally:
-        stack.pop()
+    with in_phase(name), record_function(name):
+        yield
+
+
+def open_phase() -> Optional[str]:
+    """The innermost phase open in this thread's context (`in_phase`), or None."""
+    return _phase.get()
 
 
 def current_phase() -> str:
-    """The innermost phase open on this thread (`phase_range`), else "(no phase)"."""
-    stack = getattr(_open_phases, "stack", None)
-    return stack[-1] if stack else "(no phase)"
+    """The innermost phase open in this thread's context (`in_phase`), else "(no phase)"."""
+    return open_phase() or "(no phase)"
 
 
 SYNC_WARNING = "called a synchronizing CUDA operation"

@@ -32,12 +32,13 @@ from rlhf.chat import PromptRenderer, check_rows, prompt_key
 from rlhf.config import RunConfig
 from rlhf.data import Example, PromptSampler, check_prompt_lengths, dataset_hash, load_task
 from rlhf.determinism import deterministic_algorithms
+from rlhf.gpu_monitor import PHASE_KEYS, PhaseMemory
 from rlhf.memory.formulas import GIB
 from rlhf.metrics import PERF_SUMMARY, MetricLogger, is_machine_metric, read_metrics, step_record, window_means
 from rlhf.models import check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles
 from rlhf.placement.proxy import submit
-from rlhf.profiling import phase_range, profiled_iteration
+from rlhf.profiling import in_phase, phase_range, profiled_iteration
 from rlhf.rollout import SamplingParams, SeedStream, decode_responses, derive_seed, rollout_logprob_gap
 from rlhf.run_dir import PROFILE_DIR
 from rlhf.tiny import prepare_tiny
@@ -119,16 +120,14 @@ def longest_prompt(lengths: Dict[str, List[int]]) -> Optional[int]:
 
 
 class PhaseTimer:
-    """Wall time of each phase and, for a GPU in this process, the most memory torch held during it,
-    allocated (`torch.cuda.max_memory_allocated`) and reserved by its caching allocator
-    (`max_memory_reserved`), both reset as each phase starts: what the memory plan's phases predict
-    (rlhf/memory/plan.py), recorded as `perf/memory_gb/<phase>` and `perf/memory_reserved_gb/<phase>`,
-    less what a sleeping vLLM engine's pool keeps counted though its memory is released (`off_device`).
-    Each phase gives its cached blocks back as it ends (`torch.cuda.empty_cache`), so the next phase's
-    reserve is its own and the awake vLLM engine finds the memory it was promised. A phase that runs out
-    of GPU memory raises `OutOfMemory` with the line `out_of_memory(phase, allocated GiB, reserved GiB)` gives.
-    `host_cpu` is the CPU time of the thread that ran each phase (`time.thread_time`): near the phase's
-    wall time the host, not the device, sets its pace (a decoding loop driven step by step from here)."""
+    """Wall time of each phase and, for a GPU in this process, the most memory torch held during it
+    (rlhf/gpu_monitor.py `PhaseMemory`: allocated and reserved, each phase's cache given back as it
+    ends), recorded as `perf/memory_gb/<phase>` and `perf/memory_reserved_gb/<phase>`. On Ray the ranks'
+    hosts measure the memory of the calls made under each phase's name (rlhf/profiling.py `in_phase`) and report it
+    with the step's device report. A phase that runs out of GPU memory raises `OutOfMemory` with the
+    line `out_of_memory(phase, allocated GiB, reserved GiB)` gives. `host_cpu` is the CPU time of the
+    thread that ran each phase (`time.thread_time`): near the phase's wall time the host, not the
+    device, sets its pace (a decoding loop driven step by step from here)."""
 
     annotate = False
     """Each phase also a named range of torch.profiler, under which the profiled iteration's host waits
@@ -137,45 +136,33 @@ class PhaseTimer:
     def __init__(self, device: torch.device | None = None, out_of_memory=None, off_device=None):
         self.times: Dict[str, float] = {}
         self.host_cpu: Dict[str, float] = {}
-        self.memory: Dict[str, float] = {}
-        self.reserved: Dict[str, float] = {}
-        self.device = device if device is not None and device.type == "cuda" else None
+        self.phase_memory = PhaseMemory(device, off_device)
         self.out_of_memory = out_of_memory
-        self.off_device = off_device or (lambda: 0)
+
+    @property
+    def memory(self) -> Dict[str, float]:
+        """Each phase's peak allocated GiB (on a GPU in this process)."""
+        return self.phase_memory.allocated
+
+    @property
+    def reserved(self) -> Dict[str, float]:
+        """Each phase's peak reserved GiB (on a GPU in this process)."""
+        return self.phase_memory.reserved
 
     @contextlib.contextmanager
     def __call__(self, name: str):
-        off = 0
-        if self.device is not None:
-            torch.cuda.reset_peak_memory_stats(self.device)
-            off = self.off_device()  # a sleeping engine's pool: counted by torch, not held
         start, start_cpu = time.perf_counter(), time.thread_time()
         try:
-            if self.annotate:
-                with phase_range(name):
+            with self.phase_memory.measure(name) as peaks, (phase_range if self.annotate else in_phase)(name):
+                try:
                     yield
-            else:
-                yield
-        except torch.OutOfMemoryError as err:
-            if self.out_of_memory is None:
-                raise
-            allocated, reserved = self._peaks(off) if self.device is not None else (None, None)
-            raise OutOfMemory(self.out_of_memory(name, allocated, reserved)) from err
+                except torch.OutOfMemoryError as err:
+                    if self.out_of_memory is None:
+                        raise
+                    raise OutOfMemory(self.out_of_memory(name, *peaks())) from err
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
             self.host_cpu[name] = self.host_cpu.get(name, 0.0) + time.thread_time() - start_cpu
-            if self.device is not None:
-                # An engine asleep through the phase: its pool was off the device all along. One that
-                # woke (or went to sleep) in it held its memory at some point: nothing to take off.
-                allocated, reserved = self._peaks(min(off, self.off_device()) if off else 0)
-                self.memory[name] = max(self.memory.get(name, 0.0), allocated)
-                self.reserved[name] = max(self.reserved.get(name, 0.0), reserved)
-                torch.cuda.empty_cache()
-
-    def _peaks(self, off: int) -> tuple[float, float]:
-        """This phase's peak (allocated, reserved) GiB on the device, less `off` bytes counted but not held."""
-        return ((torch.cuda.max_memory_allocated(self.device) - off) / GIB,
-                (torch.cuda.max_memory_reserved(self.device) - off) / GIB)
 
 
 class PPOTrainer:
@@ -442,10 +429,16 @@ class PPOTrainer:
         planned = None
         if self.memory_plan is not None:
             planned = next((p.total / GIB for p in self.memory_plan.phases if p.name == phase), None)
-        total = (torch.cuda.get_device_properties(self.device).total_memory / GIB
-                 if self.device.type == "cuda" else float("nan"))
-        if allocated_gib is None or reserved_gib is None:  # the ranks measured it: their logs hold the figures
-            allocated_gib = reserved_gib = float("nan")
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory / GIB
+        else:  # on Ray: the smallest of the ranks' devices, as each reported when placed
+            totals = [w["device_total_gb"] for ranks in (self.placement.get("roles") or {}).values()
+                      for w in ranks if "device_total_gb" in w]
+            total = min(totals, default=float("nan"))
+        if allocated_gib is None or reserved_gib is None:  # on Ray the ranks measured the phase (PhaseMemory)
+            report = self.roles.device_report()
+            allocated_gib = report.get(f"{PHASE_KEYS[0]}{phase}", float("nan"))
+            reserved_gib = report.get(f"{PHASE_KEYS[1]}{phase}", float("nan"))
         fix = relief(self.cfg, phase, self.longest_prompt)
         return oom_line(phase, allocated_gib, reserved_gib, total, planned, fix)
 

@@ -45,8 +45,9 @@ class RankHost:
         self.roles: Dict[str, PlacedRole] = {}
         self.offloader: Optional[memory.Offloader] = None
         self.ranks = None
-        from rlhf.gpu_monitor import DeviceMonitor
+        from rlhf.gpu_monitor import DeviceMonitor, PhaseMemory
         self.monitor = DeviceMonitor(self.device).start()
+        self.phase_memory = PhaseMemory(self.device, off_device=self._rollout_asleep_bytes)
 
     def where(self) -> dict:
         """Where this rank runs, and a free port (used when it is rank 0 of its world)."""
@@ -84,12 +85,32 @@ class RankHost:
             self.offloader = None
 
     def call(self, role: str, method: str, *args, **kwargs):
-        if self.offloader is not None:
-            self.offloader.activate(role)
-        return getattr(self.roles[role], method)(*args, **kwargs)
+        return self.call_in_phase(None, role, method, *args, **kwargs)
+
+    def call_in_phase(self, phase: Optional[str], role: str, method: str, *args, **kwargs):
+        """`role.method(*args, **kwargs)`, its memory measured as the controller's phase `phase` (None:
+        outside any phase), and the cache it leaves given back, as the local placement does."""
+        with self.phase_memory.measure(phase):
+            if self.offloader is not None:
+                self.offloader.activate(role)
+            return getattr(self.roles[role], method)(*args, **kwargs)
+
+    def _rollout_asleep_bytes(self) -> int:
+        """What torch counts of this rank's sleeping rollout engine but the device does not hold."""
+        actor = self.roles.get("actor")
+        asleep = getattr(actor, "rollout_asleep_bytes", None)  # the actor's rank, where this host holds one
+        return asleep() if asleep is not None else 0
 
     def device_report(self) -> dict:
-        return self.monitor.take()
+        """The step's utilisation and peak memory here, and each phase's (`PhaseMemory.take`): the
+        peaks are reset at each call, so the step's is the largest phase's."""
+        report = self.monitor.take()
+        phases = self.phase_memory.take()
+        if phases:
+            peak = max(v for k, v in phases.items() if k.startswith("perf/memory_gb/"))
+            report["perf/max_memory_allocated_gb"] = max(report.get("perf/max_memory_allocated_gb", 0.0), peak)
+        report.update(phases)
+        return report
 
     def freeze_heap(self) -> int:
         """This rank's long-lived heap out of the collector's passes (rlhf/heap.py)."""

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Type,
 import torch
 
 from rlhf.batch import Batch
+from rlhf.profiling import open_phase
 from rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardModelRole, Roles
 from rlhf.roles.dispatch import ALL, Spread, dispatched_methods, spread
 
@@ -139,7 +140,8 @@ def ray_proxy(name: str, role_cls: type, hosts: list) -> RoleProxy:
             args = tuple(_shared(a) for a in calls[0][1])
             kwargs = {k: _shared(v) for k, v in calls[0][2].items()}
             calls = tuple((rank, args, kwargs) for rank, _, _ in calls)
-        refs = [hosts[rank].call.remote(name, method, *args, **kwargs) for rank, args, kwargs in calls]
+        phase = open_phase()  # the ranks measure the phase's memory (rlhf/gpu_monitor.py `PhaseMemory`)
+        refs = [hosts[rank].call_in_phase.remote(phase, name, method, *args, **kwargs) for rank, args, kwargs in calls]
         return lambda: ray.get(refs)
 
     return RoleProxy(name, role_cls, len(hosts), start)
