@@ -30,7 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-PEAK_TFLOPS = 790.0
+import flops  # noqa: E402  (bench/, on the path above)
+
+PEAK_TFLOPS = flops.MEASURED_TFLOPS_H200
 
 
 def sync(device):
@@ -40,13 +42,14 @@ def sync(device):
 
 
 def model_flops(n_params: int, cfg, tokens: int, seq_len: int) -> float:
-    return 6.0 * n_params * tokens + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq_len * tokens
+    return flops.model_flops(n_params, cfg.num_hidden_layers, cfg.hidden_size, tokens, seq_len)
 
 
-def executed_flops(n_params: int, cfg, tokens: int, seq_len: int, logit_tokens: int) -> float:
-    head = cfg.vocab_size * cfg.hidden_size
-    return (6.0 * (n_params - head) * tokens + 6.0 * head * logit_tokens
-            + 6.0 * cfg.num_hidden_layers * cfg.hidden_size * seq_len * tokens)
+def executed_flops(cfg, tokens: int, seq_len: int, logit_tokens: int) -> float:
+    """The update's executed FLOPs (bench/flops.py `training_flops`: every weight trains, no checkpointing)."""
+    from rlhf.memory import ModelShape
+    return flops.training_flops(ModelShape.from_config(cfg), tokens, seq_len, logit_tokens,
+                                frozen_base=False, checkpointing=False)
 
 
 def make_master_adamw():
@@ -141,7 +144,7 @@ def run_actor_variant(name, base_state, config, device, args, compile_: bool, pu
     upd = statistics.median(update() for _ in range(args.steps))
     tokens, seq = n * (P + R), P + R
     mf = model_flops(n_params, config, tokens, seq)
-    ef = executed_flops(n_params, config, tokens, seq, n * R)
+    ef = executed_flops(config, tokens, seq, n * R)
     out = {
         "variant": name, "torch_compile": compile_,
         "weights": "bf16 + fp32 master" if pure_bf16 else "fp32 + bf16 autocast",
