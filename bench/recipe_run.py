@@ -27,7 +27,9 @@ the host thread that ran each phase was: `perf/host_busy/<phase>`), tokens/s
 (prompt + response tokens of an iteration over its wall time), and for each phase the memory plan's
 prediction (`python -m rlhf.memory`: resident roles + awake engine + the phase's micro-batch) beside
 the peaks torch measured, allocated (`perf/memory_gb/<phase>`) and reserved (`perf/memory_reserved_gb/<phase>`),
-beside the plan's figures for each (`planned_gb`, `planned_reserved_gb`). `bindings` (-b) are recorded, and
+beside the plan's figures for each (`planned_gb`, `planned_reserved_gb`); and the device's own peak over the
+whole command, every process's memory (`gpu_memory_used_peak_gb`, NVML or nvidia-smi), with the processes that
+held it then (`gpu_memory_peak_processes`). `bindings` (-b) are recorded, and
 `--replan` uses them: a result stays the plan of the configuration it measured when the recipe changes.
 """
 
@@ -225,6 +227,8 @@ def main(argv=None) -> int:
     if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
         cmd.append("--resume")
     print(f"[recipe_run] assets in {time.time() - t0:.0f} s; {shlex.join(cmd)}", flush=True)
+    import common
+    gpu = common.GPUMemorySampler().start()  # the whole device, every process: vLLM's own, Ray's ranks
     proc = subprocess.Popen(cmd, cwd=str(REPO), start_new_session=True)
     try:
         rc = proc.wait(timeout=args.time_budget or None)
@@ -238,7 +242,10 @@ def main(argv=None) -> int:
         print(f"[recipe_run] stopped after --time-budget {args.time_budget:.0f} s; rerun to resume", flush=True)
     shown = ["python", "-m", "rlhf.train", recipe_file.name, "--out", out.name] + \
         [x for b in args.binding for x in ("-b", b)] + (["--profile", str(args.profile)] if args.profile else [])
-    extra = {"exit_code": rc, "shape": args.shape, "recipe": args.recipe, "bindings": args.binding}
+    gpu.stop()
+    extra = {"exit_code": rc, "shape": args.shape, "recipe": args.recipe, "bindings": args.binding,
+             # the device's peak over the whole command (start-up and evaluation too) and who held it then
+             "gpu_memory_used_peak_gb": gpu.peak_gb or None, "gpu_memory_peak_processes": gpu.peak_processes}
     profiled = out / PROFILE_DIR / f"step_{args.profile}.json"
     if args.profile and profiled.is_file():
         extra["profile"] = json.loads(profiled.read_text())

@@ -227,6 +227,8 @@ def test_recipe_run_times_a_shipped_recipe_through_the_users_command(tmp_path):
     assert {"generate", "update_actor"} <= set(result["host_busy_median"]) <= set(result["phase_s_median"])
     assert all(0.0 <= v <= 1.0 for v in result["host_busy_median"].values())
     assert result["tokens_per_s"] > 0 and result["iteration_s_median"] > 0
+    if result["gpu_memory_used_peak_gb"] is None:  # no GPU to sample: no device peak, no processes at it
+        assert result["gpu_memory_peak_processes"] == []
     again = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=900)
     assert again.returncode == 0 and "--resume" in again.stdout  # a run dir with checkpoints is resumed
 
