@@ -13,10 +13,10 @@ phase's median time beside the least it could take on the GPU (bench/flops.py, d
 
 An iteration's tokens and their split into prompt and response come from the run's own steps
 (`perf/tokens_per_s` x the step's time, `perf/generated_tokens_per_s` x generation's), its sequences
-and shapes from the run's recipe file and bindings (its `include`s read from recipes/ as it is now, as
-bench/recipe_run.py `replan` does). The sum of the floors is what an iteration
-cannot go under on this GPU; the tokens/s at that floor is the ceiling no setting of the engine
-passes.
+and shapes from the run's configuration (bench/recipe_run.py `result_config`: its own config.gin, or for
+an older result its recipe file and bindings, the `include`s read from recipes/ as it is now). The sum
+of the floors is what an iteration cannot go under on this GPU; the tokens/s at that floor is the
+ceiling no setting of the engine passes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,19 +32,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import flops  # noqa: E402  (bench/, on the path above)
+import recipe_run  # noqa: E402
 
-SHAPES = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}  # bench/recipe_run.py --shape
 DENSE = ("reference", "old_logprobs", "values", "update_actor", "update_critic")
-
-
-def run_config(result: dict):
-    """The run's resolved config: its recipe file with its bindings (bench/recipe_run.py records both)."""
-    from rlhf import configurable
-    with tempfile.TemporaryDirectory() as tmp:
-        recipe = Path(tmp) / "recipe.gin"
-        recipe.write_text(result["recipe_file"])
-        cfg, _ = configurable.resolve(recipe, list(result.get("bindings", [])))
-    return cfg
 
 
 def iteration_tokens(result: dict) -> dict:
@@ -61,8 +50,8 @@ def iteration_tokens(result: dict) -> dict:
 def floors(result: dict, gpu: str) -> dict:
     """Per phase: measured median seconds, the floor on `gpu` and what sets it; and the iteration's."""
     from rlhf.memory import KNOWN_SHAPES
-    cfg = run_config(result)
-    ppo, shape, limits = cfg.ppo, KNOWN_SHAPES[SHAPES[result["shape"]]], flops.GPUS[gpu]
+    cfg = recipe_run.result_config(result)
+    ppo, shape, limits = cfg.ppo, KNOWN_SHAPES[recipe_run.SHAPES[result["shape"]]], flops.GPUS[gpu]
     rate, bandwidth = limits["bf16_tflops"] * 1e12, limits["hbm_tb_s"] * 1e12
     sequences = ppo.rollout_micro_batch_size * ppo.num_rollout_batches * ppo.samples_per_prompt
     tok = iteration_tokens(result)

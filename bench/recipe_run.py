@@ -31,6 +31,8 @@ beside the plan's figures for each (`planned_gb`, `planned_reserved_gb`); and th
 whole command, every process's memory (`gpu_memory_used_peak_gb`, NVML or nvidia-smi), with the processes that
 held it then (`gpu_memory_peak_processes`). `bindings` (-b) are recorded, and
 `--replan` uses them: a result stays the plan of the configuration it measured when the recipe changes.
+The run's own resolved `config.gin` is kept too (`config_gin`): with it a later replan reads every setting
+as the run had it, not the `include`d recipes as they are then (`result_config`).
 """
 
 from __future__ import annotations
@@ -80,10 +82,30 @@ def recipe_text(recipe: str, inputs: dict, steps: int, prompts: int) -> str:
 SHAPES = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}
 
 
-def planned_by_phase(recipe_file_text: str, shape: str, available_gib: float, total_gib: float,
-                     bindings=(), longest_prompt: int | None = None) -> tuple[dict, dict]:
+def run_config(recipe_text: str, bindings=()):
+    """A result's configuration: the run's own `config.gin` (`config_gin`, every setting as the run resolved
+    it: what it measured, whatever recipes/ says now) when the result holds it, else its recipe file, whose
+    `include`s are read from recipes/ as it is now; with its bindings (-b) on top (on `config_gin`, which
+    already holds them, the same values again)."""
+    import tempfile
+
+    from rlhf import configurable
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = Path(tmp) / "recipe.gin"
+        recipe.write_text(recipe_text)
+        cfg, _ = configurable.resolve(recipe, list(bindings))
+    return cfg
+
+
+def result_config(result: dict):
+    """`run_config` of a result this script wrote (bench/phase_limits.py reads results with it too)."""
+    return run_config(result.get("config_gin") or result["recipe_file"], result.get("bindings", []))
+
+
+def planned_by_phase(cfg, shape: str, available_gib: float, total_gib: float,
+                     longest_prompt: int | None = None) -> tuple[dict, dict]:
     """({phase: GiB} allocated, {phase: GiB} reserved): what the memory plan of this code predicts torch
-    holds at each phase's peak for the run's recipe file and bindings on a GPU of `total_gib`
+    holds at each phase's peak for the run's configuration (`run_config`) on a GPU of `total_gib`
     (`available_gib` free at the start), the data's longest prompt as the run measured it (`longest_prompt`,
     None: ppo.max_prompt_length). Allocated: resident roles, the engine when awake, the phase's
     micro-batch and the trainer's cuBLAS workspaces; reserved: that plus the allocator's share of the
@@ -91,14 +113,8 @@ def planned_by_phase(recipe_file_text: str, shape: str, available_gib: float, to
     engine's memory is another process's, outside what torch measures here: the figures are the
     trainer's share of the plan (resident roles, micro-batch and workspaces, reserved with the first
     two's fragmentation), and the engine's is left to a device-wide measurement."""
-    import tempfile
-
-    from rlhf import configurable, memory
+    from rlhf import memory
     from rlhf.memory.plan import RESERVE_BYTES, fragmentation_bytes
-    with tempfile.TemporaryDirectory() as tmp:
-        recipe = Path(tmp) / "recipe.gin"
-        recipe.write_text(recipe_file_text)
-        cfg, _ = configurable.resolve(recipe, list(bindings))
     plan = memory.predict(cfg, memory.KNOWN_SHAPES[SHAPES[shape]], available=int(available_gib * memory.GIB),
                           device_total=int(total_gib * memory.GIB), longest_prompt=longest_prompt)
     if cfg.ppo.vllm_own_process:
@@ -127,8 +143,8 @@ def replan(result: dict) -> dict:
     """The result with `memory_by_phase`'s predictions recomputed by this code (the measurements kept)."""
     measured = {k: v["measured_gb"] for k, v in result["memory_by_phase"].items() if v["measured_gb"] is not None}
     reserved = {k: v["reserved_gb"] for k, v in result["memory_by_phase"].items() if v.get("reserved_gb") is not None}
-    planned = planned_by_phase(result["recipe_file"], result["shape"], result["gpu_available_gib"],
-                               result["gpu_total_gib"], result.get("bindings", []), result.get("longest_prompt"))
+    planned = planned_by_phase(result_config(result), result["shape"], result["gpu_available_gib"],
+                               result["gpu_total_gib"], result.get("longest_prompt"))
     return {**result, "memory_by_phase": memory_by_phase(planned, measured, reserved)}
 
 
@@ -153,12 +169,14 @@ def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dic
                     name = k[len(prefix):]
                     into[name] = round(max(into.get(name, 0.0), v), 2)  # GiB, as the plan's
     longest = recorded["longest_prompt"]  # the run's plan: its data's longest prompt
-    planned = planned_by_phase(recipe_file, extra["shape"], gpu["gpu_available_gib"], gpu["gpu_total_gib"],
-                               extra.get("bindings", ()), longest) \
+    # the run's own resolved config.gin: the settings it measured (`run_config`)
+    config_gin = (run_dir / "config.gin").read_text() if (run_dir / "config.gin").is_file() else None
+    planned = planned_by_phase(run_config(config_gin or recipe_file, extra.get("bindings", ())), extra["shape"],
+                               gpu["gpu_available_gib"], gpu["gpu_total_gib"], longest) \
         if gpu["gpu_available_gib"] and gpu["gpu_total_gib"] else ({}, {})
     tokens = [r["perf/tokens_per_s"] * r["timing_s/step"] for r in steady if "perf/tokens_per_s" in r]
     return {
-        "command": command, "recipe_file": recipe_file,
+        "command": command, "recipe_file": recipe_file, "config_gin": config_gin,
         "steps_completed": len(records),
         "iteration_s_median": med("timing_s/step"),
         "phase_s_median": {p: med(f"timing_s/{p}") for p in phases if p != "step"},

@@ -221,6 +221,11 @@ def test_recipe_run_times_a_shipped_recipe_through_the_users_command(tmp_path):
     assert result["iteration_s_median"] == round(result["steps"][1]["timing_s/step"], 3)
     assert result["steps"][2]["perf/profiled"] == 1.0
     assert "include 'models/lora.gin'" in result["recipe_file"] and "task.train_path" in result["recipe_file"]
+    # the run's own resolved config: every setting as measured, no includes left to read from recipes/
+    assert "include" not in result["config_gin"] and "ppo.lora_rank = 16" in result["config_gin"]
+    import recipe_run
+    unread = {**result, "recipe_file": "include 'models/not_shipped_any_more.gin'"}
+    assert recipe_run.result_config(unread).ppo.lora_rank == 16 == recipe_run.result_config(result).ppo.lora_rank
     assert result["command"].startswith("python -m rlhf.train run.gin --out run")
     assert "--profile 3" in result["command"]
     assert set(result["phase_s_median"]) >= {"generate", "reference", "old_logprobs", "update_actor"}
