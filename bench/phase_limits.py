@@ -127,7 +127,20 @@ def main(argv=None) -> int:
     p.add_argument("--gpu", choices=sorted(flops.GPUS), help="default: the GPU whose memory the run recorded")
     p.add_argument("--json", help="write the figures here too")
     args = p.parse_args(argv)
-    result = json.loads(Path(args.result).read_text())
+    path = Path(args.result)
+    if not path.is_file():
+        p.error(f"{args.result}: {'a directory' if path.is_dir() else 'no such file'}; give a bench/recipe_run.py JSON")
+    try:
+        result = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        p.error(f"{args.result} is not JSON ({err}): give a bench/recipe_run.py JSON")
+    missing = [k for k in ("steps", "phase_s_median", "recipe_file", "shape", "iteration_s_median")
+               if not isinstance(result, dict) or k not in result]
+    if missing:
+        p.error(f"{args.result} is not a bench/recipe_run.py result (it lacks {', '.join(missing)})")
+    if len(result["steps"]) < 2:
+        p.error(f"{args.result} holds {len(result['steps'])} iteration(s): the first compiles, so at least 2 "
+                f"are needed")
     gpu = args.gpu or flops.gpu_for_memory(result.get("gpu_total_gib"))
     if gpu is None:
         p.error(f"{args.result} records no GPU (a CPU run?): name one with --gpu")

@@ -82,30 +82,25 @@ def recipe_text(recipe: str, inputs: dict, steps: int, prompts: int) -> str:
 SHAPES = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}
 
 
-def run_config(recipe_text: str, bindings=()):
+def result_config(result: dict):
     """A result's configuration: the run's own `config.gin` (`config_gin`, every setting as the run resolved
     it: what it measured, whatever recipes/ says now) when the result holds it, else its recipe file, whose
     `include`s are read from recipes/ as it is now; with its bindings (-b) on top (on `config_gin`, which
-    already holds them, the same values again)."""
+    already holds them, the same values again). bench/phase_limits.py reads results with it too."""
     import tempfile
 
     from rlhf import configurable
     with tempfile.TemporaryDirectory() as tmp:
         recipe = Path(tmp) / "recipe.gin"
-        recipe.write_text(recipe_text)
-        cfg, _ = configurable.resolve(recipe, list(bindings))
+        recipe.write_text(result.get("config_gin") or result["recipe_file"])
+        cfg, _ = configurable.resolve(recipe, list(result.get("bindings", [])))
     return cfg
-
-
-def result_config(result: dict):
-    """`run_config` of a result this script wrote (bench/phase_limits.py reads results with it too)."""
-    return run_config(result.get("config_gin") or result["recipe_file"], result.get("bindings", []))
 
 
 def planned_by_phase(cfg, shape: str, available_gib: float, total_gib: float,
                      longest_prompt: int | None = None) -> tuple[dict, dict]:
     """({phase: GiB} allocated, {phase: GiB} reserved): what the memory plan of this code predicts torch
-    holds at each phase's peak for the run's configuration (`run_config`) on a GPU of `total_gib`
+    holds at each phase's peak for the run's configuration (`result_config`) on a GPU of `total_gib`
     (`available_gib` free at the start), the data's longest prompt as the run measured it (`longest_prompt`,
     None: ppo.max_prompt_length). Allocated: resident roles, the engine when awake, the phase's
     micro-batch and the trainer's cuBLAS workspaces; reserved: that plus the allocator's share of the
@@ -149,7 +144,7 @@ def replan(result: dict) -> dict:
 
 
 def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dict:
-    from rlhf.metrics import read_metrics
+    from rlhf.metrics import PHASE_KEYS, read_metrics
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("step", 0) > 0] \
         if (run_dir / "metrics.jsonl").is_file() else []
     # The first iteration compiles; a profiled one carries the profiler's cost (`--profile`).
@@ -164,15 +159,16 @@ def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dic
     measured, reserved = {}, {}
     for r in records:
         for k, v in r.items():
-            for prefix, into in (("perf/memory_gb/", measured), ("perf/memory_reserved_gb/", reserved)):
+            for prefix, into in zip(PHASE_KEYS, (measured, reserved)):
                 if k.startswith(prefix):
                     name = k[len(prefix):]
                     into[name] = round(max(into.get(name, 0.0), v), 2)  # GiB, as the plan's
     longest = recorded["longest_prompt"]  # the run's plan: its data's longest prompt
-    # the run's own resolved config.gin: the settings it measured (`run_config`)
+    # the run's own resolved config.gin: the settings it measured (`result_config`)
     config_gin = (run_dir / "config.gin").read_text() if (run_dir / "config.gin").is_file() else None
-    planned = planned_by_phase(run_config(config_gin or recipe_file, extra.get("bindings", ())), extra["shape"],
-                               gpu["gpu_available_gib"], gpu["gpu_total_gib"], longest) \
+    config = result_config({"config_gin": config_gin, "recipe_file": recipe_file,
+                            "bindings": extra.get("bindings", [])})
+    planned = planned_by_phase(config, extra["shape"], gpu["gpu_available_gib"], gpu["gpu_total_gib"], longest) \
         if gpu["gpu_available_gib"] and gpu["gpu_total_gib"] else ({}, {})
     tokens = [r["perf/tokens_per_s"] * r["timing_s/step"] for r in steady if "perf/tokens_per_s" in r]
     return {

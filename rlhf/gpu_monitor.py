@@ -17,10 +17,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from rlhf.memory.formulas import GIB
-
-PHASE_KEYS = ("perf/memory_gb/", "perf/memory_reserved_gb/")
-"""The step record's keys of a phase's peak memory, allocated and reserved: prefix + phase name."""
-
+from rlhf.metrics import PHASE_KEYS
 
 
 def nvml_reader(device: torch.device) -> Optional[Callable[[], float]]:

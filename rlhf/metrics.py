@@ -49,6 +49,8 @@ FRACTIONS = ("accuracy", "clip_fraction", "clip_fraction_lower", "clip_fraction_
 MACHINE_NAMESPACES = ("timing_s/", "perf/")
 """Names the machine measures (wall times, throughput, memory, utilisation): they go to
 `PERF_FILE`, the rest of a record to `METRICS_FILE`."""
+PHASE_KEYS = ("perf/memory_gb/", "perf/memory_reserved_gb/")
+"""The keys of a phase's peak memory, allocated and reserved (GiB): prefix + phase name (`step_record`)."""
 METRICS_FILE, PERF_FILE, PERF_SUMMARY = "metrics.jsonl", "perf.jsonl", "perf.json"
 """PERF_SUMMARY: the run's wall time and the final-window means of its machine measurements."""
 
@@ -109,8 +111,8 @@ def step_record(batch, *, advantages: Dict, critic: Dict, actor: Dict, entropy_o
         record["rollout/prompt_truncated_fraction"] = prompt_truncated_fraction
     tokens = int(batch["prompt_mask"].sum() + mask.sum())
     record.update({f"timing_s/{k}": v for k, v in phase_times.items()})
-    record.update({f"perf/memory_gb/{k}": v for k, v in phase_memory_gb.items()})
-    record.update({f"perf/memory_reserved_gb/{k}": v for k, v in (phase_reserved_gb or {}).items()})
+    record.update({f"{PHASE_KEYS[0]}{k}": v for k, v in phase_memory_gb.items()})
+    record.update({f"{PHASE_KEYS[1]}{k}": v for k, v in (phase_reserved_gb or {}).items()})
     record.update({f"perf/host_busy/{k}": min(1.0, v / phase_times[k])  # the thread's CPU over the phase's wall
                    for k, v in (phase_host_cpu_s or {}).items() if phase_times.get(k, 0.0) > 0})
     record["timing_s/step"] = step_s

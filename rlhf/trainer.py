@@ -32,9 +32,17 @@ from rlhf.chat import PromptRenderer, check_rows, prompt_key
 from rlhf.config import RunConfig
 from rlhf.data import Example, PromptSampler, check_prompt_lengths, dataset_hash, load_task
 from rlhf.determinism import deterministic_algorithms
-from rlhf.gpu_monitor import PHASE_KEYS, PhaseMemory
+from rlhf.gpu_monitor import PhaseMemory
 from rlhf.memory.formulas import GIB
-from rlhf.metrics import PERF_SUMMARY, MetricLogger, is_machine_metric, read_metrics, step_record, window_means
+from rlhf.metrics import (
+    PERF_SUMMARY,
+    PHASE_KEYS,
+    MetricLogger,
+    is_machine_metric,
+    read_metrics,
+    step_record,
+    window_means,
+)
 from rlhf.models import check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles
 from rlhf.placement.proxy import submit

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from rlhf import memory
 from rlhf.determinism import deterministic_algorithms
+from rlhf.metrics import PHASE_KEYS
 from rlhf.placement.context import ProcessGroupRanks, context_for
 from rlhf.roles import PlacedRole
 
@@ -107,7 +108,7 @@ class RankHost:
         report = self.monitor.take()
         phases = self.phase_memory.take()
         if phases:
-            peak = max(v for k, v in phases.items() if k.startswith("perf/memory_gb/"))
+            peak = max(v for k, v in phases.items() if k.startswith(PHASE_KEYS[0]))
             report["perf/max_memory_allocated_gb"] = max(report.get("perf/max_memory_allocated_gb", 0.0), peak)
         report.update(phases)
         return report

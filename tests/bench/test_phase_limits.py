@@ -84,3 +84,16 @@ def test_a_run_with_no_gpu_recorded_names_the_option(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         phase_limits.main([str(path)])
     assert info.value.code == 2 and "--gpu" in capsys.readouterr().err
+
+
+def test_what_is_not_a_recipe_run_result_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "other.json").write_text(json.dumps({"steps": []}))
+    result = json.loads((RESULTS / "instruct05b_recipe_mb12k_v2_rerun_h100.json").read_text())
+    (tmp_path / "short.json").write_text(json.dumps({**result, "steps": result["steps"][:1]}))
+    for name, says in (("missing.json", "no such file"), (".", "a directory"), ("broken.json", "is not JSON"),
+                       ("other.json", "lacks phase_s_median"), ("short.json", "at least 2")):
+        with pytest.raises(SystemExit) as info:
+            phase_limits.main([str(tmp_path / name), "--gpu", "h100"])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and says in err and "Traceback" not in err, (name, err)
