@@ -2,21 +2,23 @@
 
 In colocated placement one host per bundle holds the rank of every model role (one process, one
 CUDA context, one world per rank index); in split placement each role has hosts of its own.
-`call(role, method, ...)` runs a role's method. With offloading on (rlhf/memory/runtime.py
-decides), the other roles' device state is first moved to pinned host memory, so only the role
-at work holds device memory.
+`call(role, method, ...)` runs a role's method; what it returns leaves the rank on the host
+(`to_host`), so the controller, which holds no device, never rebuilds a tensor on the GPU. With
+offloading on (rlhf/memory/runtime.py decides), the other roles' device state is first moved to
+pinned host memory, so only the role at work holds device memory.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
 
 from rlhf import memory
+from rlhf.batch import Batch
 from rlhf.determinism import deterministic_algorithms
 from rlhf.metrics import PHASE_KEYS
 from rlhf.placement.context import ProcessGroupRanks, context_for
@@ -27,6 +29,25 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def to_host(value: Any) -> Any:
+    """`value` with every tensor in it on the host: a role's result on its way back through Ray.
+    Ray rebuilds a CUDA tensor on the receiver's GPU, so a device tensor in a result (a one-rank
+    optimizer state is one: `optimizer.state_dict()` holds the live moments) would give the
+    controller a CUDA context of its own and the tensors' bytes on the device the ranks plan for,
+    kept by its caching allocator for the rest of the run. Host tensors come back as they are."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device.type == "cpu" else value.detach().cpu()
+    if isinstance(value, Batch):
+        return Batch({k: to_host(v) for k, v in value.tensors.items()}, value.meta)
+    if isinstance(value, dict):
+        return {k: to_host(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(to_host(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_host(v) for v in value)
+    return value
 
 
 class RankHost:
@@ -90,11 +111,12 @@ class RankHost:
 
     def call_in_phase(self, phase: Optional[str], role: str, method: str, *args, **kwargs):
         """`role.method(*args, **kwargs)`, its memory measured as the controller's phase `phase` (None:
-        outside any phase), and the cache it leaves given back, as the local placement does."""
+        outside any phase), and the cache it leaves given back, as the local placement does. The
+        result comes back on the host (`to_host`)."""
         with self.phase_memory.measure(phase):
             if self.offloader is not None:
                 self.offloader.activate(role)
-            return getattr(self.roles[role], method)(*args, **kwargs)
+            return to_host(getattr(self.roles[role], method)(*args, **kwargs))
 
     def _rollout_asleep_bytes(self) -> int:
         """What torch counts of this rank's sleeping rollout engine but the device does not hold."""

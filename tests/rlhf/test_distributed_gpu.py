@@ -70,6 +70,9 @@ def rank_main(rank, ws, port, model_dir, offload, out):
     host.call("actor", "sync_weights")
     files = host.call("actor", "model_files")
     states = [host.call("actor", "optimizer_state"), host.call("critic", "model_state")]
+    # What a rank returns leaves it on the host (a one-rank optimizer state holds the live moments).
+    on_host = all(t.device.type == "cpu" for state in (states[0].get("state", {}).values()) for t in state.values()
+                  if isinstance(t, torch.Tensor))
     dist.broadcast_object_list(states, src=0)  # rank 0's full states, loaded back on every rank
     host.call("actor", "load_optimizer_state", states[0])
     host.call("critic", "load_model_state", states[1], True)
@@ -79,6 +82,7 @@ def rank_main(rank, ws, port, model_dir, offload, out):
         with open(out, "w") as f:
             json.dump({"critic": critic_stats, "actor": actor_stats, "again": again["actor/pg_loss"],
                        "files": sorted(files), "optimizer_params": len(states[0]["state"]), "memory": memory,
+                       "on_host": on_host,
                        "old_logprobs_sum": float(gathered["old_logprobs"].double().sum())}, f)
     host.shutdown()
 
@@ -107,7 +111,8 @@ def test_ranks_match_one_rank_and_offload_frees_the_device(model_dir, tmp_path):
     resident = spawn(ws, False, model_dir, tmp_path / "resident.json", 29613)
     for run in (one, many, resident):
         assert "actor/model.safetensors" in run["files"] and "actor/config.json" in run["files"]  # checkpoint paths
-        assert run["optimizer_params"] > 0 and all(torch.isfinite(torch.tensor(v)) for v in run["critic"].values())
+        assert run["on_host"] and run["optimizer_params"] > 0
+        assert all(torch.isfinite(torch.tensor(v)) for v in run["critic"].values())
     assert many["old_logprobs_sum"] == pytest.approx(one["old_logprobs_sum"], rel=1e-4)
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/clip_fraction", "actor/entropy"):
         assert many["actor"][key] == pytest.approx(one["actor"][key], rel=1e-3, abs=1e-5), key

@@ -117,7 +117,10 @@ def test_full_fine_tuning_keeps_16_bytes_a_parameter_per_trained_role():
                                     "instruct05b_recipe_mb12k_auto_samecall_h100.json",
                                     "instruct05b_recipe_mb12k_v2_rerun_h100.json",
                                     "instruct05b_recipe_mb12k_samecall2_h100.json",
-                                    "instruct05b_recipe_mb12k_own_process_samecall2_h100.json"])
+                                    "instruct05b_recipe_mb12k_own_process_samecall2_h100.json",
+                                    "instruct05b_recipe_mb12k_samecall3_h100.json",
+                                    "instruct05b_recipe_mb12k_own_process_samecall3_h100.json",
+                                    "instruct05b_recipe_mb12k_ray_colocated_samecall3_h100.json"])
 def test_the_plan_lands_within_10_percent_of_every_measured_phase(result):
     """The shipped recipes run through `python -m rlhf.train` on one H200 (bench/recipe_run.py): the 7B
     shape under recipes/models/lora.gin (LoRA 64, compiled layers, no checkpointing, 12288-token packed
@@ -126,7 +129,8 @@ def test_the_plan_lands_within_10_percent_of_every_measured_phase(result):
     shipped before (eager, or with the next rollout beside the critic's update; at 7B with checkpointing,
     16384 tokens and vLLM awake; vLLM's first model runner: the JSON's bindings pin what changed since),
     and the 0.5B recipe on an 80 GB H100 with 12288-token updates, with each of vLLM's model runners and with
-    the engine in a process of its own (the trainer's share of the plan against the trainer's process).
+    the engine in a process of its own (the trainer's share of the plan against the trainer's process),
+    and on Ray, the roles colocated on one rank (its host measures each phase).
     Each phase's peak against
     this code's prediction for the same recipe file, bindings, GPU and data (its longest prompt, as the
     run measures it at its start; `longest_prompt`, 256 tokens), never below it and at most 10%
@@ -147,6 +151,38 @@ def test_the_plan_lands_within_10_percent_of_every_measured_phase(result):
             assert p["reserved_gb"] <= p["planned_reserved_gb"] <= 1.10 * p["reserved_gb"], (name, p)
         else:
             assert p["measured_gb"] <= p["planned_gb"] <= 1.10 * p["measured_gb"], (name, p)
+
+
+# The Ray run's controller held the moments of each one-rank optimizer state Ray had rebuilt on its GPU
+# for a checkpoint, 4.2 GiB, until results came back from the ranks on the host (rlhf/placement/host.py
+# `to_host`): the device's peak less that process is what the plan covers.
+CONTROLLER_ON_THE_GPU = {"instruct05b_recipe_mb12k_ray_colocated_samecall3_h100.json": "rlhf.train"}
+
+
+@pytest.mark.parametrize("result", ["instruct05b_recipe_mb12k_samecall3_h100.json",
+                                    "instruct05b_recipe_mb12k_own_process_samecall3_h100.json",
+                                    "instruct05b_recipe_mb12k_ray_colocated_samecall3_h100.json"])
+def test_the_devices_own_peak_is_within_the_plan(result):
+    """What every process held on the GPU at the device's peak (NVML, CUDA contexts and vLLM's own
+    process included; bench/recipe_run.py `gpu_memory_peak_processes`) against the plan's figure for
+    the run, its largest phase with the reserve: in one process, with the engine in a process of its
+    own and on Ray, never above it and at most 10% below."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import recipe_run
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from rlhf import memory
+    run = json.loads((REPO / "bench" / "results" / result).read_text())
+    plan = memory.predict(recipe_run.result_config(run), memory.KNOWN_SHAPES[recipe_run.SHAPES[run["shape"]]],
+                          available=int(run["gpu_available_gib"] * memory.GIB),
+                          device_total=int(run["gpu_total_gib"] * memory.GIB), longest_prompt=run["longest_prompt"])
+    planned = max(p.total for p in plan.phases) / memory.GIB
+    controller = CONTROLLER_ON_THE_GPU.get(result)
+    held = [p for p in run["gpu_memory_peak_processes"] if controller is None or controller not in p["command"]]
+    assert len(held) == len(run["gpu_memory_peak_processes"]) - (controller is not None)
+    peak = sum(p["mib"] for p in held) / 1024
+    assert peak <= planned <= 1.10 * peak, (peak, planned)
 
 
 def test_the_trainers_cublas_workspaces_are_planned_per_thread_and_stream():
