@@ -97,6 +97,23 @@ def result_config(result: dict):
     return cfg
 
 
+def predicted_plan(cfg, shape: str, available_gib: float, total_gib: float, longest_prompt: int | None = None):
+    """The memory plan (`rlhf.memory.predict`) of a run's configuration (`result_config`) at the bench shape
+    `shape`, on a GPU of `total_gib` with `available_gib` free at the start."""
+    from rlhf import memory
+    return memory.predict(cfg, memory.KNOWN_SHAPES[SHAPES[shape]], available=int(available_gib * memory.GIB),
+                          device_total=int(total_gib * memory.GIB), longest_prompt=longest_prompt)
+
+
+def planned_device_gib(result: dict) -> float:
+    """What the plan of a result's run says the whole device holds at its largest phase (every process,
+    the CUDA contexts' reserve included): the figure its `gpu_memory_peak_processes` are held to."""
+    from rlhf import memory
+    plan = predicted_plan(result_config(result), result["shape"], result["gpu_available_gib"],
+                          result["gpu_total_gib"], result.get("longest_prompt"))
+    return max(p.total for p in plan.phases) / memory.GIB
+
+
 def planned_by_phase(cfg, shape: str, available_gib: float, total_gib: float,
                      longest_prompt: int | None = None) -> tuple[dict, dict]:
     """({phase: GiB} allocated, {phase: GiB} reserved): what the memory plan of this code predicts torch
@@ -110,8 +127,7 @@ def planned_by_phase(cfg, shape: str, available_gib: float, total_gib: float,
     two's fragmentation), and the engine's is left to a device-wide measurement."""
     from rlhf import memory
     from rlhf.memory.plan import RESERVE_BYTES, fragmentation_bytes
-    plan = memory.predict(cfg, memory.KNOWN_SHAPES[SHAPES[shape]], available=int(available_gib * memory.GIB),
-                          device_total=int(total_gib * memory.GIB), longest_prompt=longest_prompt)
+    plan = predicted_plan(cfg, shape, available_gib, total_gib, longest_prompt)
     if cfg.ppo.vllm_own_process:
         return ({p.name: round((p.allocated - p.engine) / memory.GIB, 2) for p in plan.phases},
                 {p.name: round((p.allocated - p.engine + fragmentation_bytes(p.resident, p.transient)) / memory.GIB, 2)

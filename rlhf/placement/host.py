@@ -37,10 +37,8 @@ def to_host(value: Any) -> Any:
     optimizer state is one: `optimizer.state_dict()` holds the live moments) would give the
     controller a CUDA context of its own and the tensors' bytes on the device the ranks plan for,
     kept by its caching allocator for the rest of the run. Host tensors come back as they are."""
-    if isinstance(value, torch.Tensor):
-        return value if value.device.type == "cpu" else value.detach().cpu()
-    if isinstance(value, Batch):
-        return Batch({k: to_host(v) for k, v in value.tensors.items()}, value.meta)
+    if isinstance(value, (torch.Tensor, Batch)):
+        return value.to("cpu")
     if isinstance(value, dict):
         return {k: to_host(v) for k, v in value.items()}
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple

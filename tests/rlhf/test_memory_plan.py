@@ -172,12 +172,8 @@ def test_the_devices_own_peak_is_within_the_plan(result):
         import recipe_run
     finally:
         sys.path.remove(str(REPO / "bench"))
-    from rlhf import memory
     run = json.loads((REPO / "bench" / "results" / result).read_text())
-    plan = memory.predict(recipe_run.result_config(run), memory.KNOWN_SHAPES[recipe_run.SHAPES[run["shape"]]],
-                          available=int(run["gpu_available_gib"] * memory.GIB),
-                          device_total=int(run["gpu_total_gib"] * memory.GIB), longest_prompt=run["longest_prompt"])
-    planned = max(p.total for p in plan.phases) / memory.GIB
+    planned = recipe_run.planned_device_gib(run)
     controller = CONTROLLER_ON_THE_GPU.get(result)
     held = [p for p in run["gpu_memory_peak_processes"] if controller is None or controller not in p["command"]]
     assert len(held) == len(run["gpu_memory_peak_processes"]) - (controller is not None)
