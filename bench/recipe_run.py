@@ -23,7 +23,8 @@ ground_truth`) whose prompts render to exactly 256 tokens. The recipe file writt
 A run dir that holds checkpoints is resumed (`--resume`), so a run longer than one device call
 finishes over several. The JSON (rewritten at the end of every call) holds the command, the steps
 completed, the median iteration and per-phase times over the iterations after the first (and how busy
-the host thread that ran each phase was: `perf/host_busy/<phase>`), tokens/s
+the host thread that ran each phase was: `perf/host_busy/<phase>`; on Ray the rank's, beside the time the
+phase's calls ran on the slowest rank, `perf/rank_s/<phase>`), tokens/s
 (prompt + response tokens of an iteration over its wall time), and for each phase the memory plan's
 prediction (`python -m rlhf.memory`: resident roles + awake engine + the phase's micro-batch) beside
 the peaks torch measured, allocated (`perf/memory_gb/<phase>`) and reserved (`perf/memory_reserved_gb/<phase>`),
@@ -193,6 +194,7 @@ def summarize(run_dir: Path, command: str, recipe_file: str, extra: dict) -> dic
         "iteration_s_median": med("timing_s/step"),
         "phase_s_median": {p: med(f"timing_s/{p}") for p in phases if p != "step"},
         "host_busy_median": {p: med(f"perf/host_busy/{p}") for p in phases if med(f"perf/host_busy/{p}") is not None},
+        "rank_s_median": {p: med(f"perf/rank_s/{p}") for p in phases if med(f"perf/rank_s/{p}") is not None},
         "tokens_per_s": med("perf/tokens_per_s"),
         "tokens_per_iteration_median": round(statistics.median(tokens)) if tokens else None,
         "generated_tokens_per_s": med("perf/generated_tokens_per_s"),

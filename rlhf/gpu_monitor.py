@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from rlhf.memory.formulas import GIB
-from rlhf.metrics import PHASE_KEYS
+from rlhf.metrics import HOST_BUSY_KEY, PHASE_KEYS, RANK_TIME_KEY
 
 
 def nvml_reader(device: torch.device) -> Optional[Callable[[], float]]:
@@ -160,11 +160,12 @@ class DeviceMonitor:
 
 def merge_device_reports(reports: list) -> dict:
     """Over several processes: the largest peak memory, overall and of each phase a process measured
-    (`PhaseMemory.take`), and the mean utilisation."""
+    (`PhaseMemory.take`), the longest time a phase ran in one and the busiest host
+    (rlhf/profiling.py `PhaseClock.take`), and the mean utilisation."""
     out = {}
     for report in reports:
         for key, value in report.items():
-            if key.startswith(PHASE_KEYS) or key == "perf/max_memory_allocated_gb":
+            if key.startswith((*PHASE_KEYS, RANK_TIME_KEY, HOST_BUSY_KEY)) or key == "perf/max_memory_allocated_gb":
                 out[key] = max(out.get(key, value), value)
     util = [r["perf/gpu_utilization"] for r in reports if "perf/gpu_utilization" in r]
     if util:

@@ -51,6 +51,12 @@ MACHINE_NAMESPACES = ("timing_s/", "perf/")
 `PERF_FILE`, the rest of a record to `METRICS_FILE`."""
 PHASE_KEYS = ("perf/memory_gb/", "perf/memory_reserved_gb/")
 """The keys of a phase's peak memory, allocated and reserved (GiB): prefix + phase name (`step_record`)."""
+HOST_BUSY_KEY = "perf/host_busy/"
+"""+ phase name: the CPU time of the thread that ran the phase over its wall time, 0-1 (`step_record`;
+on Ray the ranks', rlhf/profiling.py `PhaseClock`)."""
+RANK_TIME_KEY = "perf/rank_s/"
+"""+ phase name, on Ray: the seconds the phase's calls ran on the slowest rank (rlhf/profiling.py
+`PhaseClock`); `timing_s/<phase>` less this is what passing the calls between processes took."""
 METRICS_FILE, PERF_FILE, PERF_SUMMARY = "metrics.jsonl", "perf.jsonl", "perf.json"
 """PERF_SUMMARY: the run's wall time and the final-window means of its machine measurements."""
 
@@ -113,7 +119,7 @@ def step_record(batch, *, advantages: Dict, critic: Dict, actor: Dict, entropy_o
     record.update({f"timing_s/{k}": v for k, v in phase_times.items()})
     record.update({f"{PHASE_KEYS[0]}{k}": v for k, v in phase_memory_gb.items()})
     record.update({f"{PHASE_KEYS[1]}{k}": v for k, v in (phase_reserved_gb or {}).items()})
-    record.update({f"perf/host_busy/{k}": min(1.0, v / phase_times[k])  # the thread's CPU over the phase's wall
+    record.update({f"{HOST_BUSY_KEY}{k}": min(1.0, v / phase_times[k])  # the thread's CPU over the phase's wall
                    for k, v in (phase_host_cpu_s or {}).items() if phase_times.get(k, 0.0) > 0})
     record["timing_s/step"] = step_s
     record["perf/tokens_per_s"] = tokens / step_s

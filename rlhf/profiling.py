@@ -40,11 +40,14 @@ import json
 import math
 import re
 import shutil
+import time
 import traceback
 import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+from rlhf.metrics import HOST_BUSY_KEY, RANK_TIME_KEY
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -251,6 +254,39 @@ def phase_range(name: str) -> Iterator[None]:
     from torch.profiler import record_function
     with in_phase(name), record_function(name):
         yield
+
+
+class PhaseClock:
+    """The wall time and the host CPU time (`time.thread_time`: of the thread that ran it) of each
+    phase, summed over the code measured under its name: the trainer's phases in its own process
+    (rlhf/trainer.py `PhaseTimer`) and, on Ray, the calls each rank's host runs under a phase's name
+    (rlhf/placement/host.py), so a step shows how long a phase kept its ranks busy beside how long the
+    controller waited for it (the difference: Ray's transfers and scheduling between the processes)."""
+
+    def __init__(self):
+        self.times: Dict[str, float] = {}
+        self.host_cpu: Dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def measure(self, name: Optional[str]) -> Iterator[None]:
+        """Times the code inside as the phase `name` (None: not timed)."""
+        if name is None:
+            yield
+            return
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+            self.host_cpu[name] = self.host_cpu.get(name, 0.0) + time.thread_time() - start_cpu
+
+    def take(self) -> Dict[str, float]:
+        """The phases timed since the last call as step-record keys, and forgets them:
+        `perf/rank_s/<phase>` (wall seconds) and `perf/host_busy/<phase>` (CPU over wall, 0-1)."""
+        out = {f"{RANK_TIME_KEY}{k}": v for k, v in self.times.items()}
+        out.update({f"{HOST_BUSY_KEY}{k}": min(1.0, self.host_cpu[k] / v) for k, v in self.times.items() if v > 0})
+        self.times, self.host_cpu = {}, {}
+        return out
 
 
 def open_phase() -> Optional[str]:

@@ -46,7 +46,7 @@ from rlhf.metrics import (
 from rlhf.models import check_vocab_fits, load_tokenizer
 from rlhf.placement import build_roles
 from rlhf.placement.proxy import submit
-from rlhf.profiling import in_phase, phase_range, profiled_iteration
+from rlhf.profiling import PhaseClock, in_phase, phase_range, profiled_iteration
 from rlhf.rollout import SamplingParams, SeedStream, decode_responses, derive_seed, rollout_logprob_gap
 from rlhf.run_dir import PROFILE_DIR
 from rlhf.tiny import prepare_tiny
@@ -142,10 +142,19 @@ class PhaseTimer:
     are filed (`rlhf/profiling.py` `phase_range`): set while one iteration is profiled."""
 
     def __init__(self, device: torch.device | None = None, out_of_memory=None, off_device=None):
-        self.times: Dict[str, float] = {}
-        self.host_cpu: Dict[str, float] = {}
+        self.clock = PhaseClock()
         self.phase_memory = PhaseMemory(device, off_device)
         self.out_of_memory = out_of_memory
+
+    @property
+    def times(self) -> Dict[str, float]:
+        """Each phase's wall seconds."""
+        return self.clock.times
+
+    @property
+    def host_cpu(self) -> Dict[str, float]:
+        """Each phase's CPU seconds on the thread that ran it."""
+        return self.clock.host_cpu
 
     @property
     def memory(self) -> Dict[str, float]:
@@ -159,18 +168,14 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def __call__(self, name: str):
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        try:
-            with self.phase_memory.measure(name) as peaks, (phase_range if self.annotate else in_phase)(name):
-                try:
-                    yield
-                except torch.OutOfMemoryError as err:
-                    if self.out_of_memory is None:
-                        raise
-                    raise OutOfMemory(self.out_of_memory(name, *peaks())) from err
-        finally:
-            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
-            self.host_cpu[name] = self.host_cpu.get(name, 0.0) + time.thread_time() - start_cpu
+        with self.clock.measure(name), self.phase_memory.measure(name) as peaks, \
+                (phase_range if self.annotate else in_phase)(name):
+            try:
+                yield
+            except torch.OutOfMemoryError as err:
+                if self.out_of_memory is None:
+                    raise
+                raise OutOfMemory(self.out_of_memory(name, *peaks())) from err
 
 
 class PPOTrainer:

@@ -22,6 +22,7 @@ from rlhf.batch import Batch
 from rlhf.determinism import deterministic_algorithms
 from rlhf.metrics import PHASE_KEYS
 from rlhf.placement.context import ProcessGroupRanks, context_for
+from rlhf.profiling import PhaseClock
 from rlhf.roles import PlacedRole
 
 
@@ -68,6 +69,7 @@ class RankHost:
         from rlhf.gpu_monitor import DeviceMonitor, PhaseMemory
         self.monitor = DeviceMonitor(self.device).start()
         self.phase_memory = PhaseMemory(self.device, off_device=self._rollout_asleep_bytes)
+        self.phase_clock = PhaseClock()
 
     def where(self) -> dict:
         """Where this rank runs, and a free port (used when it is rank 0 of its world)."""
@@ -108,10 +110,10 @@ class RankHost:
         return self.call_in_phase(None, role, method, *args, **kwargs)
 
     def call_in_phase(self, phase: Optional[str], role: str, method: str, *args, **kwargs):
-        """`role.method(*args, **kwargs)`, its memory measured as the controller's phase `phase` (None:
-        outside any phase), and the cache it leaves given back, as the local placement does. The
-        result comes back on the host (`to_host`)."""
-        with self.phase_memory.measure(phase):
+        """`role.method(*args, **kwargs)`, its time and memory measured as the controller's phase
+        `phase` (None: outside any phase), and the cache it leaves given back, as the local placement
+        does. The result comes back on the host (`to_host`)."""
+        with self.phase_clock.measure(phase), self.phase_memory.measure(phase):
             if self.offloader is not None:
                 self.offloader.activate(role)
             return to_host(getattr(self.roles[role], method)(*args, **kwargs))
@@ -123,14 +125,16 @@ class RankHost:
         return asleep() if asleep is not None else 0
 
     def device_report(self) -> dict:
-        """The step's utilisation and peak memory here, and each phase's (`PhaseMemory.take`): the
-        peaks are reset at each call, so the step's is the largest phase's."""
+        """The step's utilisation and peak memory here, each phase's (`PhaseMemory.take`: the peaks
+        are reset at each call, so the step's is the largest phase's) and the time each phase's calls
+        ran here and kept this host busy (`PhaseClock.take`)."""
         report = self.monitor.take()
         phases = self.phase_memory.take()
         if phases:
             peak = max(v for k, v in phases.items() if k.startswith(PHASE_KEYS[0]))
             report["perf/max_memory_allocated_gb"] = max(report.get("perf/max_memory_allocated_gb", 0.0), peak)
         report.update(phases)
+        report.update(self.phase_clock.take())
         return report
 
     def freeze_heap(self) -> int:

@@ -84,6 +84,22 @@ def test_world_size_2_on_two_nodes_equals_world_size_1(single, two_ranks):
         (single / "summary.json").read_text())["final"]
 
 
+RANK_PHASES = ("generate", "reference", "old_logprobs", "values", "update_actor", "update_critic")
+
+
+def test_each_phase_s_time_on_the_ranks_is_within_the_controllers(two_ranks):
+    """The ranks time the calls they run for each phase (`perf/rank_s/<phase>`, the slowest rank's)
+    and how busy their host thread was (`perf/host_busy/<phase>`): within what the controller waited
+    for the phase; the phases the controller runs itself (reward, advantages) have no rank time."""
+    steps = [r for r in read_metrics(two_ranks / "metrics.jsonl") if "timing_s/step" in r]  # not step 0's eval
+    assert len(steps) == 3
+    for record in steps:
+        for phase in RANK_PHASES:
+            assert 0 < record[f"perf/rank_s/{phase}"] <= record[f"timing_s/{phase}"], (phase, record["step"])
+            assert 0 <= record[f"perf/host_busy/{phase}"] <= 1
+        assert "perf/rank_s/reward" not in record and "perf/rank_s/advantages" not in record
+
+
 def test_single_process_checkpoint_resumes_in_split_placement(single, cluster, tmp_path):
     """Restores actor, critic, optimizers and schedulers into ranks through the checkpoint
     stand-ins, then finishes the run as one process would."""

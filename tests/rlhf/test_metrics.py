@@ -82,3 +82,32 @@ def test_the_phase_timer_takes_the_threads_cpu_time_of_each_phase():
     out = record(phase_times=timer.times, phase_host_cpu_s=timer.host_cpu)
     assert out["perf/host_busy/generate"] == min(1.0, timer.host_cpu["generate"] / timer.times["generate"])
     assert out["perf/host_busy/update_actor"] < 0.25
+
+
+def test_a_ranks_clock_reports_each_phase_s_time_and_busy_host_once():
+    """On Ray each rank's host times the calls it runs under a phase's name (rlhf/placement/host.py):
+    calls outside any phase are not timed, a phase's calls add up, and each report holds what ran
+    since the last one."""
+    import time
+
+    from rlhf.metrics import HOST_BUSY_KEY, RANK_TIME_KEY
+    from rlhf.profiling import PhaseClock
+
+    clock = PhaseClock()
+    with clock.measure(None):
+        time.sleep(0.05)
+    assert clock.take() == {}
+    for _ in range(2):
+        with clock.measure("update_actor"):
+            end = time.thread_time() + 0.1
+            while time.thread_time() < end:
+                pass
+    with clock.measure("values"):
+        time.sleep(0.1)
+    report = clock.take()
+    assert set(report) == {f"{RANK_TIME_KEY}update_actor", f"{RANK_TIME_KEY}values",
+                           f"{HOST_BUSY_KEY}update_actor", f"{HOST_BUSY_KEY}values"}
+    assert report[f"{RANK_TIME_KEY}update_actor"] >= 0.2 and report[f"{RANK_TIME_KEY}values"] >= 0.1
+    assert report[f"{HOST_BUSY_KEY}values"] < 0.25 < report[f"{HOST_BUSY_KEY}update_actor"] <= 1.0
+    assert all(is_machine_metric(k) and is_known_metric(k) for k in report)
+    assert clock.take() == {}

@@ -32,15 +32,19 @@ def test_a_call_to_the_ranks_carries_the_phase_it_was_made_in():
 
 
 def test_the_ranks_reports_merge_to_each_phase_s_largest():
+    """Memory, the time a phase ran on a rank and how busy its host was: the slowest, fullest rank's."""
     merged = merge_device_reports([
         {"perf/memory_gb/update_actor": 30.0, "perf/memory_reserved_gb/update_actor": 31.0,
-         "perf/max_memory_allocated_gb": 30.0, "perf/gpu_utilization": 0.8},
+         "perf/max_memory_allocated_gb": 30.0, "perf/gpu_utilization": 0.8,
+         "perf/rank_s/update_actor": 2.0, "perf/host_busy/update_actor": 0.4},
         {"perf/memory_gb/update_actor": 32.0, "perf/memory_reserved_gb/update_actor": 30.5,
-         "perf/memory_gb/values": 12.0, "perf/max_memory_allocated_gb": 32.0, "perf/gpu_utilization": 0.6},
+         "perf/memory_gb/values": 12.0, "perf/max_memory_allocated_gb": 32.0, "perf/gpu_utilization": 0.6,
+         "perf/rank_s/update_actor": 2.5, "perf/host_busy/update_actor": 0.3},
     ])
     assert merged == {"perf/memory_gb/update_actor": 32.0, "perf/memory_reserved_gb/update_actor": 31.0,
                       "perf/memory_gb/values": 12.0, "perf/max_memory_allocated_gb": 32.0,
-                      "perf/gpu_utilization": 0.7}
+                      "perf/gpu_utilization": 0.7, "perf/rank_s/update_actor": 2.5,
+                      "perf/host_busy/update_actor": 0.4}
 
 
 def test_off_a_gpu_nothing_is_measured_and_the_call_runs():
