@@ -61,6 +61,12 @@ METRICS_FILE, PERF_FILE, PERF_SUMMARY = "metrics.jsonl", "perf.jsonl", "perf.jso
 """PERF_SUMMARY: the run's wall time and the final-window means of its machine measurements."""
 
 
+def host_busy(cpu_s: float, wall_s: float) -> float:
+    """How busy a thread kept its host through `wall_s` seconds in which it used `cpu_s` of CPU: 0-1
+    (the clocks' granularity can put the CPU time a little above the wall time)."""
+    return min(1.0, cpu_s / wall_s)
+
+
 def is_machine_metric(name: str) -> bool:
     return name.startswith(MACHINE_NAMESPACES)
 
@@ -119,7 +125,7 @@ def step_record(batch, *, advantages: Dict, critic: Dict, actor: Dict, entropy_o
     record.update({f"timing_s/{k}": v for k, v in phase_times.items()})
     record.update({f"{PHASE_KEYS[0]}{k}": v for k, v in phase_memory_gb.items()})
     record.update({f"{PHASE_KEYS[1]}{k}": v for k, v in (phase_reserved_gb or {}).items()})
-    record.update({f"{HOST_BUSY_KEY}{k}": min(1.0, v / phase_times[k])  # the thread's CPU over the phase's wall
+    record.update({f"{HOST_BUSY_KEY}{k}": host_busy(v, phase_times[k])
                    for k, v in (phase_host_cpu_s or {}).items() if phase_times.get(k, 0.0) > 0})
     record["timing_s/step"] = step_s
     record["perf/tokens_per_s"] = tokens / step_s

@@ -47,7 +47,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from rlhf.metrics import HOST_BUSY_KEY, RANK_TIME_KEY
+from rlhf.metrics import HOST_BUSY_KEY, RANK_TIME_KEY, host_busy
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -284,7 +284,7 @@ class PhaseClock:
         """The phases timed since the last call as step-record keys, and forgets them:
         `perf/rank_s/<phase>` (wall seconds) and `perf/host_busy/<phase>` (CPU over wall, 0-1)."""
         out = {f"{RANK_TIME_KEY}{k}": v for k, v in self.times.items()}
-        out.update({f"{HOST_BUSY_KEY}{k}": min(1.0, self.host_cpu[k] / v) for k, v in self.times.items() if v > 0})
+        out.update({f"{HOST_BUSY_KEY}{k}": host_busy(self.host_cpu[k], v) for k, v in self.times.items() if v > 0})
         self.times, self.host_cpu = {}, {}
         return out
 
