@@ -67,6 +67,10 @@ def main() -> None:
     parser.add_argument("--niceness", type=int, default=None, help="the Ray workers' (default: Ray's own, 15)")
     parser.add_argument("--tiny", action="store_true", help="a small model on the CPU, 256 tokens")
     args = parser.parse_args()
+    if os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json {args.json}: give a file path in an existing directory")  # one line, exit 2
+    if args.steps < 1 or args.tokens < 1 or (args.niceness is not None and not 0 <= args.niceness <= 19):
+        parser.error("--steps and --tokens take a positive count, --niceness 0-19")
     tokens = 256 if args.tiny else args.tokens
     if args.niceness is not None:
         os.environ["RAY_worker_niceness"] = str(args.niceness)  # read by the raylet ray.init starts

@@ -29,3 +29,13 @@ def test_the_step_is_timed_in_each_placement_at_the_workers_niceness(tmp_path):
         assert r["niceness"] == min(19, own["niceness"] + 15) and r["torch_threads"] == 1
         assert r["step_s_median"] > 0 and r["ratio"] == pytest.approx(r["step_s_median"] / own["step_s_median"])
         assert name in proc.stdout
+
+
+@pytest.mark.parametrize("args", [["--json", "."], ["--json", "missing/out.json"], ["--json", "o.json", "--steps", "0"],
+                                  ["--json", "o.json", "--niceness", "20"]])
+def test_bad_arguments_get_one_line_and_exit_2_before_any_compute(tmp_path, args):
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "ray_rank_overhead.py"), *args], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("ray_rank_overhead.py: error: --")
+    assert not (tmp_path / "o.json").exists()
