@@ -123,7 +123,10 @@ def test_full_fine_tuning_keeps_16_bytes_a_parameter_per_trained_role():
                                     "instruct05b_recipe_mb12k_ray_colocated_samecall3_h100.json",
                                     "instruct05b_recipe_mb12k_samecall4_h100.json",
                                     "instruct05b_recipe_mb12k_ray_colocated_samecall4_h100.json",
-                                    "instruct05b_recipe_mb12k_ray_colocated_threads4_samecall4_h100.json"])
+                                    "instruct05b_recipe_mb12k_ray_colocated_threads4_samecall4_h100.json",
+                                    "instruct05b_recipe_mb12k_samecall5_h100.json",
+                                    "instruct05b_recipe_mb12k_rerun_samecall5_h100.json",
+                                    "instruct05b_recipe_mb12k_ray_colocated_samecall5_h100.json"])
 def test_the_plan_lands_within_10_percent_of_every_measured_phase(result):
     """The shipped recipes run through `python -m rlhf.train` on one H200 (bench/recipe_run.py): the 7B
     shape under recipes/models/lora.gin (LoRA 64, compiled layers, no checkpointing, 12288-token packed
@@ -160,7 +163,10 @@ def test_the_plan_lands_within_10_percent_of_every_measured_phase(result):
                                     "instruct05b_recipe_mb12k_own_process_samecall3_h100.json",
                                     "instruct05b_recipe_mb12k_samecall4_h100.json",
                                     "instruct05b_recipe_mb12k_ray_colocated_samecall4_h100.json",
-                                    "instruct05b_recipe_mb12k_ray_colocated_threads4_samecall4_h100.json"])
+                                    "instruct05b_recipe_mb12k_ray_colocated_threads4_samecall4_h100.json",
+                                    "instruct05b_recipe_mb12k_samecall5_h100.json",
+                                    "instruct05b_recipe_mb12k_rerun_samecall5_h100.json",
+                                    "instruct05b_recipe_mb12k_ray_colocated_samecall5_h100.json"])
 def test_the_devices_own_peak_is_within_the_plan(result):
     """What every process held on the GPU at the device's peak (NVML, CUDA contexts and vLLM's own
     process included; bench/recipe_run.py `gpu_memory_peak_processes`) against the plan's figure for
