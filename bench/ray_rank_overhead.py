@@ -28,31 +28,51 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
 SEQUENCE = 1536  # the recipe's 256 + 512 tokens, two sequences a row
 
 
-def step_times(steps: int, tokens: int, tiny: bool = False) -> dict:
-    """Median seconds of a training step (forward, backward, AdamW) in the calling thread, and the
-    process's niceness and thread. On the GPU (`tiny`: a small model on the CPU)."""
-    import threading
-
+def qwen05b(tiny: bool = False):
+    """The Qwen2.5-0.5B-shaped model with random weights on this process's GPU (`tiny`: a small one on
+    the CPU), and its device."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     device = torch.device("cpu") if tiny else torch.device("cuda", torch.cuda.current_device())
     config = Qwen2Config(**(TINY if tiny else QWEN05B), max_position_embeddings=32768, tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(config).to(device)
+    return Qwen2ForCausalLM(config).to(device), device
+
+
+def training_step(tokens: int, tiny: bool = False):
+    """One training step (forward, backward, AdamW) of `qwen05b` on `tokens` tokens in rows of
+    SEQUENCE, as a callable that returns when the device has finished it."""
+    import torch
+
+    model, device = qwen05b(tiny)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    ids = torch.randint(0, config.vocab_size, (max(1, tokens // SEQUENCE), min(tokens, SEQUENCE)), device=device)
-    sync = (lambda: None) if tiny else (lambda: torch.cuda.synchronize(device))
-    times = []
-    for i in range(steps + 3):
-        sync()
-        start = time.perf_counter()
+    ids = torch.randint(0, model.config.vocab_size, (max(1, tokens // SEQUENCE), min(tokens, SEQUENCE)),
+                        device=device)
+
+    def step() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not tiny):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
-        sync()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return step
+
+
+def step_times(steps: int, tokens: int, tiny: bool = False) -> dict:
+    """Median seconds of a training step (forward, backward, AdamW) in the calling thread, and the
+    process's niceness and thread. On the GPU (`tiny`: a small model on the CPU)."""
+    import threading
+
+    import torch
+
+    step = training_step(tokens, tiny)
+    times = []
+    for i in range(steps + 3):
+        start = time.perf_counter()
+        step()
         if i >= 3:  # the first steps allocate and pick kernels
             times.append(time.perf_counter() - start)
     return {"step_s_median": statistics.median(times), "step_s": times, "niceness": os.nice(0),
