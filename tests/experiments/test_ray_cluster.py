@@ -120,9 +120,12 @@ class TokenCluster:
         # The address `ray start --head` tells users to join with.
         self.address = re.search(r"ray start --address='([^']+)'", head.log.read_text()).group(1)
         # A node joining with an explicit address turns token mode on only when told (Ray does not detect it).
+        # Ray gives a joining node 5 s to reach the head's GCS (`gcs_rpc_server_connect_timeout_s`); on a
+        # loaded 2-core machine, with the head's daemons still starting, that was too little once.
         second = RayNode(["--address", self.address, "--num-cpus", "1", "--resources", json.dumps({SECOND_NODE: 1}),
                           "--temp-dir", str(self.root / "second"), "--dashboard-agent-listen-port", str(free_port())],
-                         {**self.env, "RAY_AUTH_MODE": "token"}, self.root / "second.log")
+                         {**self.env, "RAY_AUTH_MODE": "token", "RAY_gcs_rpc_server_connect_timeout_s": "60"},
+                         self.root / "second.log")
         self.nodes.append(second)
         second.wait_started()
 
