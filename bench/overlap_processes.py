@@ -23,7 +23,7 @@ OUT.json. Compare ratios measured in one run: the machines are noisy.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import multiprocessing
 import os
 import statistics
@@ -31,9 +31,12 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 from ray_rank_overhead import qwen05b, training_step  # noqa: E402
+
+from rlhf.atomic import write_json  # noqa: E402
 
 DECODE_ROWS = 256  # the recipe's sequences in flight (vLLM's max_num_seqs)
 TRAIN_TOKENS = 12288  # the recipe's update micro-batch on an 80 GB GPU
@@ -89,22 +92,16 @@ def together(train, decode_n: int, train_n: int, where: str, tiny: bool) -> tupl
     if where == "thread":
         import torch
         decode = decoding_step(tiny)
-        stream = torch.cuda.Stream() if not tiny else None
+        on_stream = contextlib.nullcontext() if tiny else torch.cuda.stream(torch.cuda.Stream())
         for _ in range(3):
             decode()
         result = {}
-        go = threading.Event()
 
         def run():
-            go.wait()
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    result["decode"] = timed(decode, decode_n, warmup=0)
-            else:
+            with on_stream:
                 result["decode"] = timed(decode, decode_n, warmup=0)
         worker = threading.Thread(target=run, name="rollout")
         worker.start()
-        go.set()
         update = timed(train, train_n, warmup=0)
         worker.join()
         return update, result["decode"]
@@ -164,8 +161,7 @@ def main() -> None:
         r = out[where]
         print(f"together, decoding on a {where:7s}: {wall:.2f} s = x{r['wall_over_in_turn']:.3f} of in turn; "
               f"update x{r['update_slowdown']:.2f}, decoding x{r['decode_slowdown']:.2f} a step")
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.json, out)  # whole or not at all: a call's time limit may kill the run
 
 
 if __name__ == "__main__":
